@@ -1,0 +1,20 @@
+//! The math both ends of Cohort must agree on.
+//!
+//! This crate is pure: no I/O, no async, no global state. The coordinator and the edge
+//! client both depend on it, so a model update means the same thing on either side.
+//!
+//! - [`ModelVector`]: flat `f32` parameters with named tensor shapes.
+//! - [`WeightedMean`]: FedAvg as a streaming accumulator, folded one update at a time.
+//! - [`ServerOptimizer`]: how the server turns the averaged update into the next global
+//!   model (plain averaging, FedAdam, FedYogi, FedAdagrad).
+//! - [`Strategy`]: the named federated strategies a user picks from.
+
+mod fedavg;
+mod model_vector;
+mod server_optimizer;
+mod strategy;
+
+pub use fedavg::{AggregationError, WeightedMean};
+pub use model_vector::{Layout, LayoutError, ModelVector, TensorSpec};
+pub use server_optimizer::{AdaptiveConfig, AdaptiveKind, ServerOptimizer};
+pub use strategy::{Strategy, StrategyParseError};

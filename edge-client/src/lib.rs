@@ -1,0 +1,14 @@
+//! The Cohort edge client: everything that runs next to private data.
+//!
+//! - [`data`]: CSV loading, the shipped real data sets, FedProx Synthetic, stratified
+//!   splits and standardisation.
+//! - [`partition`]: non-IID partitioners for research (IID, Dirichlet label skew,
+//!   pathological shards, quantity skew), deterministic from a seed.
+//! - [`model`]: multinomial logistic regression and MLPs with forward and backward passes.
+//! - [`train`]: local training (mini-batch SGD with momentum, weight decay, FedProx) and
+//!   evaluation, behind the [`train::Trainer`] trait.
+
+pub mod data;
+pub mod model;
+pub mod partition;
+pub mod train;
