@@ -1,1 +1,420 @@
-//! placeholder
+//! FedAvg as a streaming accumulator.
+//!
+//! The coordinator receives updates one at a time over the network. Folding each into a
+//! running weighted sum keeps memory at one model, however many clients report.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::model_vector::{Layout, ModelVector};
+
+/// Why an update, a mean or a server step was refused.
+///
+/// Every operation that returns this error validates before it mutates, so a refused
+/// call leaves its accumulator, optimizer and model exactly as they were.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum AggregationError {
+    /// The two vectors have different numbers of parameters.
+    #[error("model has {expected} parameters but the update has {found}")]
+    LayoutMismatch {
+        /// Parameters the model has.
+        expected: usize,
+        /// Parameters the update has.
+        found: usize,
+    },
+    /// Same number of parameters, but different tensor names or shapes, so adding them
+    /// would mix unrelated weights.
+    #[error("update has the model's {len} parameters but a different tensor layout")]
+    TensorLayoutMismatch {
+        /// Parameters both vectors have.
+        len: usize,
+    },
+    /// A weight was zero, negative, NaN or infinite.
+    #[error("weight must be finite and greater than zero, got {0}")]
+    InvalidWeight(f64),
+    /// A weight so large that the running sums would no longer be finite.
+    #[error("weight {0} is too large: the running sums would overflow")]
+    WeightOverflow(f64),
+    /// An input parameter is NaN or infinite.
+    #[error("parameter {index} is not finite")]
+    NonFinite {
+        /// Position of the first offending parameter.
+        index: usize,
+    },
+    /// A mean was asked for before any update was folded.
+    #[error("no updates were folded, so there is no mean")]
+    Empty,
+    /// A server optimizer setting is out of range.
+    #[error("invalid {field} {value}: expected {expected}")]
+    InvalidConfig {
+        /// The setting, e.g. `server_lr`.
+        field: &'static str,
+        /// The rejected value.
+        value: f32,
+        /// The accepted range, in words.
+        expected: &'static str,
+    },
+    /// A server step would produce a NaN or infinite parameter or optimizer state.
+    #[error("the server step would make parameter {index} non-finite")]
+    NonFiniteResult {
+        /// Position of the first offending parameter.
+        index: usize,
+    },
+}
+
+/// Checks that `found` can be combined element-wise with `expected`.
+pub(crate) fn check_layout(
+    expected: &Arc<Layout>,
+    found: &Arc<Layout>,
+) -> Result<(), AggregationError> {
+    // Updates of one model share its `Arc`, so the pointer check settles the common case
+    // without walking the tensor names.
+    if Arc::ptr_eq(expected, found) || expected == found {
+        return Ok(());
+    }
+    if expected.len() != found.len() {
+        return Err(AggregationError::LayoutMismatch {
+            expected: expected.len(),
+            found: found.len(),
+        });
+    }
+    Err(AggregationError::TensorLayoutMismatch {
+        len: expected.len(),
+    })
+}
+
+/// Index of the first NaN or infinite value, if any.
+pub(crate) fn first_non_finite(values: &[f32]) -> Option<usize> {
+    values.iter().position(|v| !v.is_finite())
+}
+
+/// The weighted mean of model updates, folded one update at a time (FedAvg).
+///
+/// Sums are kept in `f64`, one per parameter: with thousands of clients an `f32` running
+/// sum would lose the low bits of every late update.
+///
+/// The accumulator also keeps an upper bound on the magnitude of every sum and refuses a
+/// weight that would push it past `f64::MAX`. Since a weighted mean never exceeds the
+/// largest folded magnitude, which is at most `f32::MAX`, [`finish`](Self::finish) then
+/// always yields finite `f32` values.
+#[derive(Clone)]
+pub struct WeightedMean {
+    layout: Arc<Layout>,
+    sum: Vec<f64>,
+    total_weight: f64,
+    abs_bound: f64,
+    count: usize,
+}
+
+impl fmt::Debug for WeightedMean {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The sums can be millions of numbers; they would drown any log line.
+        f.debug_struct("WeightedMean")
+            .field("len", &self.sum.len())
+            .field("count", &self.count)
+            .field("total_weight", &self.total_weight)
+            .finish()
+    }
+}
+
+impl WeightedMean {
+    /// An empty accumulator for updates in `layout`.
+    pub fn new(layout: Arc<Layout>) -> Self {
+        let sum = vec![0.0; layout.len()];
+        Self {
+            layout,
+            sum,
+            total_weight: 0.0,
+            abs_bound: 0.0,
+            count: 0,
+        }
+    }
+
+    /// The layout every folded update must have.
+    pub fn layout(&self) -> &Arc<Layout> {
+        &self.layout
+    }
+
+    /// Adds `update` with `weight` (typically the client's number of training examples).
+    ///
+    /// Validates everything first, so a rejected update changes nothing. Fails when the
+    /// layout differs from the accumulator's, when `weight` is not finite and positive,
+    /// when a value is NaN or infinite, or when `weight` is so large the sums would
+    /// overflow.
+    pub fn fold(&mut self, update: &ModelVector, weight: f64) -> Result<(), AggregationError> {
+        check_layout(&self.layout, update.layout())?;
+        if !weight.is_finite() || weight <= 0.0 {
+            return Err(AggregationError::InvalidWeight(weight));
+        }
+        let values = update.values();
+        let mut max_abs = 0.0_f32;
+        for (index, &v) in values.iter().enumerate() {
+            if !v.is_finite() {
+                return Err(AggregationError::NonFinite { index });
+            }
+            max_abs = max_abs.max(v.abs());
+        }
+        let total_weight = self.total_weight + weight;
+        let abs_bound = self.abs_bound + weight * f64::from(max_abs);
+        if !total_weight.is_finite() || !abs_bound.is_finite() {
+            return Err(AggregationError::WeightOverflow(weight));
+        }
+
+        // A plain multiply and add over zipped slices: no bounds checks, so it vectorises.
+        // `mul_add` would be a libm call on targets built without FMA, far slower.
+        for (s, &v) in self.sum.iter_mut().zip(values) {
+            *s += weight * f64::from(v);
+        }
+        self.total_weight = total_weight;
+        self.abs_bound = abs_bound;
+        self.count += 1;
+        Ok(())
+    }
+
+    /// Number of updates folded so far.
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Sum of the weights folded so far.
+    pub fn total_weight(&self) -> f64 {
+        self.total_weight
+    }
+
+    /// The weighted mean so far, leaving the accumulator usable; fails with
+    /// [`AggregationError::Empty`] when nothing was folded.
+    pub fn mean(&self) -> Result<ModelVector, AggregationError> {
+        if self.count == 0 {
+            return Err(AggregationError::Empty);
+        }
+        let inv = 1.0 / self.total_weight;
+        let values = self.sum.iter().map(|&s| (s * inv) as f32).collect();
+        let mean = ModelVector::new(self.layout.clone(), values)
+            .expect("the sums are sized to the layout");
+        Ok(mean)
+    }
+
+    /// The weighted mean of everything folded; fails with [`AggregationError::Empty`]
+    /// when nothing was folded.
+    pub fn finish(self) -> Result<ModelVector, AggregationError> {
+        self.mean()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model_vector::TensorSpec;
+    use proptest::prelude::*;
+
+    fn vector(layout: &Arc<Layout>, values: &[f32]) -> ModelVector {
+        ModelVector::new(layout.clone(), values.to_vec()).unwrap()
+    }
+
+    fn snapshot(acc: &WeightedMean) -> (Vec<f64>, f64, f64, usize) {
+        (acc.sum.clone(), acc.total_weight, acc.abs_bound, acc.count)
+    }
+
+    /// The weighted mean computed from all updates at once, normalising the weights first
+    /// so that it does not share the accumulator's order of operations.
+    fn batch_weighted_mean(updates: &[(Vec<f32>, f64)]) -> Vec<f64> {
+        let total: f64 = updates.iter().map(|(_, w)| w).sum();
+        let len = updates[0].0.len();
+        (0..len)
+            .map(|i| {
+                updates
+                    .iter()
+                    .map(|(v, w)| (w / total) * f64::from(v[i]))
+                    .sum()
+            })
+            .collect()
+    }
+
+    fn close(a: f32, b: f64) -> bool {
+        (f64::from(a) - b).abs() <= 1e-6 * b.abs().max(1.0)
+    }
+
+    fn updates() -> impl Strategy<Value = Vec<(Vec<f32>, f64)>> {
+        (1usize..12, 1usize..8).prop_flat_map(|(len, n)| {
+            prop::collection::vec(
+                (prop::collection::vec(-1e3_f32..1e3, len), 1e-2_f64..1e2),
+                n,
+            )
+        })
+    }
+
+    fn fold_all(updates: &[(Vec<f32>, f64)], order: impl Iterator<Item = usize>) -> ModelVector {
+        let layout = Arc::new(Layout::flat(updates[0].0.len()));
+        let mut acc = WeightedMean::new(layout.clone());
+        for i in order {
+            let (values, weight) = &updates[i];
+            acc.fold(&vector(&layout, values), *weight).unwrap();
+        }
+        acc.finish().unwrap()
+    }
+
+    proptest! {
+        #[test]
+        fn streaming_mean_equals_batch_weighted_mean(updates in updates()) {
+            let streamed = fold_all(&updates, 0..updates.len());
+            let expected = batch_weighted_mean(&updates);
+            for (i, (&got, &want)) in streamed.values().iter().zip(&expected).enumerate() {
+                prop_assert!(close(got, want), "parameter {i}: {got} vs {want}");
+            }
+        }
+
+        #[test]
+        fn fold_order_does_not_change_the_mean(
+            (updates, order) in updates().prop_flat_map(|u| {
+                let order: Vec<usize> = (0..u.len()).collect();
+                (Just(u), Just(order).prop_shuffle())
+            })
+        ) {
+            let in_order = fold_all(&updates, 0..updates.len());
+            let shuffled = fold_all(&updates, order.into_iter());
+            for (&a, &b) in in_order.values().iter().zip(shuffled.values()) {
+                prop_assert!(close(a, f64::from(b)), "{a} vs {b}");
+            }
+        }
+
+        #[test]
+        fn mean_of_finite_updates_is_finite(
+            values in prop::collection::vec(prop::num::f32::NORMAL, 1..8),
+            weight in 1e-3_f64..1e30,
+        ) {
+            let layout = Arc::new(Layout::flat(values.len()));
+            let mut acc = WeightedMean::new(layout.clone());
+            acc.fold(&vector(&layout, &values), weight).unwrap();
+            acc.fold(&vector(&layout, &values), 1.0).unwrap();
+            prop_assert!(acc.finish().unwrap().is_finite());
+        }
+    }
+
+    #[test]
+    fn unit_weights_give_the_plain_mean() {
+        let layout = Arc::new(Layout::flat(2));
+        let mut acc = WeightedMean::new(layout.clone());
+        for values in [[1.0, 2.0], [3.0, 4.0], [5.0, 9.0]] {
+            acc.fold(&vector(&layout, &values), 1.0).unwrap();
+        }
+        assert_eq!(acc.count(), 3);
+        assert_eq!(acc.total_weight(), 3.0);
+        assert_eq!(acc.finish().unwrap().values(), &[3.0, 5.0]);
+    }
+
+    #[test]
+    fn weights_scale_each_update() {
+        // (1 * [0, 10] + 3 * [4, 2]) / 4 = [12, 16] / 4 = [3, 4]
+        let layout = Arc::new(Layout::flat(2));
+        let mut acc = WeightedMean::new(layout.clone());
+        acc.fold(&vector(&layout, &[0.0, 10.0]), 1.0).unwrap();
+        acc.fold(&vector(&layout, &[4.0, 2.0]), 3.0).unwrap();
+        assert_eq!(acc.finish().unwrap().values(), &[3.0, 4.0]);
+    }
+
+    #[test]
+    fn finish_without_updates_is_an_error() {
+        let acc = WeightedMean::new(Arc::new(Layout::flat(3)));
+        assert_eq!(acc.mean().unwrap_err(), AggregationError::Empty);
+        assert_eq!(acc.finish().unwrap_err(), AggregationError::Empty);
+    }
+
+    #[test]
+    fn mean_does_not_consume_and_agrees_with_finish() {
+        let layout = Arc::new(Layout::flat(2));
+        let mut acc = WeightedMean::new(layout.clone());
+        acc.fold(&vector(&layout, &[1.0, 1.0]), 1.0).unwrap();
+        assert_eq!(acc.mean().unwrap().values(), &[1.0, 1.0]);
+        acc.fold(&vector(&layout, &[3.0, 5.0]), 1.0).unwrap();
+        let mean = acc.mean().unwrap();
+        assert_eq!(mean.values(), &[2.0, 3.0]);
+        assert_eq!(acc.finish().unwrap(), mean);
+    }
+
+    #[test]
+    fn mean_keeps_the_tensor_layout() {
+        let layout = Arc::new(
+            Layout::new(vec![
+                TensorSpec::new("w", [2, 2]),
+                TensorSpec::new("b", [2]),
+            ])
+            .unwrap(),
+        );
+        let mut acc = WeightedMean::new(layout.clone());
+        acc.fold(&vector(&layout, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]), 2.0)
+            .unwrap();
+        let mean = acc.finish().unwrap();
+        assert!(Arc::ptr_eq(mean.layout(), &layout));
+        assert_eq!(mean.tensor("b"), Some(&[5.0, 6.0][..]));
+    }
+
+    #[test]
+    fn equal_layout_in_a_different_arc_is_accepted() {
+        let mut acc = WeightedMean::new(Arc::new(Layout::flat(2)));
+        let update = ModelVector::from_flat(vec![1.0, 2.0]);
+        acc.fold(&update, 1.0).unwrap();
+        assert_eq!(acc.count(), 1);
+    }
+
+    #[test]
+    fn rejected_updates_leave_the_accumulator_unchanged() {
+        let layout = Arc::new(
+            Layout::new(vec![TensorSpec::new("w", [2]), TensorSpec::new("b", [1])]).unwrap(),
+        );
+        let mut acc = WeightedMean::new(layout.clone());
+        acc.fold(&vector(&layout, &[1.0, 2.0, 3.0]), 2.0).unwrap();
+        let before = snapshot(&acc);
+        let good = vector(&layout, &[4.0, 5.0, 6.0]);
+
+        let rejected: Vec<(ModelVector, f64, AggregationError)> = vec![
+            (
+                vector(&layout, &[1.0, f32::NAN, 3.0]),
+                1.0,
+                AggregationError::NonFinite { index: 1 },
+            ),
+            (
+                vector(&layout, &[1.0, 2.0, f32::INFINITY]),
+                1.0,
+                AggregationError::NonFinite { index: 2 },
+            ),
+            (
+                ModelVector::from_flat(vec![1.0, 2.0]),
+                1.0,
+                AggregationError::LayoutMismatch {
+                    expected: 3,
+                    found: 2,
+                },
+            ),
+            (
+                ModelVector::from_flat(vec![1.0, 2.0, 3.0]),
+                1.0,
+                AggregationError::TensorLayoutMismatch { len: 3 },
+            ),
+            (good.clone(), 0.0, AggregationError::InvalidWeight(0.0)),
+            (good.clone(), -1.0, AggregationError::InvalidWeight(-1.0)),
+            (
+                good.clone(),
+                f64::INFINITY,
+                AggregationError::InvalidWeight(f64::INFINITY),
+            ),
+            (
+                good.clone(),
+                f64::MAX,
+                AggregationError::WeightOverflow(f64::MAX),
+            ),
+        ];
+        for (update, weight, want) in rejected {
+            assert_eq!(acc.fold(&update, weight).unwrap_err(), want);
+            assert_eq!(snapshot(&acc), before, "after {want}");
+        }
+        match acc.fold(&good, f64::NAN).unwrap_err() {
+            AggregationError::InvalidWeight(w) => assert!(w.is_nan()),
+            other => panic!("expected InvalidWeight, got {other}"),
+        }
+        assert_eq!(snapshot(&acc), before);
+
+        // Still usable after the rejections: (2*[1,2,3] + 2*[4,5,6]) / 4.
+        acc.fold(&good, 2.0).unwrap();
+        assert_eq!(acc.finish().unwrap().values(), &[2.5, 3.5, 4.5]);
+    }
+}

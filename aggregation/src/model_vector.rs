@@ -53,6 +53,7 @@ pub enum LayoutError {
 
 /// The ordered list of tensors that a flat parameter vector is made of.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "Vec<TensorSpec>", into = "Vec<TensorSpec>")]
 pub struct Layout {
     tensors: Vec<TensorSpec>,
     len: usize,
@@ -110,11 +111,25 @@ impl Layout {
     }
 }
 
+impl TryFrom<Vec<TensorSpec>> for Layout {
+    type Error = LayoutError;
+
+    fn try_from(tensors: Vec<TensorSpec>) -> Result<Self, Self::Error> {
+        Layout::new(tensors)
+    }
+}
+
+impl From<Layout> for Vec<TensorSpec> {
+    fn from(layout: Layout) -> Self {
+        layout.tensors
+    }
+}
+
 /// Flat `f32` model parameters plus the named shapes they are made of.
 ///
 /// The layout is shared (`Arc`), so cloning a vector copies the numbers, not the names,
 /// and comparing layouts of updates from the same model is a pointer check first.
-#[derive(Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq)]
 pub struct ModelVector {
     layout: Arc<Layout>,
     values: Vec<f32>,
@@ -228,7 +243,11 @@ mod tests {
     #[test]
     fn vector_length_must_match_layout() {
         let layout = Arc::new(
-            Layout::new(vec![TensorSpec::new("w", [2, 3]), TensorSpec::new("b", [2])]).unwrap(),
+            Layout::new(vec![
+                TensorSpec::new("w", [2, 3]),
+                TensorSpec::new("b", [2]),
+            ])
+            .unwrap(),
         );
         assert_eq!(layout.len(), 8);
         let err = ModelVector::new(layout.clone(), vec![0.0; 7]).unwrap_err();

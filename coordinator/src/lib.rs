@@ -1,1 +1,13 @@
-//! placeholder
+//! The Cohort coordinator: the round engine that schedules federated rounds and combines
+//! client updates, and simulation mode, which drives that same engine with many virtual
+//! clients in one process.
+//!
+//! - [`engine`]: rounds as a state machine (select, collect, aggregate, publish), free of
+//!   transport and storage so the simulator and the server share it.
+//! - [`simulate`]: `cohort simulate`, from settings to `metrics.csv`, `summary.json` and
+//!   plots.
+//! - [`seeds`]: reproducible, independent random streams derived from one seed.
+
+pub mod engine;
+pub mod seeds;
+pub mod simulate;

@@ -1,1 +1,192 @@
-fn main() {}
+//! `cohort`: the coordinator command.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use cohort_aggregation::Strategy;
+use cohort_coordinator::simulate::{DatasetSpec, RoundRecord, SimulationConfig, simulate};
+use cohort_edge::model::ModelKind;
+use cohort_edge::partition::PartitionScheme;
+use indicatif::{ProgressBar, ProgressStyle};
+
+#[derive(Parser)]
+#[command(name = "cohort", version, about = "Cohort: federated learning with privacy")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a federated model over many virtual clients in one process.
+    Simulate(SimulateArgs),
+}
+
+/// Flags override the keys of the same name in `--config`.
+#[derive(Args)]
+struct SimulateArgs {
+    /// TOML file with any of the settings below (same names, e.g. `clients-per-round = 10`).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// digits | breast-cancer | synthetic:ALPHA,BETA | PATH.csv[.gz] [default: digits]
+    #[arg(long)]
+    dataset: Option<DatasetSpec>,
+    /// logreg | mlp | mlp:H1,H2,... [default: mlp (one hidden layer of 64)]
+    #[arg(long)]
+    model: Option<ModelKind>,
+    /// Number of virtual clients [default: 50]
+    #[arg(long, value_name = "N")]
+    clients: Option<usize>,
+    /// Clients selected per round [default: all]
+    #[arg(long, value_name = "K")]
+    clients_per_round: Option<usize>,
+    /// Minimum reports for a round to update the model [default: 1]
+    #[arg(long, value_name = "M")]
+    min_participants: Option<usize>,
+    /// Number of rounds [default: 40]
+    #[arg(long, value_name = "R")]
+    rounds: Option<u32>,
+    /// iid | dirichlet:ALPHA | shards:K | quantity:SIGMA | natural [default: dirichlet:0.5; natural for synthetic]
+    #[arg(long)]
+    partition: Option<PartitionScheme>,
+    /// fedavg | fedprox:MU | fedadam | fedyogi | fedadagrad [default: fedavg]
+    #[arg(long)]
+    strategy: Option<Strategy>,
+    /// Server learning rate [default: 1 for fedavg/fedprox, 0.01 for adaptive strategies]
+    #[arg(long, value_name = "LR")]
+    server_lr: Option<f64>,
+    /// Local epochs per round [default: 5]
+    #[arg(long, value_name = "E")]
+    local_epochs: Option<u32>,
+    /// Local mini-batch size [default: 16]
+    #[arg(long, value_name = "B")]
+    batch_size: Option<usize>,
+    /// Local SGD learning rate [default: 0.05]
+    #[arg(long, value_name = "LR")]
+    lr: Option<f64>,
+    /// Local SGD momentum [default: 0.9]
+    #[arg(long)]
+    momentum: Option<f64>,
+    /// Local L2 weight decay [default: 0.0001]
+    #[arg(long)]
+    weight_decay: Option<f64>,
+    /// Probability that a selected client never reports [default: 0]
+    #[arg(long, value_name = "P")]
+    dropout: Option<f64>,
+    /// Fraction of the data held out for testing [default: 0.2]
+    #[arg(long)]
+    test_fraction: Option<f64>,
+    /// Seed for every random choice [default: 0]
+    #[arg(long, value_name = "S")]
+    seed: Option<u64>,
+    /// Output directory [default: runs/simulate-<timestamp>]
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+    /// Worker threads for client training [default: all cores]
+    #[arg(long, value_name = "N")]
+    threads: Option<usize>,
+}
+
+impl SimulateArgs {
+    fn resolve(self) -> Result<SimulationConfig, String> {
+        let mut cfg = match &self.config {
+            Some(path) => SimulationConfig::from_toml_file(path).map_err(|e| e.to_string())?,
+            None => SimulationConfig::default(),
+        };
+        macro_rules! set {
+            ($($field:ident),*) => {$(if let Some(v) = self.$field { cfg.$field = v; })*};
+        }
+        macro_rules! set_some {
+            ($($field:ident),*) => {$(if let Some(v) = self.$field { cfg.$field = Some(v); })*};
+        }
+        set!(dataset, model, clients, min_participants, rounds, strategy, local_epochs, batch_size, lr, momentum, weight_decay, dropout, test_fraction, seed);
+        set_some!(clients_per_round, partition, server_lr, out);
+        Ok(cfg)
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            if !e.use_stderr() {
+                let _ = e.print();
+                return ExitCode::SUCCESS;
+            }
+            // One line, like every other input error; `--help` has the details.
+            let rendered = e.render().to_string();
+            let first = rendered.lines().next().unwrap_or("error: invalid arguments");
+            eprintln!("{first}");
+            return ExitCode::from(2);
+        }
+    };
+    match cli.command {
+        Command::Simulate(args) => run_simulate(args),
+    }
+}
+
+fn run_simulate(args: SimulateArgs) -> ExitCode {
+    let threads = args.threads;
+    let cfg = match args.resolve() {
+        Ok(cfg) => cfg,
+        Err(msg) => {
+            eprintln!("error: {msg}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Some(n) = threads {
+        if n == 0 {
+            eprintln!("error: --threads must be at least 1");
+            return ExitCode::from(2);
+        }
+        if let Err(e) = rayon::ThreadPoolBuilder::new().num_threads(n).build_global() {
+            eprintln!("error: cannot start {n} worker threads: {e}");
+            return ExitCode::from(1);
+        }
+    }
+    let bar = std::io::stderr().is_terminal().then(|| {
+        let bar = ProgressBar::new(u64::from(cfg.rounds));
+        bar.set_style(
+            ProgressStyle::with_template("{bar:40.cyan/blue} {pos}/{len} rounds {msg} [{elapsed_precise}<{eta_precise}]")
+                .expect("static template is valid"),
+        );
+        bar
+    });
+    let rounds = cfg.rounds;
+    let on_round = |r: &RoundRecord| {
+        let line = format!(
+            "accuracy {:.4} loss {:.4} participants {} dropped {}",
+            r.test_accuracy, r.test_loss, r.participants, r.dropped
+        );
+        match &bar {
+            Some(bar) => {
+                bar.set_message(line);
+                bar.inc(1);
+            }
+            None => eprintln!("round {}/{rounds} {line} {:.3}s", r.round, r.seconds),
+        }
+    };
+    let outcome = simulate(&cfg, on_round);
+    if let Some(bar) = &bar {
+        bar.finish_and_clear();
+    }
+    match outcome {
+        Ok((summary, dir)) => {
+            println!(
+                "final test accuracy {:.4} after {} rounds ({:.1} client updates/s on {} threads); results in {}",
+                summary.final_test_accuracy,
+                summary.rounds,
+                summary.updates_per_second,
+                summary.threads,
+                dir.display()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}

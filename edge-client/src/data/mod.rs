@@ -9,11 +9,11 @@ mod shipped;
 mod split;
 mod synthetic;
 
-pub use self::csv::{load_csv, parse_csv};
-pub use error::DataError;
+pub use self::csv::{LABEL_COLUMN, load_csv, parse_csv};
+pub use error::{DataError, FeatureProblem};
 pub use shipped::{breast_cancer, digits};
 pub use split::{Standardizer, stratified_split};
-pub use synthetic::{SyntheticConfig, synthetic};
+pub use synthetic::{MAX_FEATURE_VALUES, MAX_SAMPLES_PER_DEVICE, SyntheticConfig, synthetic};
 
 /// A labelled data set held in memory: one row of `features` per sample.
 #[derive(Debug, Clone, PartialEq)]

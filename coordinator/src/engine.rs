@@ -1,0 +1,507 @@
+//! The round engine: selection, collection and aggregation of one federated round after
+//! another, with no knowledge of transport or storage.
+//!
+//! Simulation drives it in process; the server drives the very same engine from HTTP
+//! handlers. Every method either changes state completely or returns an error and
+//! changes nothing, so a caller can hand it untrusted input.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::sync::Arc;
+
+use cohort_aggregation::{AggregationError, ModelVector, ServerOptimizer, Strategy, WeightedMean};
+use cohort_edge::train::TrainConfig;
+use rand::Rng;
+use rand::seq::index;
+use serde::Serialize;
+
+/// Identifies a client within an experiment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct ClientId(pub u64);
+
+impl fmt::Display for ClientId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "client-{}", self.0)
+    }
+}
+
+/// How rounds are run: who takes part, what they train, how results are combined.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineConfig {
+    /// Clients selected per round; fewer are selected when fewer are available.
+    pub clients_per_round: usize,
+    /// Quorum: a round with fewer reports than this is abandoned and the global model
+    /// stays as it was.
+    pub min_participants: usize,
+    /// Local training settings sent with every task. The strategy's proximal mu, if any,
+    /// overrides `proximal_mu`.
+    pub train: TrainConfig,
+    /// Federated strategy.
+    pub strategy: Strategy,
+    /// Server learning rate; `None` takes the strategy's default.
+    pub server_lr: Option<f32>,
+}
+
+/// Why the engine refused a call. The engine's state is unchanged after any of these.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum EngineError {
+    /// A setting cannot work.
+    #[error("invalid engine setting: {0}")]
+    InvalidConfig(String),
+    /// `open_round` while a round is already collecting.
+    #[error("round {0} is still open")]
+    RoundAlreadyOpen(u32),
+    /// `submit` or `close_round` with no round open.
+    #[error("no round is open")]
+    NoOpenRound,
+    /// Fewer clients are available than the quorum needs.
+    #[error("{available} clients available but the quorum is {quorum}")]
+    NotEnoughClients {
+        /// Clients offered for selection.
+        available: usize,
+        /// Minimum participants per round.
+        quorum: usize,
+    },
+    /// A client that was not selected for this round sent an update.
+    #[error("{client} was not selected for round {round}")]
+    NotSelected {
+        /// The sender.
+        client: ClientId,
+        /// The open round.
+        round: u32,
+    },
+    /// A client sent a second update in the same round.
+    #[error("{client} already reported in round {round}")]
+    DuplicateUpdate {
+        /// The sender.
+        client: ClientId,
+        /// The open round.
+        round: u32,
+    },
+    /// The update's sample count is zero.
+    #[error("{client} reported zero training samples")]
+    NoSamples {
+        /// The sender.
+        client: ClientId,
+    },
+    /// The update does not fit the global model, or has non-finite values.
+    #[error("update from {client} rejected: {source}")]
+    BadUpdate {
+        /// The sender.
+        client: ClientId,
+        /// What was wrong with it.
+        source: AggregationError,
+    },
+}
+
+/// What a selected client is asked to do in a round.
+#[derive(Debug, Clone)]
+pub struct Task {
+    /// Round number, starting at 1.
+    pub round: u32,
+    /// The global model to start from.
+    pub global: Arc<ModelVector>,
+    /// Local training settings, including the FedProx mu when the strategy has one.
+    pub train: TrainConfig,
+}
+
+/// The outcome of opening a round: who was selected and what they must do.
+#[derive(Debug, Clone)]
+pub struct RoundPlan {
+    /// Clients selected, in ascending order.
+    pub selected: Vec<ClientId>,
+    /// The task every selected client receives.
+    pub task: Task,
+}
+
+/// A client's contribution to a round.
+#[derive(Debug, Clone, Copy)]
+pub struct ClientUpdate<'a> {
+    /// Locally trained parameters.
+    pub params: &'a ModelVector,
+    /// Training samples behind them (the FedAvg weight).
+    pub num_samples: u64,
+    /// The client's mean training loss, for reporting.
+    pub train_loss: f64,
+}
+
+/// Whether a closed round changed the global model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RoundStatus {
+    /// Enough clients reported; the new global model is published.
+    Published,
+    /// Too few clients reported; the global model is unchanged.
+    BelowQuorum,
+}
+
+/// Summary of a closed round.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RoundOutcome {
+    /// Round number.
+    pub round: u32,
+    /// Whether the global model moved.
+    pub status: RoundStatus,
+    /// Clients selected.
+    pub selected: usize,
+    /// Clients whose update was folded in.
+    pub participants: usize,
+    /// Selected clients that never reported.
+    pub dropped: usize,
+    /// Sum of the participants' sample counts.
+    pub samples: u64,
+    /// Sample-weighted mean training loss of the participants (`None` when none reported).
+    pub train_loss: Option<f64>,
+}
+
+struct Collecting {
+    round: u32,
+    selected: BTreeSet<ClientId>,
+    reported: BTreeSet<ClientId>,
+    mean: WeightedMean,
+    samples: u64,
+    loss_sum: f64,
+}
+
+/// Runs federated rounds over a global model.
+pub struct RoundEngine {
+    config: EngineConfig,
+    global: Arc<ModelVector>,
+    optimizer: ServerOptimizer,
+    rounds_closed: u32,
+    open: Option<Collecting>,
+}
+
+impl fmt::Debug for RoundEngine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RoundEngine")
+            .field("config", &self.config)
+            .field("rounds_closed", &self.rounds_closed)
+            .field("open_round", &self.open.as_ref().map(|c| c.round))
+            .finish()
+    }
+}
+
+impl RoundEngine {
+    /// An engine that starts from `initial`.
+    pub fn new(initial: ModelVector, config: EngineConfig) -> Result<Self, EngineError> {
+        if config.clients_per_round == 0 {
+            return Err(EngineError::InvalidConfig(
+                "clients per round must be at least 1".into(),
+            ));
+        }
+        if config.min_participants == 0 || config.min_participants > config.clients_per_round {
+            return Err(EngineError::InvalidConfig(format!(
+                "minimum participants must be between 1 and clients per round ({}), got {}",
+                config.clients_per_round, config.min_participants
+            )));
+        }
+        config
+            .train
+            .validate()
+            .map_err(|e| EngineError::InvalidConfig(e.to_string()))?;
+        if !initial.is_finite() {
+            return Err(EngineError::InvalidConfig(
+                "initial model has non-finite parameters".into(),
+            ));
+        }
+        let optimizer = config
+            .strategy
+            .server_optimizer(config.server_lr)
+            .map_err(|e| EngineError::InvalidConfig(e.to_string()))?;
+        Ok(Self {
+            config,
+            global: Arc::new(initial),
+            optimizer,
+            rounds_closed: 0,
+            open: None,
+        })
+    }
+
+    /// The engine's settings.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// The current global model.
+    pub fn global(&self) -> &Arc<ModelVector> {
+        &self.global
+    }
+
+    /// Rounds closed so far, published or not.
+    pub fn rounds_closed(&self) -> u32 {
+        self.rounds_closed
+    }
+
+    /// The number of the round now collecting, if any.
+    pub fn open_round_number(&self) -> Option<u32> {
+        self.open.as_ref().map(|c| c.round)
+    }
+
+    /// Selects up to `clients_per_round` of `available` uniformly without replacement
+    /// (duplicates in `available` count once) and opens the next round.
+    pub fn open_round<R: Rng + ?Sized>(
+        &mut self,
+        available: &[ClientId],
+        rng: &mut R,
+    ) -> Result<RoundPlan, EngineError> {
+        if let Some(c) = &self.open {
+            return Err(EngineError::RoundAlreadyOpen(c.round));
+        }
+        let pool: Vec<ClientId> = available
+            .iter()
+            .copied()
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        if pool.len() < self.config.min_participants {
+            return Err(EngineError::NotEnoughClients {
+                available: pool.len(),
+                quorum: self.config.min_participants,
+            });
+        }
+        let k = self.config.clients_per_round.min(pool.len());
+        let selected: BTreeSet<ClientId> = index::sample(rng, pool.len(), k)
+            .into_iter()
+            .map(|i| pool[i])
+            .collect();
+        let round = self.rounds_closed + 1;
+        let mut train = self.config.train.clone();
+        if let Some(mu) = self.config.strategy.proximal_mu() {
+            train.proximal_mu = Some(mu);
+        }
+        let plan = RoundPlan {
+            selected: selected.iter().copied().collect(),
+            task: Task {
+                round,
+                global: self.global.clone(),
+                train,
+            },
+        };
+        self.open = Some(Collecting {
+            round,
+            selected,
+            reported: BTreeSet::new(),
+            mean: WeightedMean::new(self.global.layout().clone()),
+            samples: 0,
+            loss_sum: 0.0,
+        });
+        Ok(plan)
+    }
+
+    /// Folds one client's update into the open round.
+    pub fn submit(&mut self, client: ClientId, update: ClientUpdate<'_>) -> Result<(), EngineError> {
+        let open = self.open.as_mut().ok_or(EngineError::NoOpenRound)?;
+        if !open.selected.contains(&client) {
+            return Err(EngineError::NotSelected {
+                client,
+                round: open.round,
+            });
+        }
+        if open.reported.contains(&client) {
+            return Err(EngineError::DuplicateUpdate {
+                client,
+                round: open.round,
+            });
+        }
+        if update.num_samples == 0 {
+            return Err(EngineError::NoSamples { client });
+        }
+        open.mean
+            .fold(update.params, update.num_samples as f64)
+            .map_err(|source| EngineError::BadUpdate { client, source })?;
+        open.reported.insert(client);
+        open.samples += update.num_samples;
+        if update.train_loss.is_finite() {
+            open.loss_sum += update.train_loss * update.num_samples as f64;
+        }
+        Ok(())
+    }
+
+    /// Closes the open round: with a quorum, the server optimizer moves the global model
+    /// toward the weighted mean; without one, the round is abandoned.
+    pub fn close_round(&mut self) -> Result<RoundOutcome, EngineError> {
+        let open = self.open.take().ok_or(EngineError::NoOpenRound)?;
+        let participants = open.reported.len();
+        let status = if participants >= self.config.min_participants {
+            let mean = open
+                .mean
+                .finish()
+                .expect("a quorum of at least one update was folded");
+            let mut next = (*self.global).clone();
+            self.optimizer
+                .step(&mut next, &mean)
+                .expect("mean has the global layout");
+            self.global = Arc::new(next);
+            RoundStatus::Published
+        } else {
+            RoundStatus::BelowQuorum
+        };
+        self.rounds_closed += 1;
+        Ok(RoundOutcome {
+            round: open.round,
+            status,
+            selected: open.selected.len(),
+            participants,
+            dropped: open.selected.len() - participants,
+            samples: open.samples,
+            train_loss: (open.samples > 0).then(|| open.loss_sum / open.samples as f64),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+    use rand_chacha::ChaCha8Rng;
+
+    fn engine(k: usize, quorum: usize, strategy: Strategy) -> RoundEngine {
+        RoundEngine::new(
+            ModelVector::from_flat(vec![0.0, 0.0]),
+            EngineConfig {
+                clients_per_round: k,
+                min_participants: quorum,
+                train: TrainConfig::default(),
+                strategy,
+                server_lr: None,
+            },
+        )
+        .unwrap()
+    }
+
+    fn clients(n: u64) -> Vec<ClientId> {
+        (0..n).map(ClientId).collect()
+    }
+
+    fn update(p: &ModelVector, n: u64) -> ClientUpdate<'_> {
+        ClientUpdate {
+            params: p,
+            num_samples: n,
+            train_loss: 1.0,
+        }
+    }
+
+    #[test]
+    fn fedavg_round_publishes_sample_weighted_mean() {
+        let mut e = engine(2, 1, Strategy::FedAvg);
+        let plan = e
+            .open_round(&clients(2), &mut ChaCha8Rng::seed_from_u64(0))
+            .unwrap();
+        assert_eq!(plan.selected, clients(2));
+        let a = ModelVector::from_flat(vec![1.0, 2.0]);
+        let b = ModelVector::from_flat(vec![4.0, 8.0]);
+        e.submit(ClientId(0), update(&a, 2)).unwrap();
+        e.submit(ClientId(1), update(&b, 1)).unwrap();
+        let out = e.close_round().unwrap();
+        assert_eq!(out.status, RoundStatus::Published);
+        assert_eq!((out.participants, out.dropped, out.samples), (2, 0, 3));
+        assert_eq!(e.global().values(), &[2.0, 4.0]);
+        assert_eq!(e.rounds_closed(), 1);
+    }
+
+    #[test]
+    fn round_below_quorum_leaves_global_model_unchanged() {
+        let mut e = engine(3, 2, Strategy::FedAvg);
+        e.open_round(&clients(3), &mut ChaCha8Rng::seed_from_u64(0))
+            .unwrap();
+        let a = ModelVector::from_flat(vec![1.0, 1.0]);
+        e.submit(ClientId(0), update(&a, 5)).unwrap();
+        let out = e.close_round().unwrap();
+        assert_eq!(out.status, RoundStatus::BelowQuorum);
+        assert_eq!(out.dropped, 2);
+        assert_eq!(e.global().values(), &[0.0, 0.0]);
+    }
+
+    #[test]
+    fn rejected_submissions_change_nothing() {
+        let mut e = engine(1, 1, Strategy::FedAvg);
+        assert_eq!(
+            e.submit(ClientId(0), update(&ModelVector::from_flat(vec![1.0, 1.0]), 1)),
+            Err(EngineError::NoOpenRound)
+        );
+        let plan = e
+            .open_round(&clients(4), &mut ChaCha8Rng::seed_from_u64(3))
+            .unwrap();
+        let chosen = plan.selected[0];
+        let other = clients(4).into_iter().find(|c| *c != chosen).unwrap();
+        let good = ModelVector::from_flat(vec![3.0, 3.0]);
+        assert!(matches!(
+            e.submit(other, update(&good, 1)),
+            Err(EngineError::NotSelected { .. })
+        ));
+        assert!(matches!(
+            e.submit(chosen, update(&ModelVector::from_flat(vec![1.0]), 1)),
+            Err(EngineError::BadUpdate { .. })
+        ));
+        assert!(matches!(
+            e.submit(chosen, update(&ModelVector::from_flat(vec![f32::NAN, 0.0]), 1)),
+            Err(EngineError::BadUpdate { .. })
+        ));
+        assert!(matches!(
+            e.submit(chosen, update(&good, 0)),
+            Err(EngineError::NoSamples { .. })
+        ));
+        e.submit(chosen, update(&good, 1)).unwrap();
+        assert!(matches!(
+            e.submit(chosen, update(&good, 1)),
+            Err(EngineError::DuplicateUpdate { .. })
+        ));
+        e.close_round().unwrap();
+        assert_eq!(e.global().values(), &[3.0, 3.0]);
+    }
+
+    #[test]
+    fn selection_is_a_seeded_sample_without_replacement() {
+        let mut e = engine(5, 1, Strategy::FedAvg);
+        let pick = |e: &mut RoundEngine, seed| {
+            let p = e
+                .open_round(&clients(20), &mut ChaCha8Rng::seed_from_u64(seed))
+                .unwrap();
+            e.close_round().unwrap();
+            p.selected
+        };
+        let a = pick(&mut e, 9);
+        let b = pick(&mut e, 9);
+        assert_eq!(a, b);
+        assert_eq!(a.iter().collect::<BTreeSet<_>>().len(), 5);
+        assert_ne!(a, pick(&mut e, 10));
+    }
+
+    #[test]
+    fn fedprox_mu_travels_with_the_task() {
+        let mut e = engine(1, 1, Strategy::FedProx { mu: 0.5 });
+        let plan = e
+            .open_round(&clients(1), &mut ChaCha8Rng::seed_from_u64(0))
+            .unwrap();
+        assert_eq!(plan.task.train.proximal_mu, Some(0.5));
+        assert_eq!(plan.task.round, 1);
+    }
+
+    #[test]
+    fn second_open_and_bad_quorum_are_errors() {
+        let mut e = engine(2, 2, Strategy::FedAvg);
+        assert!(matches!(
+            e.open_round(&clients(1), &mut ChaCha8Rng::seed_from_u64(0)),
+            Err(EngineError::NotEnoughClients { .. })
+        ));
+        e.open_round(&clients(2), &mut ChaCha8Rng::seed_from_u64(0))
+            .unwrap();
+        assert_eq!(
+            e.open_round(&clients(2), &mut ChaCha8Rng::seed_from_u64(0))
+                .unwrap_err(),
+            EngineError::RoundAlreadyOpen(1)
+        );
+        let bad = RoundEngine::new(
+            ModelVector::from_flat(vec![0.0]),
+            EngineConfig {
+                clients_per_round: 2,
+                min_participants: 3,
+                train: TrainConfig::default(),
+                strategy: Strategy::FedAvg,
+                server_lr: None,
+            },
+        );
+        assert!(matches!(bad, Err(EngineError::InvalidConfig(_))));
+    }
+}

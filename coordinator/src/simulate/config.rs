@@ -1,0 +1,334 @@
+//! The settings of a simulation run: parsed from a TOML file and command-line flags,
+//! checked once before any work starts.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use cohort_aggregation::Strategy;
+use cohort_edge::model::ModelKind;
+use cohort_edge::partition::PartitionScheme;
+use serde::{Deserialize, Serialize};
+
+/// Which data a simulation trains on.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DatasetSpec {
+    /// The shipped UCI handwritten digits (1,797 samples, 64 features, 10 classes).
+    Digits,
+    /// The shipped UCI breast cancer Wisconsin diagnostic set (569 samples, 30 features).
+    BreastCancer,
+    /// FedProx Synthetic(alpha, beta), naturally split over one device per client.
+    Synthetic {
+        /// How much the devices' models differ.
+        alpha: f64,
+        /// How much the devices' data differ.
+        beta: f64,
+    },
+    /// A CSV file (plain or gzip) with a header row and a `label` column.
+    Csv(PathBuf),
+}
+
+/// Why a setting cannot be used. Messages name the setting and the value.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+impl FromStr for DatasetSpec {
+    type Err = ConfigError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let t = text.trim();
+        match t.to_ascii_lowercase().as_str() {
+            "digits" => return Ok(DatasetSpec::Digits),
+            "breast-cancer" | "breast_cancer" => return Ok(DatasetSpec::BreastCancer),
+            _ => {}
+        }
+        if let Some(params) = t.to_ascii_lowercase().strip_prefix("synthetic:") {
+            let parts: Vec<&str> = params.split(',').map(str::trim).collect();
+            let parse = |s: &str| s.parse::<f64>().ok().filter(|v| v.is_finite() && *v >= 0.0);
+            return match parts.as_slice() {
+                [a, b] => match (parse(a), parse(b)) {
+                    (Some(alpha), Some(beta)) => Ok(DatasetSpec::Synthetic { alpha, beta }),
+                    _ => Err(ConfigError(format!(
+                        "invalid dataset `{t}`: alpha and beta must be numbers >= 0"
+                    ))),
+                },
+                _ => Err(ConfigError(format!(
+                    "invalid dataset `{t}`: expected synthetic:ALPHA,BETA"
+                ))),
+            };
+        }
+        if t.is_empty() {
+            return Err(ConfigError(
+                "empty dataset: expected digits, breast-cancer, synthetic:ALPHA,BETA or a CSV path"
+                    .into(),
+            ));
+        }
+        Ok(DatasetSpec::Csv(PathBuf::from(t)))
+    }
+}
+
+impl fmt::Display for DatasetSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DatasetSpec::Digits => f.write_str("digits"),
+            DatasetSpec::BreastCancer => f.write_str("breast-cancer"),
+            DatasetSpec::Synthetic { alpha, beta } => write!(f, "synthetic:{alpha},{beta}"),
+            DatasetSpec::Csv(path) => write!(f, "{}", path.display()),
+        }
+    }
+}
+
+impl Serialize for DatasetSpec {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for DatasetSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// Every setting of a simulation run. Field names are the command-line flags; a TOML
+/// `--config` file uses the same keys (`clients-per-round = 10`, or `clients_per_round`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
+pub struct SimulationConfig {
+    /// Data set to train on.
+    pub dataset: DatasetSpec,
+    /// Model family and shape.
+    pub model: ModelKind,
+    /// Number of virtual clients the training data is split over.
+    pub clients: usize,
+    /// Clients selected per round; `None` selects every client.
+    #[serde(alias = "clients_per_round", skip_serializing_if = "Option::is_none")]
+    pub clients_per_round: Option<usize>,
+    /// Minimum reports for a round to count.
+    #[serde(alias = "min_participants")]
+    pub min_participants: usize,
+    /// Number of rounds.
+    pub rounds: u32,
+    /// How the training data is split over clients; `None` means `natural` for data that
+    /// comes already federated (synthetic) and `dirichlet:0.5` otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub partition: Option<PartitionScheme>,
+    /// Federated strategy.
+    pub strategy: Strategy,
+    /// Server learning rate; `None` takes the strategy's default.
+    #[serde(alias = "server_lr", skip_serializing_if = "Option::is_none")]
+    pub server_lr: Option<f64>,
+    /// Local epochs per round.
+    #[serde(alias = "local_epochs")]
+    pub local_epochs: u32,
+    /// Local mini-batch size.
+    #[serde(alias = "batch_size")]
+    pub batch_size: usize,
+    /// Local SGD learning rate.
+    pub lr: f64,
+    /// Local SGD momentum.
+    pub momentum: f64,
+    /// Local L2 weight decay.
+    #[serde(alias = "weight_decay")]
+    pub weight_decay: f64,
+    /// Probability that a selected client never reports.
+    pub dropout: f64,
+    /// Fraction of the data held out as the global test set.
+    #[serde(alias = "test_fraction")]
+    pub test_fraction: f64,
+    /// Seed for every random choice in the run.
+    pub seed: u64,
+    /// Output directory; `None` picks `runs/simulate-<timestamp>`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub out: Option<PathBuf>,
+}
+
+impl Default for SimulationConfig {
+    fn default() -> Self {
+        Self {
+            dataset: DatasetSpec::Digits,
+            model: ModelKind::Mlp {
+                hidden: cohort_edge::model::DEFAULT_MLP_HIDDEN.to_vec(),
+            },
+            clients: 50,
+            clients_per_round: None,
+            min_participants: 1,
+            rounds: 40,
+            partition: None,
+            strategy: Strategy::FedAvg,
+            server_lr: None,
+            local_epochs: 5,
+            batch_size: 16,
+            lr: 0.05,
+            momentum: 0.9,
+            weight_decay: 1e-4,
+            dropout: 0.0,
+            test_fraction: 0.2,
+            seed: 0,
+            out: None,
+        }
+    }
+}
+
+impl SimulationConfig {
+    /// Reads a TOML file; keys missing from it keep their defaults.
+    pub fn from_toml_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError(format!("cannot read config `{}`: {e}", path.display())))?;
+        toml::from_str(&text).map_err(|e| {
+            let msg = e.message().to_string();
+            let line = e
+                .span()
+                .map(|span| text[..span.start.min(text.len())].lines().count().max(1));
+            match line {
+                Some(line) => ConfigError(format!(
+                    "invalid config `{}` line {line}: {msg}",
+                    path.display()
+                )),
+                None => ConfigError(format!("invalid config `{}`: {msg}", path.display())),
+            }
+        })
+    }
+
+    /// The partition scheme in effect, with the default filled in.
+    pub fn partition_scheme(&self) -> PartitionScheme {
+        self.partition.unwrap_or(match self.dataset {
+            DatasetSpec::Synthetic { .. } => PartitionScheme::Natural,
+            _ => PartitionScheme::Dirichlet { alpha: 0.5 },
+        })
+    }
+
+    /// Clients selected per round, with the default filled in.
+    pub fn clients_per_round(&self) -> usize {
+        self.clients_per_round.unwrap_or(self.clients)
+    }
+
+    /// Checks the settings that do not depend on the data.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |msg: String| Err(ConfigError(msg));
+        if self.clients == 0 {
+            return bad("--clients must be at least 1".into());
+        }
+        let k = self.clients_per_round();
+        if k == 0 || k > self.clients {
+            return bad(format!(
+                "--clients-per-round must be between 1 and --clients ({}), got {k}",
+                self.clients
+            ));
+        }
+        if self.min_participants == 0 || self.min_participants > k {
+            return bad(format!(
+                "--min-participants must be between 1 and clients per round ({k}), got {}",
+                self.min_participants
+            ));
+        }
+        if self.rounds == 0 {
+            return bad("--rounds must be at least 1".into());
+        }
+        if !(self.dropout.is_finite() && (0.0..1.0).contains(&self.dropout)) {
+            return bad(format!(
+                "--dropout must be a probability in [0, 1), got {}",
+                self.dropout
+            ));
+        }
+        if !(self.test_fraction.is_finite() && self.test_fraction > 0.0 && self.test_fraction < 1.0)
+        {
+            return bad(format!(
+                "--test-fraction must be in (0, 1), got {}",
+                self.test_fraction
+            ));
+        }
+        if let Some(lr) = self.server_lr {
+            if !(lr.is_finite() && lr > 0.0) {
+                return bad(format!("--server-lr must be > 0, got {lr}"));
+            }
+        }
+        if matches!(self.partition_scheme(), PartitionScheme::Natural)
+            && !matches!(self.dataset, DatasetSpec::Synthetic { .. })
+        {
+            return bad(format!(
+                "--partition natural needs a naturally federated data set (synthetic:ALPHA,BETA), not `{}`",
+                self.dataset
+            ));
+        }
+        self.train_config()
+            .validate()
+            .map_err(|e| ConfigError(e.to_string()))
+    }
+
+    /// Local training settings (the strategy adds its proximal mu per task).
+    pub fn train_config(&self) -> cohort_edge::train::TrainConfig {
+        cohort_edge::train::TrainConfig {
+            local_epochs: self.local_epochs,
+            batch_size: self.batch_size,
+            lr: self.lr as f32,
+            momentum: self.momentum as f32,
+            weight_decay: self.weight_decay as f32,
+            proximal_mu: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dataset_specs_parse_and_round_trip() {
+        for text in ["digits", "breast-cancer", "synthetic:1,1", "synthetic:0.5,0", "data/x.csv.gz"] {
+            let spec: DatasetSpec = text.parse().unwrap();
+            assert_eq!(spec.to_string(), text);
+        }
+        assert!("synthetic:1".parse::<DatasetSpec>().is_err());
+        assert!("synthetic:-1,1".parse::<DatasetSpec>().is_err());
+        assert!("synthetic:a,b".parse::<DatasetSpec>().is_err());
+    }
+
+    #[test]
+    fn toml_uses_the_flag_names_and_rejects_unknown_keys() {
+        let cfg: SimulationConfig = toml::from_str(
+            "dataset = \"breast-cancer\"\nmodel = \"logreg\"\nclients-per-round = 4\nlocal_epochs = 2\npartition = \"iid\"\nstrategy = \"fedprox:0.1\"",
+        )
+        .unwrap();
+        assert_eq!(cfg.dataset, DatasetSpec::BreastCancer);
+        assert_eq!(cfg.clients_per_round, Some(4));
+        assert_eq!(cfg.local_epochs, 2);
+        assert_eq!(cfg.strategy, Strategy::FedProx { mu: 0.1 });
+        assert_eq!(cfg.clients, SimulationConfig::default().clients);
+        assert!(toml::from_str::<SimulationConfig>("clinets = 3").is_err());
+        assert!(toml::from_str::<SimulationConfig>("partition = \"dirichlet:0\"").is_err());
+    }
+
+    #[test]
+    fn validation_names_the_bad_setting() {
+        let base = SimulationConfig::default();
+        let cases = [
+            (SimulationConfig { clients: 0, ..base.clone() }, "--clients"),
+            (
+                SimulationConfig {
+                    clients_per_round: Some(51),
+                    ..base.clone()
+                },
+                "--clients-per-round",
+            ),
+            (SimulationConfig { rounds: 0, ..base.clone() }, "--rounds"),
+            (SimulationConfig { dropout: 1.0, ..base.clone() }, "--dropout"),
+            (
+                SimulationConfig {
+                    partition: Some(PartitionScheme::Natural),
+                    ..base.clone()
+                },
+                "natural",
+            ),
+            (SimulationConfig { lr: -1.0, ..base.clone() }, "learning rate"),
+        ];
+        for (cfg, needle) in cases {
+            let err = cfg.validate().unwrap_err().0;
+            assert!(err.contains(needle), "`{err}` should mention `{needle}`");
+        }
+        base.validate().unwrap();
+    }
+}

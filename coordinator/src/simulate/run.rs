@@ -1,0 +1,291 @@
+//! The simulation loop: many virtual clients in one process, driven through the round
+//! engine exactly as remote clients are.
+
+use std::time::Instant;
+
+use cohort_edge::data::{self, Dataset, Standardizer, SyntheticConfig};
+use cohort_edge::model::{Evaluation, ModelSpec};
+use cohort_edge::partition::partition;
+use cohort_edge::train::{LocalModel, LocalUpdate, TrainError, Trainer};
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+use serde::Serialize;
+
+use super::config::{DatasetSpec, SimulationConfig};
+use super::SimulationError;
+use crate::engine::{ClientId, ClientUpdate, EngineConfig, RoundEngine, RoundStatus};
+use crate::seeds::{Stream, derive_seed};
+
+/// One row of `metrics.csv`: the state after a round.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RoundRecord {
+    /// Round number, from 1.
+    pub round: u32,
+    /// Accuracy of the global model on the held-out test set.
+    pub test_accuracy: f64,
+    /// Mean cross-entropy of the global model on the test set.
+    pub test_loss: f64,
+    /// Clients whose updates were aggregated.
+    pub participants: usize,
+    /// Selected clients that never reported.
+    pub dropped: usize,
+    /// Wall-clock seconds for the round (training, aggregation, evaluation).
+    pub seconds: f64,
+    /// Clients selected.
+    pub selected: usize,
+    /// Sample-weighted mean local training loss (empty when nobody reported).
+    pub train_loss: Option<f64>,
+    /// Training samples behind the aggregate.
+    pub samples: u64,
+    /// Whether the global model was updated.
+    pub status: RoundStatus,
+}
+
+/// Facts about the data a run used, for the summary.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DataFacts {
+    /// Training samples over all clients.
+    pub train_samples: usize,
+    /// Held-out test samples.
+    pub test_samples: usize,
+    /// Feature columns.
+    pub features: usize,
+    /// Classes.
+    pub classes: usize,
+    /// Partition scheme in effect.
+    pub partition: String,
+    /// Smallest, median and largest client sample counts.
+    pub client_samples_min: usize,
+    /// Median client sample count.
+    pub client_samples_median: usize,
+    /// Largest client sample count.
+    pub client_samples_max: usize,
+    /// Model parameters.
+    pub model_parameters: usize,
+}
+
+/// Everything a finished run measured.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SimulationResult {
+    /// One record per round.
+    pub rounds: Vec<RoundRecord>,
+    /// Data and model facts.
+    pub data: DataFacts,
+    /// Client updates aggregated over the run.
+    pub total_updates: usize,
+    /// Seconds spent training and aggregating (excludes set-up and evaluation).
+    pub training_seconds: f64,
+    /// Seconds for the whole run, set-up included.
+    pub wall_seconds: f64,
+    /// Worker threads used for client training.
+    pub threads: usize,
+}
+
+impl SimulationResult {
+    /// Client updates aggregated per second of training and aggregation.
+    pub fn updates_per_second(&self) -> f64 {
+        if self.training_seconds > 0.0 {
+            self.total_updates as f64 / self.training_seconds
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Data prepared for a run: standardised train and test sets and each client's model.
+pub struct Prepared {
+    clients: Vec<LocalModel>,
+    test: Dataset,
+    spec: ModelSpec,
+    facts: DataFacts,
+}
+
+impl Prepared {
+    /// The virtual clients, in id order.
+    pub fn clients(&self) -> &[LocalModel] {
+        &self.clients
+    }
+
+    /// The model shape in use.
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    /// Facts about the prepared data.
+    pub fn facts(&self) -> &DataFacts {
+        &self.facts
+    }
+}
+
+fn load_dataset(cfg: &SimulationConfig) -> Result<Dataset, SimulationError> {
+    Ok(match &cfg.dataset {
+        DatasetSpec::Digits => data::digits(),
+        DatasetSpec::BreastCancer => data::breast_cancer(),
+        DatasetSpec::Synthetic { alpha, beta } => data::synthetic(&SyntheticConfig {
+            alpha: *alpha,
+            beta: *beta,
+            devices: cfg.clients,
+            seed: derive_seed(cfg.seed, Stream::Data, 0, 0),
+            ..SyntheticConfig::default()
+        })?,
+        DatasetSpec::Csv(path) => data::load_csv(path)?,
+    })
+}
+
+/// Loads, splits, standardises and partitions the data, and binds one model per client.
+/// Everything that can be wrong with the input is found here, before any output exists.
+pub fn prepare(cfg: &SimulationConfig) -> Result<Prepared, SimulationError> {
+    cfg.validate()?;
+    let dataset = load_dataset(cfg)?;
+    let (mut train, mut test) = data::stratified_split(
+        &dataset,
+        cfg.test_fraction,
+        derive_seed(cfg.seed, Stream::Split, 0, 0),
+    )?;
+    let scaler = Standardizer::fit(&train.features);
+    scaler.transform(&mut train.features)?;
+    scaler.transform(&mut test.features)?;
+    let scheme = cfg.partition_scheme();
+    let parts = partition(
+        &train.labels,
+        train.num_classes(),
+        train.groups.as_deref(),
+        cfg.clients,
+        &scheme,
+        derive_seed(cfg.seed, Stream::Partition, 0, 0),
+    )?;
+    let spec = ModelSpec::new(&cfg.model, train.num_features(), train.num_classes())?;
+    let clients = parts
+        .iter()
+        .map(|idx| LocalModel::new(spec.clone(), &train.subset(idx)))
+        .collect::<Result<Vec<_>, TrainError>>()?;
+    let mut sizes: Vec<usize> = parts.iter().map(Vec::len).collect();
+    sizes.sort_unstable();
+    let facts = DataFacts {
+        train_samples: train.len(),
+        test_samples: test.len(),
+        features: train.num_features(),
+        classes: train.num_classes(),
+        partition: scheme.to_string(),
+        client_samples_min: sizes[0],
+        client_samples_median: sizes[sizes.len() / 2],
+        client_samples_max: sizes[sizes.len() - 1],
+        model_parameters: spec.num_params(),
+    };
+    Ok(Prepared {
+        clients,
+        test,
+        spec,
+        facts,
+    })
+}
+
+/// Runs every round of a prepared simulation, calling `on_round` after each one (to
+/// stream metrics and show progress). Clients train in parallel on the rayon pool.
+pub fn run_rounds(
+    cfg: &SimulationConfig,
+    prepared: &Prepared,
+    mut on_round: impl FnMut(&RoundRecord) -> Result<(), SimulationError>,
+) -> Result<SimulationResult, SimulationError> {
+    let started = Instant::now();
+    let initial = prepared
+        .spec
+        .init(derive_seed(cfg.seed, Stream::ModelInit, 0, 0));
+    let mut engine = RoundEngine::new(
+        initial,
+        EngineConfig {
+            clients_per_round: cfg.clients_per_round(),
+            min_participants: cfg.min_participants,
+            train: cfg.train_config(),
+            strategy: cfg.strategy.clone(),
+            server_lr: cfg.server_lr.map(|lr| lr as f32),
+        },
+    )?;
+    let all: Vec<ClientId> = (0..prepared.clients.len() as u64).map(ClientId).collect();
+    let threads = rayon::current_num_threads();
+    // Updates are trained a chunk at a time and folded in selection order: memory stays
+    // bounded by the chunk, not the cohort, and the fold order (hence every float) is the
+    // same whatever the thread timing.
+    let chunk = (threads * 4).max(1);
+    let mut records = Vec::with_capacity(cfg.rounds as usize);
+    let mut total_updates = 0;
+    let mut training_seconds = 0.0;
+    for _ in 0..cfg.rounds {
+        let round_start = Instant::now();
+        let round_no = engine.rounds_closed() + 1;
+        let mut select_rng =
+            ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::Selection, round_no, 0));
+        let plan = engine.open_round(&all, &mut select_rng)?;
+        let mut drop_rng =
+            ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::Dropout, round_no, 0));
+        let reporting: Vec<ClientId> = plan
+            .selected
+            .iter()
+            .copied()
+            .filter(|_| drop_rng.random::<f64>() >= cfg.dropout)
+            .collect();
+        let task = &plan.task;
+        for batch in reporting.chunks(chunk) {
+            let updates: Vec<(ClientId, LocalUpdate)> = batch
+                .par_iter()
+                .map(|&id| {
+                    let seed = derive_seed(cfg.seed, Stream::LocalTraining, round_no, id.0);
+                    let client = &prepared.clients[id.0 as usize];
+                    client
+                        .train(&task.global, &task.train, seed)
+                        .map(|u| (id, u))
+                        .map_err(|e| SimulationError::Client {
+                            client: id,
+                            round: round_no,
+                            source: e,
+                        })
+                })
+                .collect::<Result<_, _>>()?;
+            for (id, u) in &updates {
+                engine.submit(
+                    *id,
+                    ClientUpdate {
+                        params: &u.params,
+                        num_samples: u.num_samples as u64,
+                        train_loss: u.train_loss,
+                    },
+                )?;
+            }
+        }
+        let outcome = engine.close_round()?;
+        training_seconds += round_start.elapsed().as_secs_f64();
+        total_updates += outcome.participants;
+        let eval = evaluate_global(prepared, &engine)?;
+        let record = RoundRecord {
+            round: outcome.round,
+            test_accuracy: eval.accuracy,
+            test_loss: eval.loss,
+            participants: outcome.participants,
+            dropped: outcome.dropped,
+            seconds: round_start.elapsed().as_secs_f64(),
+            selected: outcome.selected,
+            train_loss: outcome.train_loss,
+            samples: outcome.samples,
+            status: outcome.status,
+        };
+        on_round(&record)?;
+        records.push(record);
+    }
+    Ok(SimulationResult {
+        rounds: records,
+        data: prepared.facts.clone(),
+        total_updates,
+        training_seconds,
+        wall_seconds: started.elapsed().as_secs_f64(),
+        threads,
+    })
+}
+
+fn evaluate_global(prepared: &Prepared, engine: &RoundEngine) -> Result<Evaluation, SimulationError> {
+    Ok(prepared.spec.evaluate(
+        engine.global().values(),
+        prepared.test.features.view(),
+        &prepared.test.labels,
+    )?)
+}

@@ -1,0 +1,269 @@
+//! `cohort simulate` as a user runs it: a real process, real files, exit codes.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn cohort(args: &[&str], cwd: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_cohort"))
+        .args(args)
+        .current_dir(cwd)
+        .output()
+        .expect("cohort binary runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Runs a small, fast simulation into `dir/name` and returns the output directory.
+fn small_run(dir: &Path, name: &str, extra: &[&str]) -> PathBuf {
+    let out = dir.join(name);
+    let mut args = vec![
+        "simulate",
+        "--dataset",
+        "breast-cancer",
+        "--model",
+        "logreg",
+        "--clients",
+        "8",
+        "--rounds",
+        "4",
+        "--local-epochs",
+        "1",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let o = cohort(&args, dir);
+    assert!(o.status.success(), "simulate failed: {}", stderr(&o));
+    out
+}
+
+/// metrics.csv without the `seconds` column, which is wall-clock time.
+fn metrics_without_seconds(dir: &Path) -> Vec<String> {
+    let text = fs::read_to_string(dir.join("metrics.csv")).unwrap();
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let seconds = header.iter().position(|c| *c == "seconds").unwrap();
+    text.lines()
+        .map(|l| {
+            l.split(',')
+                .enumerate()
+                .filter(|(i, _)| *i != seconds)
+                .map(|(_, v)| v)
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+        .collect()
+}
+
+#[test]
+fn run_writes_metrics_summary_and_plots() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = small_run(tmp.path(), "run", &["--seed", "3", "--dropout", "0.25"]);
+    let metrics = fs::read_to_string(out.join("metrics.csv")).unwrap();
+    let header = metrics.lines().next().unwrap();
+    assert!(header.starts_with("round,test_accuracy,test_loss,participants,dropped,seconds"));
+    assert_eq!(metrics.lines().count(), 5, "header plus one row per round");
+    let summary: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    for key in ["final_test_accuracy", "rounds", "updates_per_second", "config"] {
+        assert!(summary.get(key).is_some(), "summary.json lacks {key}");
+    }
+    assert_eq!(summary["rounds"], 4);
+    assert_eq!(summary["config"]["clients"], 8);
+    assert_eq!(summary["config"]["partition"], "dirichlet:0.5");
+    assert_eq!(summary["config"]["dropout"], 0.25);
+    let acc = summary["final_test_accuracy"].as_f64().unwrap();
+    assert!(acc > 0.8, "logistic regression on breast cancer should learn, got {acc}");
+    let png = fs::read(out.join("accuracy.png")).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    let svg = fs::read_to_string(out.join("accuracy.svg")).unwrap();
+    assert!(svg.contains("<svg") && svg.contains("round"));
+    // Nothing but the finished directory is left beside it.
+    let names: Vec<_> = fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, vec!["run"]);
+}
+
+#[test]
+fn same_seed_gives_identical_metrics_and_other_seed_differs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let extra = ["--seed", "11", "--clients-per-round", "5", "--dropout", "0.2"];
+    let a = small_run(tmp.path(), "a", &extra);
+    let b = small_run(tmp.path(), "b", &extra);
+    assert_eq!(metrics_without_seconds(&a), metrics_without_seconds(&b));
+    let c = small_run(
+        tmp.path(),
+        "c",
+        &["--seed", "12", "--clients-per-round", "5", "--dropout", "0.2"],
+    );
+    assert_ne!(metrics_without_seconds(&a), metrics_without_seconds(&c));
+}
+
+#[test]
+fn thread_count_does_not_change_results() {
+    let tmp = tempfile::tempdir().unwrap();
+    let one = small_run(tmp.path(), "one", &["--seed", "5", "--threads", "1"]);
+    let two = small_run(tmp.path(), "two", &["--seed", "5", "--threads", "2"]);
+    assert_eq!(metrics_without_seconds(&one), metrics_without_seconds(&two));
+}
+
+#[test]
+fn any_csv_with_a_label_column_works() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Text labels, the label column first, quoted header names: still a well-formed CSV.
+    let mut csv = String::from("label,\"width\",height,depth\n");
+    for i in 0..120 {
+        let class = ["cat", "dog", "eel"][i % 3];
+        let base = (i % 3) as f64 * 3.0;
+        csv.push_str(&format!(
+            "{class},{},{},{}\n",
+            base + (i as f64 * 0.37).sin(),
+            base - (i as f64 * 0.11).cos(),
+            (i % 7) as f64
+        ));
+    }
+    let path = tmp.path().join("animals.csv");
+    fs::write(&path, csv).unwrap();
+    let out = tmp.path().join("run");
+    let o = cohort(
+        &[
+            "simulate",
+            "--dataset",
+            path.to_str().unwrap(),
+            "--model",
+            "mlp:8",
+            "--clients",
+            "4",
+            "--rounds",
+            "5",
+            "--partition",
+            "iid",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        tmp.path(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let summary: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["data"]["classes"], 3);
+    assert_eq!(summary["data"]["features"], 3);
+    assert!(summary["final_test_accuracy"].as_f64().unwrap() > 0.9);
+}
+
+#[test]
+fn config_file_sets_keys_and_flags_override_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("sim.toml");
+    fs::write(
+        &cfg,
+        "dataset = \"breast-cancer\"\nmodel = \"logreg\"\nclients = 6\nrounds = 9\nlocal-epochs = 1\nstrategy = \"fedprox:0.5\"\n",
+    )
+    .unwrap();
+    let out = tmp.path().join("run");
+    let o = cohort(
+        &[
+            "simulate",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--rounds",
+            "2",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        tmp.path(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let summary: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["rounds"], 2);
+    assert_eq!(summary["config"]["clients"], 6);
+    assert_eq!(summary["config"]["strategy"], "fedprox:0.5");
+}
+
+/// Bad input: exit status 2, one line on stderr naming the problem, no panic, and no
+/// output directory.
+fn assert_rejected(args: &[&str], needles: &[&str], files: &[(&str, &str)]) {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, content) in files {
+        fs::write(tmp.path().join(name), content).unwrap();
+    }
+    let mut full = vec!["simulate", "--out", "run", "--rounds", "2"];
+    full.extend_from_slice(args);
+    let o = cohort(&full, tmp.path());
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: expected one line, got {err}");
+    assert!(!err.contains("panicked"), "{err}");
+    for needle in needles {
+        assert!(err.contains(needle), "{args:?}: `{err}` should mention `{needle}`");
+    }
+    assert!(!tmp.path().join("run").exists(), "{args:?} left an output directory");
+    let leftovers: Vec<_> = fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| !files.iter().any(|(f, _)| f == n))
+        .collect();
+    assert!(leftovers.is_empty(), "{args:?} left {leftovers:?}");
+}
+
+#[test]
+fn missing_file_is_rejected() {
+    assert_rejected(&["--dataset", "nope.csv"], &["nope.csv"], &[]);
+}
+
+#[test]
+fn csv_without_label_column_is_rejected() {
+    assert_rejected(
+        &["--dataset", "x.csv"],
+        &["x.csv", "label"],
+        &[("x.csv", "a,b,class\n1,2,0\n3,4,1\n")],
+    );
+}
+
+#[test]
+fn non_numeric_cell_is_rejected_with_row_column_and_value() {
+    assert_rejected(
+        &["--dataset", "x.csv"],
+        &["x.csv", "3", "b", "oops"],
+        &[("x.csv", "a,b,label\n1,2,0\n3,oops,1\n5,6,0\n")],
+    );
+}
+
+#[test]
+fn non_positive_dirichlet_alpha_is_rejected() {
+    assert_rejected(&["--partition", "dirichlet:0"], &["dirichlet:0"], &[]);
+    assert_rejected(&["--partition", "dirichlet:-1"], &["dirichlet:-1"], &[]);
+}
+
+#[test]
+fn more_clients_than_samples_is_rejected() {
+    assert_rejected(
+        &["--dataset", "breast-cancer", "--clients", "1000"],
+        &["1000"],
+        &[],
+    );
+}
+
+#[test]
+fn unknown_model_and_strategy_are_rejected() {
+    assert_rejected(&["--model", "resnet"], &["resnet"], &[]);
+    assert_rejected(&["--strategy", "fedfoo"], &["fedfoo"], &[]);
+}
+
+#[test]
+fn out_of_range_settings_are_rejected() {
+    assert_rejected(&["--dropout", "1.5"], &["--dropout"], &[]);
+    assert_rejected(&["--clients", "5", "--clients-per-round", "6"], &["--clients-per-round"], &[]);
+    assert_rejected(&["--config", "missing.toml"], &["missing.toml"], &[]);
+    assert_rejected(
+        &["--config", "bad.toml"],
+        &["bad.toml", "clinets"],
+        &[("bad.toml", "clinets = 4\n")],
+    );
+}
