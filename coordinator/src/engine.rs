@@ -290,7 +290,11 @@ impl RoundEngine {
     }
 
     /// Folds one client's update into the open round.
-    pub fn submit(&mut self, client: ClientId, update: ClientUpdate<'_>) -> Result<(), EngineError> {
+    pub fn submit(
+        &mut self,
+        client: ClientId,
+        update: ClientUpdate<'_>,
+    ) -> Result<(), EngineError> {
         let open = self.open.as_mut().ok_or(EngineError::NoOpenRound)?;
         if !open.selected.contains(&client) {
             return Err(EngineError::NotSelected {
@@ -417,7 +421,10 @@ mod tests {
     fn rejected_submissions_change_nothing() {
         let mut e = engine(1, 1, Strategy::FedAvg);
         assert_eq!(
-            e.submit(ClientId(0), update(&ModelVector::from_flat(vec![1.0, 1.0]), 1)),
+            e.submit(
+                ClientId(0),
+                update(&ModelVector::from_flat(vec![1.0, 1.0]), 1)
+            ),
             Err(EngineError::NoOpenRound)
         );
         let plan = e
@@ -435,7 +442,10 @@ mod tests {
             Err(EngineError::BadUpdate { .. })
         ));
         assert!(matches!(
-            e.submit(chosen, update(&ModelVector::from_flat(vec![f32::NAN, 0.0]), 1)),
+            e.submit(
+                chosen,
+                update(&ModelVector::from_flat(vec![f32::NAN, 0.0]), 1)
+            ),
             Err(EngineError::BadUpdate { .. })
         ));
         assert!(matches!(

@@ -12,7 +12,11 @@ use cohort_edge::partition::PartitionScheme;
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Parser)]
-#[command(name = "cohort", version, about = "Cohort: federated learning with privacy")]
+#[command(
+    name = "cohort",
+    version,
+    about = "Cohort: federated learning with privacy"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -101,7 +105,22 @@ impl SimulateArgs {
         macro_rules! set_some {
             ($($field:ident),*) => {$(if let Some(v) = self.$field { cfg.$field = Some(v); })*};
         }
-        set!(dataset, model, clients, min_participants, rounds, strategy, local_epochs, batch_size, lr, momentum, weight_decay, dropout, test_fraction, seed);
+        set!(
+            dataset,
+            model,
+            clients,
+            min_participants,
+            rounds,
+            strategy,
+            local_epochs,
+            batch_size,
+            lr,
+            momentum,
+            weight_decay,
+            dropout,
+            test_fraction,
+            seed
+        );
         set_some!(clients_per_round, partition, server_lr, out);
         Ok(cfg)
     }
@@ -117,7 +136,10 @@ fn main() -> ExitCode {
             }
             // One line, like every other input error; `--help` has the details.
             let rendered = e.render().to_string();
-            let first = rendered.lines().next().unwrap_or("error: invalid arguments");
+            let first = rendered
+                .lines()
+                .next()
+                .unwrap_or("error: invalid arguments");
             eprintln!("{first}");
             return ExitCode::from(2);
         }
@@ -141,7 +163,10 @@ fn run_simulate(args: SimulateArgs) -> ExitCode {
             eprintln!("error: --threads must be at least 1");
             return ExitCode::from(2);
         }
-        if let Err(e) = rayon::ThreadPoolBuilder::new().num_threads(n).build_global() {
+        if let Err(e) = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+        {
             eprintln!("error: cannot start {n} worker threads: {e}");
             return ExitCode::from(1);
         }
@@ -149,8 +174,10 @@ fn run_simulate(args: SimulateArgs) -> ExitCode {
     let bar = std::io::stderr().is_terminal().then(|| {
         let bar = ProgressBar::new(u64::from(cfg.rounds));
         bar.set_style(
-            ProgressStyle::with_template("{bar:40.cyan/blue} {pos}/{len} rounds {msg} [{elapsed_precise}<{eta_precise}]")
-                .expect("static template is valid"),
+            ProgressStyle::with_template(
+                "{bar:40.cyan/blue} {pos}/{len} rounds {msg} [{elapsed_precise}<{eta_precise}]",
+            )
+            .expect("static template is valid"),
         );
         bar
     });

@@ -68,7 +68,12 @@ fn run_writes_metrics_summary_and_plots() {
     assert_eq!(metrics.lines().count(), 5, "header plus one row per round");
     let summary: serde_json::Value =
         serde_json::from_str(&fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
-    for key in ["final_test_accuracy", "rounds", "updates_per_second", "config"] {
+    for key in [
+        "final_test_accuracy",
+        "rounds",
+        "updates_per_second",
+        "config",
+    ] {
         assert!(summary.get(key).is_some(), "summary.json lacks {key}");
     }
     assert_eq!(summary["rounds"], 4);
@@ -76,7 +81,10 @@ fn run_writes_metrics_summary_and_plots() {
     assert_eq!(summary["config"]["partition"], "dirichlet:0.5");
     assert_eq!(summary["config"]["dropout"], 0.25);
     let acc = summary["final_test_accuracy"].as_f64().unwrap();
-    assert!(acc > 0.8, "logistic regression on breast cancer should learn, got {acc}");
+    assert!(
+        acc > 0.8,
+        "logistic regression on breast cancer should learn, got {acc}"
+    );
     let png = fs::read(out.join("accuracy.png")).unwrap();
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
     let svg = fs::read_to_string(out.join("accuracy.svg")).unwrap();
@@ -92,14 +100,28 @@ fn run_writes_metrics_summary_and_plots() {
 #[test]
 fn same_seed_gives_identical_metrics_and_other_seed_differs() {
     let tmp = tempfile::tempdir().unwrap();
-    let extra = ["--seed", "11", "--clients-per-round", "5", "--dropout", "0.2"];
+    let extra = [
+        "--seed",
+        "11",
+        "--clients-per-round",
+        "5",
+        "--dropout",
+        "0.2",
+    ];
     let a = small_run(tmp.path(), "a", &extra);
     let b = small_run(tmp.path(), "b", &extra);
     assert_eq!(metrics_without_seconds(&a), metrics_without_seconds(&b));
     let c = small_run(
         tmp.path(),
         "c",
-        &["--seed", "12", "--clients-per-round", "5", "--dropout", "0.2"],
+        &[
+            "--seed",
+            "12",
+            "--clients-per-round",
+            "5",
+            "--dropout",
+            "0.2",
+        ],
     );
     assert_ne!(metrics_without_seconds(&a), metrics_without_seconds(&c));
 }
@@ -198,12 +220,22 @@ fn assert_rejected(args: &[&str], needles: &[&str], files: &[(&str, &str)]) {
     let o = cohort(&full, tmp.path());
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: expected one line, got {err}");
+    assert_eq!(
+        err.trim_end().lines().count(),
+        1,
+        "{args:?}: expected one line, got {err}"
+    );
     assert!(!err.contains("panicked"), "{err}");
     for needle in needles {
-        assert!(err.contains(needle), "{args:?}: `{err}` should mention `{needle}`");
+        assert!(
+            err.contains(needle),
+            "{args:?}: `{err}` should mention `{needle}`"
+        );
     }
-    assert!(!tmp.path().join("run").exists(), "{args:?} left an output directory");
+    assert!(
+        !tmp.path().join("run").exists(),
+        "{args:?} left an output directory"
+    );
     let leftovers: Vec<_> = fs::read_dir(tmp.path())
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -259,7 +291,11 @@ fn unknown_model_and_strategy_are_rejected() {
 #[test]
 fn out_of_range_settings_are_rejected() {
     assert_rejected(&["--dropout", "1.5"], &["--dropout"], &[]);
-    assert_rejected(&["--clients", "5", "--clients-per-round", "6"], &["--clients-per-round"], &[]);
+    assert_rejected(
+        &["--clients", "5", "--clients-per-round", "6"],
+        &["--clients-per-round"],
+        &[],
+    );
     assert_rejected(&["--config", "missing.toml"], &["missing.toml"], &[]);
     assert_rejected(
         &["--config", "bad.toml"],

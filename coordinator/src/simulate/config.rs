@@ -241,10 +241,10 @@ impl SimulationConfig {
                 self.test_fraction
             ));
         }
-        if let Some(lr) = self.server_lr {
-            if !(lr.is_finite() && lr > 0.0) {
-                return bad(format!("--server-lr must be > 0, got {lr}"));
-            }
+        if let Some(lr) = self.server_lr
+            && !(lr.is_finite() && lr > 0.0)
+        {
+            return bad(format!("--server-lr must be > 0, got {lr}"));
         }
         if matches!(self.partition_scheme(), PartitionScheme::Natural)
             && !matches!(self.dataset, DatasetSpec::Synthetic { .. })
@@ -278,7 +278,13 @@ mod tests {
 
     #[test]
     fn dataset_specs_parse_and_round_trip() {
-        for text in ["digits", "breast-cancer", "synthetic:1,1", "synthetic:0.5,0", "data/x.csv.gz"] {
+        for text in [
+            "digits",
+            "breast-cancer",
+            "synthetic:1,1",
+            "synthetic:0.5,0",
+            "data/x.csv.gz",
+        ] {
             let spec: DatasetSpec = text.parse().unwrap();
             assert_eq!(spec.to_string(), text);
         }
@@ -306,7 +312,13 @@ mod tests {
     fn validation_names_the_bad_setting() {
         let base = SimulationConfig::default();
         let cases = [
-            (SimulationConfig { clients: 0, ..base.clone() }, "--clients"),
+            (
+                SimulationConfig {
+                    clients: 0,
+                    ..base.clone()
+                },
+                "--clients",
+            ),
             (
                 SimulationConfig {
                     clients_per_round: Some(51),
@@ -314,8 +326,20 @@ mod tests {
                 },
                 "--clients-per-round",
             ),
-            (SimulationConfig { rounds: 0, ..base.clone() }, "--rounds"),
-            (SimulationConfig { dropout: 1.0, ..base.clone() }, "--dropout"),
+            (
+                SimulationConfig {
+                    rounds: 0,
+                    ..base.clone()
+                },
+                "--rounds",
+            ),
+            (
+                SimulationConfig {
+                    dropout: 1.0,
+                    ..base.clone()
+                },
+                "--dropout",
+            ),
             (
                 SimulationConfig {
                     partition: Some(PartitionScheme::Natural),
@@ -323,7 +347,13 @@ mod tests {
                 },
                 "natural",
             ),
-            (SimulationConfig { lr: -1.0, ..base.clone() }, "learning rate"),
+            (
+                SimulationConfig {
+                    lr: -1.0,
+                    ..base.clone()
+                },
+                "learning rate",
+            ),
         ];
         for (cfg, needle) in cases {
             let err = cfg.validate().unwrap_err().0;

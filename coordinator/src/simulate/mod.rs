@@ -124,10 +124,11 @@ pub struct Summary {
 impl Summary {
     fn new(cfg: &SimulationConfig, result: &SimulationResult) -> Self {
         let last = result.rounds.last();
-        let best = result
-            .rounds
-            .iter()
-            .max_by(|a, b| a.test_accuracy.total_cmp(&b.test_accuracy).then(b.round.cmp(&a.round)));
+        let best = result.rounds.iter().max_by(|a, b| {
+            a.test_accuracy
+                .total_cmp(&b.test_accuracy)
+                .then(b.round.cmp(&a.round))
+        });
         let mut resolved = cfg.clone();
         resolved.partition = Some(cfg.partition_scheme());
         resolved.clients_per_round = Some(cfg.clients_per_round());
@@ -158,10 +159,12 @@ pub fn simulate(
     cfg: &SimulationConfig,
     mut on_round: impl FnMut(&RoundRecord),
 ) -> Result<(Summary, PathBuf), SimulationError> {
-    let out = cfg
-        .out
-        .clone()
-        .unwrap_or_else(|| PathBuf::from(format!("runs/simulate-{}", chrono::Utc::now().format("%Y%m%d-%H%M%S"))));
+    let out = cfg.out.clone().unwrap_or_else(|| {
+        PathBuf::from(format!(
+            "runs/simulate-{}",
+            chrono::Utc::now().format("%Y%m%d-%H%M%S")
+        ))
+    });
     // All input is checked before anything is written.
     let prepared = prepare(cfg)?;
     let staged = StagedDir::create(&out)?;
@@ -190,8 +193,13 @@ pub fn simulate(
         cfg.strategy
     );
     let png = staged.path().join("accuracy.png");
-    write_plots(&result.rounds, &title, &png, &staged.path().join("accuracy.svg"))
-        .map_err(|message| SimulationError::Output { path: png, message })?;
+    write_plots(
+        &result.rounds,
+        &title,
+        &png,
+        &staged.path().join("accuracy.svg"),
+    )
+    .map_err(|message| SimulationError::Output { path: png, message })?;
     let final_dir = staged.commit()?;
     Ok((summary, final_dir))
 }

@@ -38,7 +38,12 @@ impl StagedDir {
         }
         let name = target
             .file_name()
-            .ok_or_else(|| ConfigError(format!("--out `{}` has no directory name", target.display())))?
+            .ok_or_else(|| {
+                ConfigError(format!(
+                    "--out `{}` has no directory name",
+                    target.display()
+                ))
+            })?
             .to_string_lossy()
             .into_owned();
         let parent = match target.parent() {
@@ -187,7 +192,10 @@ mod tests {
             let staged = StagedDir::create(&target).unwrap();
             fs::write(staged.path().join("summary.json"), content).unwrap();
             assert_eq!(staged.commit().unwrap(), target);
-            assert_eq!(fs::read_to_string(target.join("summary.json")).unwrap(), content);
+            assert_eq!(
+                fs::read_to_string(target.join("summary.json")).unwrap(),
+                content
+            );
         }
         assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
     }

@@ -22,7 +22,12 @@ fn register_font() {
 }
 
 /// Writes `accuracy.png` and `accuracy.svg`-style figures to `png` and `svg`.
-pub fn write_plots(records: &[RoundRecord], title: &str, png: &Path, svg: &Path) -> Result<(), String> {
+pub fn write_plots(
+    records: &[RoundRecord],
+    title: &str,
+    png: &Path,
+    svg: &Path,
+) -> Result<(), String> {
     register_font();
     const SIZE: (u32, u32) = (1100, 440);
     draw(
@@ -30,7 +35,11 @@ pub fn write_plots(records: &[RoundRecord], title: &str, png: &Path, svg: &Path)
         records,
         title,
     )?;
-    draw(SVGBackend::new(svg, SIZE).into_drawing_area(), records, title)
+    draw(
+        SVGBackend::new(svg, SIZE).into_drawing_area(),
+        records,
+        title,
+    )
 }
 
 fn draw<DB: DrawingBackend>(
@@ -40,9 +49,7 @@ fn draw<DB: DrawingBackend>(
 ) -> Result<(), String> {
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| format!("cannot draw plot: {e}");
     root.fill(&WHITE).map_err(err)?;
-    let root = root
-        .titled(title, ("sans-serif", 20))
-        .map_err(err)?;
+    let root = root.titled(title, ("sans-serif", 20)).map_err(err)?;
     let (left, right) = root.split_horizontally(root.dim_in_pixel().0 / 2);
     let last_round = records.last().map_or(1, |r| r.round).max(2);
     let accuracy: Vec<(u32, f64)> = records.iter().map(|r| (r.round, r.test_accuracy)).collect();
@@ -66,7 +73,10 @@ fn draw<DB: DrawingBackend>(
         .draw()
         .map_err(err)?;
     chart
-        .draw_series(LineSeries::new(accuracy.iter().copied(), BLUE.stroke_width(2)))
+        .draw_series(LineSeries::new(
+            accuracy.iter().copied(),
+            BLUE.stroke_width(2),
+        ))
         .map_err(err)?;
 
     let max_loss = loss
@@ -96,7 +106,10 @@ fn draw<DB: DrawingBackend>(
         .label("test")
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED));
     chart
-        .draw_series(LineSeries::new(train_loss.iter().copied(), GREEN.stroke_width(2)))
+        .draw_series(LineSeries::new(
+            train_loss.iter().copied(),
+            GREEN.stroke_width(2),
+        ))
         .map_err(err)?
         .label("train (clients)")
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], GREEN));

@@ -12,8 +12,8 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 use serde::Serialize;
 
-use super::config::{DatasetSpec, SimulationConfig};
 use super::SimulationError;
+use super::config::{DatasetSpec, SimulationConfig};
 use crate::engine::{ClientId, ClientUpdate, EngineConfig, RoundEngine, RoundStatus};
 use crate::seeds::{Stream, derive_seed};
 
@@ -198,7 +198,7 @@ pub fn run_rounds(
             clients_per_round: cfg.clients_per_round(),
             min_participants: cfg.min_participants,
             train: cfg.train_config(),
-            strategy: cfg.strategy.clone(),
+            strategy: cfg.strategy,
             server_lr: cfg.server_lr.map(|lr| lr as f32),
         },
     )?;
@@ -282,7 +282,10 @@ pub fn run_rounds(
     })
 }
 
-fn evaluate_global(prepared: &Prepared, engine: &RoundEngine) -> Result<Evaluation, SimulationError> {
+fn evaluate_global(
+    prepared: &Prepared,
+    engine: &RoundEngine,
+) -> Result<Evaluation, SimulationError> {
     Ok(prepared.spec.evaluate(
         engine.global().values(),
         prepared.test.features.view(),
