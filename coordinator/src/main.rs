@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use cohort_aggregation::Strategy;
-use cohort_coordinator::simulate::{DatasetSpec, RoundRecord, SimulationConfig, simulate};
+use cohort_coordinator::simulate::{DatasetSpec, RoundRecord, SimulationConfig, compare, simulate};
 use cohort_edge::model::ModelKind;
 use cohort_edge::partition::PartitionScheme;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -55,9 +55,11 @@ struct SimulateArgs {
     /// iid | dirichlet:ALPHA | shards:K | quantity:SIGMA | natural [default: dirichlet:0.5; natural for synthetic]
     #[arg(long)]
     partition: Option<PartitionScheme>,
-    /// fedavg | fedprox:MU | fedadam | fedyogi | fedadagrad [default: fedavg]
-    #[arg(long)]
-    strategy: Option<Strategy>,
+    /// fedavg | fedprox:MU | fedadam | fedyogi | fedadagrad [default: fedavg]. Several,
+    /// comma-separated, compare them on identical data, sampling and initial model, each
+    /// in DIR/<strategy>/ with a combined summary in DIR.
+    #[arg(long, value_delimiter = ',')]
+    strategy: Option<Vec<Strategy>>,
     /// Server learning rate [default: 1 for fedavg/fedprox, 0.01 for adaptive strategies]
     #[arg(long, value_name = "LR")]
     server_lr: Option<f64>,
@@ -94,7 +96,9 @@ struct SimulateArgs {
 }
 
 impl SimulateArgs {
-    fn resolve(self) -> Result<SimulationConfig, String> {
+    /// The run's settings, and the strategies to compare when more than one was named.
+    fn resolve(mut self) -> Result<(SimulationConfig, Vec<Strategy>), String> {
+        let strategies = self.strategy.take().unwrap_or_default();
         let mut cfg = match &self.config {
             Some(path) => SimulationConfig::from_toml_file(path).map_err(|e| e.to_string())?,
             None => SimulationConfig::default(),
@@ -111,7 +115,6 @@ impl SimulateArgs {
             clients,
             min_participants,
             rounds,
-            strategy,
             local_epochs,
             batch_size,
             lr,
@@ -122,7 +125,10 @@ impl SimulateArgs {
             seed
         );
         set_some!(clients_per_round, partition, server_lr, out);
-        Ok(cfg)
+        if let [only] = strategies.as_slice() {
+            cfg.strategy = *only;
+        }
+        Ok((cfg, strategies))
     }
 }
 
@@ -151,8 +157,8 @@ fn main() -> ExitCode {
 
 fn run_simulate(args: SimulateArgs) -> ExitCode {
     let threads = args.threads;
-    let cfg = match args.resolve() {
-        Ok(cfg) => cfg,
+    let (cfg, strategies) = match args.resolve() {
+        Ok(resolved) => resolved,
         Err(msg) => {
             eprintln!("error: {msg}");
             return ExitCode::from(2);
@@ -182,9 +188,9 @@ fn run_simulate(args: SimulateArgs) -> ExitCode {
         bar
     });
     let rounds = cfg.rounds;
-    let on_round = |r: &RoundRecord| {
+    let report = |prefix: &str, r: &RoundRecord| {
         let line = format!(
-            "accuracy {:.4} loss {:.4} participants {} dropped {}",
+            "{prefix}accuracy {:.4} loss {:.4} participants {} dropped {}",
             r.test_accuracy, r.test_loss, r.participants, r.dropped
         );
         match &bar {
@@ -195,20 +201,41 @@ fn run_simulate(args: SimulateArgs) -> ExitCode {
             None => eprintln!("round {}/{rounds} {line} {:.3}s", r.round, r.seconds),
         }
     };
-    let outcome = simulate(&cfg, on_round);
-    if let Some(bar) = &bar {
-        bar.finish_and_clear();
-    }
-    match outcome {
-        Ok((summary, dir)) => {
-            println!(
+    let outcome = if strategies.len() > 1 {
+        if let Some(bar) = &bar {
+            bar.set_length(u64::from(rounds) * strategies.len() as u64);
+        }
+        compare(&cfg, &strategies, |s, r| report(&format!("{s}: "), r)).map(|(c, dir)| {
+            let results: Vec<String> = c
+                .runs
+                .iter()
+                .map(|r| format!("{} {:.4}", r.strategy, r.final_test_accuracy))
+                .collect();
+            format!(
+                "final test accuracy: {} after {} rounds; results in {}",
+                results.join(", "),
+                c.rounds,
+                dir.display()
+            )
+        })
+    } else {
+        simulate(&cfg, |r| report("", r)).map(|(summary, dir)| {
+            format!(
                 "final test accuracy {:.4} after {} rounds ({:.1} client updates/s on {} threads); results in {}",
                 summary.final_test_accuracy,
                 summary.rounds,
                 summary.updates_per_second,
                 summary.threads,
                 dir.display()
-            );
+            )
+        })
+    };
+    if let Some(bar) = &bar {
+        bar.finish_and_clear();
+    }
+    match outcome {
+        Ok(line) => {
+            println!("{line}");
             ExitCode::SUCCESS
         }
         Err(e) => {

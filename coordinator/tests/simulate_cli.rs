@@ -303,3 +303,72 @@ fn out_of_range_settings_are_rejected() {
         &[("bad.toml", "clinets = 4\n")],
     );
 }
+
+#[test]
+fn comparing_strategies_writes_each_run_and_a_combined_summary() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("cmp");
+    let o = cohort(
+        &[
+            "simulate",
+            "--dataset",
+            "synthetic:1,1",
+            "--clients",
+            "30",
+            "--clients-per-round",
+            "10",
+            "--model",
+            "logreg",
+            "--rounds",
+            "3",
+            "--local-epochs",
+            "1",
+            "--strategy",
+            "fedavg,fedprox:1",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        tmp.path(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let summary: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    let runs = summary["runs"].as_array().unwrap();
+    let names: Vec<&str> = runs
+        .iter()
+        .map(|r| r["strategy"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["fedavg", "fedprox:1"]);
+    for run in runs {
+        assert!(run["final_test_accuracy"].as_f64().is_some());
+        let dir = out.join(run["dir"].as_str().unwrap());
+        for file in [
+            "metrics.csv",
+            "summary.json",
+            "accuracy.png",
+            "accuracy.svg",
+        ] {
+            assert!(dir.join(file).exists(), "{} lacks {file}", dir.display());
+        }
+    }
+    let combined = fs::read_to_string(out.join("metrics.csv")).unwrap();
+    assert_eq!(combined.lines().count(), 1 + 2 * 3);
+    assert!(combined.lines().skip(1).any(|l| l.ends_with(",fedprox:1")));
+    assert!(out.join("accuracy.png").exists());
+    // Same data, sampling and initial model: only the strategy differs, so the
+    // participants per round agree.
+    let participants = |strategy: &str| -> Vec<String> {
+        combined
+            .lines()
+            .skip(1)
+            .filter(|l| l.ends_with(&format!(",{strategy}")))
+            .map(|l| l.split(',').nth(3).unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(participants("fedavg"), participants("fedprox:1"));
+}
+
+#[test]
+fn listing_a_strategy_twice_is_rejected() {
+    assert_rejected(&["--strategy", "fedavg,fedavg"], &["fedavg", "twice"], &[]);
+}

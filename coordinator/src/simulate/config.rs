@@ -201,6 +201,15 @@ impl SimulationConfig {
         })
     }
 
+    /// The configuration with every default filled in, as recorded in `summary.json`.
+    pub fn resolved(&self) -> SimulationConfig {
+        SimulationConfig {
+            partition: Some(self.partition_scheme()),
+            clients_per_round: Some(self.clients_per_round()),
+            ..self.clone()
+        }
+    }
+
     /// Clients selected per round, with the default filled in.
     pub fn clients_per_round(&self) -> usize {
         self.clients_per_round.unwrap_or(self.clients)

@@ -11,7 +11,9 @@ mod output;
 mod plot;
 mod run;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+use cohort_aggregation::Strategy;
 
 use cohort_edge::data::DataError;
 use cohort_edge::model::ModelError;
@@ -21,7 +23,7 @@ use serde::Serialize;
 
 pub use config::{ConfigError, DatasetSpec, SimulationConfig};
 pub use output::{MetricsWriter, StagedDir};
-pub use plot::write_plots;
+pub use plot::{Series, write_plots};
 pub use run::{DataFacts, Prepared, RoundRecord, SimulationResult, prepare, run_rounds};
 
 use crate::engine::{ClientId, EngineError};
@@ -129,9 +131,7 @@ impl Summary {
                 .total_cmp(&b.test_accuracy)
                 .then(b.round.cmp(&a.round))
         });
-        let mut resolved = cfg.clone();
-        resolved.partition = Some(cfg.partition_scheme());
-        resolved.clients_per_round = Some(cfg.clients_per_round());
+        let resolved = cfg.resolved();
         Summary {
             final_test_accuracy: last.map_or(0.0, |r| r.test_accuracy),
             final_test_loss: last.map_or(0.0, |r| r.test_loss),
@@ -153,53 +153,204 @@ impl Summary {
     }
 }
 
-/// Runs a whole simulation and writes its outputs into `cfg.out`. `on_round` sees each
-/// round's record as it finishes (for progress display).
-pub fn simulate(
-    cfg: &SimulationConfig,
-    mut on_round: impl FnMut(&RoundRecord),
-) -> Result<(Summary, PathBuf), SimulationError> {
-    let out = cfg.out.clone().unwrap_or_else(|| {
-        PathBuf::from(format!(
-            "runs/simulate-{}",
-            chrono::Utc::now().format("%Y%m%d-%H%M%S")
-        ))
-    });
-    // All input is checked before anything is written.
-    let prepared = prepare(cfg)?;
-    let staged = StagedDir::create(&out)?;
-    let mut metrics = MetricsWriter::create(&staged.path().join("metrics.csv"))?;
-    let result = run_rounds(cfg, &prepared, |record| {
-        metrics.write(record)?;
-        on_round(record);
-        Ok(())
-    })?;
-    metrics.finish()?;
-    let mut resolved = cfg.clone();
-    resolved.out = Some(out.clone());
-    let summary = Summary::new(&resolved, &result);
-    let summary_path = staged.path().join("summary.json");
-    let json = serde_json::to_string_pretty(&summary).expect("summary serialises");
-    std::fs::write(&summary_path, json + "\n").map_err(|e| SimulationError::Output {
-        path: summary_path.clone(),
+fn default_out() -> PathBuf {
+    PathBuf::from(format!(
+        "runs/simulate-{}",
+        chrono::Utc::now().format("%Y%m%d-%H%M%S")
+    ))
+}
+
+fn write_json(path: &Path, value: &impl Serialize) -> Result<(), SimulationError> {
+    let json = serde_json::to_string_pretty(value).expect("summaries serialise");
+    std::fs::write(path, json + "\n").map_err(|e| SimulationError::Output {
+        path: path.to_path_buf(),
         message: e.to_string(),
-    })?;
-    let title = format!(
+    })
+}
+
+fn plot_title(cfg: &SimulationConfig, strategy: &str) -> String {
+    format!(
         "{} · {} · {} · {} clients · {}",
         cfg.dataset,
         cfg.model,
         cfg.partition_scheme(),
         cfg.clients,
-        cfg.strategy
-    );
-    let png = staged.path().join("accuracy.png");
-    write_plots(
-        &result.rounds,
-        &title,
-        &png,
-        &staged.path().join("accuracy.svg"),
+        strategy
     )
-    .map_err(|message| SimulationError::Output { path: png, message })?;
-    let final_dir = staged.commit()?;
-    Ok((summary, final_dir))
+}
+
+fn plot_into(dir: &Path, title: &str, series: &[Series<'_>]) -> Result<(), SimulationError> {
+    let png = dir.join("accuracy.png");
+    write_plots(series, title, &png, &dir.join("accuracy.svg"))
+        .map_err(|message| SimulationError::Output { path: png, message })
+}
+
+/// Runs one strategy on prepared data and writes `metrics.csv`, `summary.json` and the
+/// plots into `dir`. `extra` also receives every row (the comparison's combined file).
+fn run_into(
+    dir: &Path,
+    cfg: &SimulationConfig,
+    out: &Path,
+    prepared: &Prepared,
+    mut extra: Option<&mut MetricsWriter>,
+    mut on_round: impl FnMut(&RoundRecord),
+) -> Result<(Summary, SimulationResult), SimulationError> {
+    let strategy = cfg.strategy.to_string();
+    let mut metrics = MetricsWriter::create(&dir.join("metrics.csv"))?;
+    let result = run_rounds(cfg, prepared, |record| {
+        metrics.write(record, &strategy)?;
+        if let Some(w) = extra.as_deref_mut() {
+            w.write(record, &strategy)?;
+        }
+        on_round(record);
+        Ok(())
+    })?;
+    metrics.finish()?;
+    let mut resolved = cfg.clone();
+    resolved.out = Some(out.to_path_buf());
+    let summary = Summary::new(&resolved, &result);
+    write_json(&dir.join("summary.json"), &summary)?;
+    plot_into(
+        dir,
+        &plot_title(cfg, &strategy),
+        &[Series {
+            label: &strategy,
+            records: &result.rounds,
+        }],
+    )?;
+    Ok((summary, result))
+}
+
+/// Runs a whole simulation and writes its outputs into `cfg.out`. `on_round` sees each
+/// round's record as it finishes (for progress display).
+pub fn simulate(
+    cfg: &SimulationConfig,
+    on_round: impl FnMut(&RoundRecord),
+) -> Result<(Summary, PathBuf), SimulationError> {
+    let out = cfg.out.clone().unwrap_or_else(default_out);
+    // All input is checked before anything is written.
+    let prepared = prepare(cfg)?;
+    let staged = StagedDir::create(&out)?;
+    let (summary, _) = run_into(staged.path(), cfg, &out, &prepared, None, on_round)?;
+    Ok((summary, staged.commit()?))
+}
+
+/// One strategy's line in a comparison's `summary.json`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ComparisonEntry {
+    /// The strategy.
+    pub strategy: String,
+    /// Sub-directory with this strategy's own outputs.
+    pub dir: String,
+    /// Test accuracy of its final global model.
+    pub final_test_accuracy: f64,
+    /// Test loss of its final global model.
+    pub final_test_loss: f64,
+    /// Its best test accuracy over all rounds.
+    pub best_test_accuracy: f64,
+    /// Round of that best accuracy.
+    pub best_round: u32,
+    /// Client updates aggregated per second.
+    pub updates_per_second: f64,
+}
+
+/// The `summary.json` of a comparison of strategies on identical data, partition,
+/// initial model and client sampling.
+#[derive(Debug, Clone, Serialize)]
+pub struct Comparison {
+    /// Each strategy's results, in the order given.
+    pub runs: Vec<ComparisonEntry>,
+    /// Rounds per run.
+    pub rounds: u32,
+    /// Data and model facts (the same for every run).
+    pub data: DataFacts,
+    /// The resolved configuration shared by the runs (`strategy` is the first one).
+    pub config: serde_json::Value,
+    /// Version of Cohort that produced the runs.
+    pub cohort_version: &'static str,
+}
+
+/// A directory name for a strategy's outputs (`fedprox:1` becomes `fedprox-1`).
+fn strategy_dir(strategy: &Strategy) -> String {
+    strategy.to_string().replace(':', "-")
+}
+
+/// Runs the same experiment once per strategy, each into `DIR/<strategy>/`, and writes a
+/// combined `metrics.csv` (with a `strategy` column), `summary.json` and overlaid plots
+/// into `DIR`. Every run sees the same data, partition, initial model, client sampling
+/// and dropout, so differences come from the strategy alone.
+pub fn compare(
+    cfg: &SimulationConfig,
+    strategies: &[Strategy],
+    mut on_round: impl FnMut(&Strategy, &RoundRecord),
+) -> Result<(Comparison, PathBuf), SimulationError> {
+    let mut names = std::collections::BTreeSet::new();
+    if let Some(dup) = strategies.iter().find(|s| !names.insert(strategy_dir(s))) {
+        return Err(ConfigError(format!("--strategy lists `{dup}` twice")).into());
+    }
+    let first = strategies
+        .first()
+        .ok_or_else(|| ConfigError("--strategy needs at least one strategy".into()))?;
+    let out = cfg.out.clone().unwrap_or_else(default_out);
+    let shared = SimulationConfig {
+        strategy: *first,
+        ..cfg.clone()
+    };
+    let prepared = prepare(&shared)?;
+    let staged = StagedDir::create(&out)?;
+    let mut combined = MetricsWriter::create(&staged.path().join("metrics.csv"))?;
+    let mut runs = Vec::with_capacity(strategies.len());
+    let mut histories = Vec::with_capacity(strategies.len());
+    for strategy in strategies {
+        let dir_name = strategy_dir(strategy);
+        let dir = staged.path().join(&dir_name);
+        std::fs::create_dir(&dir).map_err(|e| SimulationError::Output {
+            path: dir.clone(),
+            message: e.to_string(),
+        })?;
+        let run_cfg = SimulationConfig {
+            strategy: *strategy,
+            ..cfg.clone()
+        };
+        let (summary, result) = run_into(
+            &dir,
+            &run_cfg,
+            &out.join(&dir_name),
+            &prepared,
+            Some(&mut combined),
+            |r| on_round(strategy, r),
+        )?;
+        runs.push(ComparisonEntry {
+            strategy: summary.strategy.clone(),
+            dir: dir_name,
+            final_test_accuracy: summary.final_test_accuracy,
+            final_test_loss: summary.final_test_loss,
+            best_test_accuracy: summary.best_test_accuracy,
+            best_round: summary.best_round,
+            updates_per_second: summary.updates_per_second,
+        });
+        histories.push((strategy.to_string(), result.rounds));
+    }
+    combined.finish()?;
+    let mut resolved = shared.resolved();
+    resolved.out = Some(out.clone());
+    let comparison = Comparison {
+        runs,
+        rounds: cfg.rounds,
+        data: prepared.facts().clone(),
+        config: serde_json::to_value(&resolved).unwrap_or_default(),
+        cohort_version: env!("CARGO_PKG_VERSION"),
+    };
+    write_json(&staged.path().join("summary.json"), &comparison)?;
+    let series: Vec<Series<'_>> = histories
+        .iter()
+        .map(|(label, records)| Series { label, records })
+        .collect();
+    let labels: Vec<&str> = histories.iter().map(|(l, _)| l.as_str()).collect();
+    plot_into(
+        staged.path(),
+        &plot_title(cfg, &labels.join(" vs ")),
+        &series,
+    )?;
+    Ok((comparison, staged.commit()?))
 }

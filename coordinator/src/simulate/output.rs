@@ -103,7 +103,7 @@ pub struct MetricsWriter {
 }
 
 /// Column names of `metrics.csv`, in order.
-pub const METRICS_COLUMNS: [&str; 10] = [
+pub const METRICS_COLUMNS: [&str; 11] = [
     "round",
     "test_accuracy",
     "test_loss",
@@ -114,6 +114,7 @@ pub const METRICS_COLUMNS: [&str; 10] = [
     "train_loss",
     "samples",
     "status",
+    "strategy",
 ];
 
 impl MetricsWriter {
@@ -135,14 +136,14 @@ impl MetricsWriter {
             .map_err(|e| output_error(&self.path, e))
     }
 
-    /// Appends one round.
-    pub fn write(&mut self, r: &RoundRecord) -> Result<(), SimulationError> {
+    /// Appends one round of `strategy`.
+    pub fn write(&mut self, r: &RoundRecord, strategy: &str) -> Result<(), SimulationError> {
         let status = match r.status {
             crate::engine::RoundStatus::Published => "published",
             crate::engine::RoundStatus::BelowQuorum => "below_quorum",
         };
         let line = format!(
-            "{},{},{},{},{},{:.6},{},{},{},{}",
+            "{},{},{},{},{},{:.6},{},{},{},{},{}",
             r.round,
             r.test_accuracy,
             r.test_loss,
@@ -152,7 +153,8 @@ impl MetricsWriter {
             r.selected,
             r.train_loss.map(|l| l.to_string()).unwrap_or_default(),
             r.samples,
-            status
+            status,
+            strategy
         );
         self.line(&line)
     }

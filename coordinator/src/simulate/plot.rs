@@ -21,9 +21,29 @@ fn register_font() {
     });
 }
 
-/// Writes `accuracy.png` and `accuracy.svg`-style figures to `png` and `svg`.
+/// One line per panel: a labelled run's history.
+#[derive(Debug, Clone, Copy)]
+pub struct Series<'a> {
+    /// Legend text (the strategy).
+    pub label: &'a str,
+    /// The run's rounds.
+    pub records: &'a [RoundRecord],
+}
+
+const PALETTE: [RGBColor; 6] = [
+    RGBColor(31, 119, 180),
+    RGBColor(214, 39, 40),
+    RGBColor(44, 160, 44),
+    RGBColor(255, 127, 14),
+    RGBColor(148, 103, 189),
+    RGBColor(23, 190, 207),
+];
+
+/// Draws test accuracy (left) and loss (right) per round into a PNG and an SVG file. A
+/// single series also shows the clients' training loss; several series (a comparison)
+/// are overlaid, one colour each.
 pub fn write_plots(
-    records: &[RoundRecord],
+    series: &[Series<'_>],
     title: &str,
     png: &Path,
     svg: &Path,
@@ -32,32 +52,54 @@ pub fn write_plots(
     const SIZE: (u32, u32) = (1100, 440);
     draw(
         BitMapBackend::new(png, SIZE).into_drawing_area(),
-        records,
+        series,
         title,
     )?;
     draw(
         SVGBackend::new(svg, SIZE).into_drawing_area(),
-        records,
+        series,
         title,
     )
 }
 
+fn points(records: &[RoundRecord], value: impl Fn(&RoundRecord) -> Option<f64>) -> Vec<(u32, f64)> {
+    records
+        .iter()
+        .filter_map(|r| value(r).filter(|v| v.is_finite()).map(|v| (r.round, v)))
+        .collect()
+}
+
 fn draw<DB: DrawingBackend>(
     root: DrawingArea<DB, Shift>,
-    records: &[RoundRecord],
+    series: &[Series<'_>],
     title: &str,
 ) -> Result<(), String> {
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| format!("cannot draw plot: {e}");
     root.fill(&WHITE).map_err(err)?;
     let root = root.titled(title, ("sans-serif", 20)).map_err(err)?;
     let (left, right) = root.split_horizontally(root.dim_in_pixel().0 / 2);
-    let last_round = records.last().map_or(1, |r| r.round).max(2);
-    let accuracy: Vec<(u32, f64)> = records.iter().map(|r| (r.round, r.test_accuracy)).collect();
-    let loss: Vec<(u32, f64)> = records.iter().map(|r| (r.round, r.test_loss)).collect();
-    let train_loss: Vec<(u32, f64)> = records
+    let last_round = series
         .iter()
-        .filter_map(|r| r.train_loss.map(|l| (r.round, l)))
+        .filter_map(|s| s.records.last().map(|r| r.round))
+        .max()
+        .unwrap_or(1)
+        .max(2);
+    let single = series.len() == 1;
+    let accuracy: Vec<_> = series
+        .iter()
+        .map(|s| points(s.records, |r| Some(r.test_accuracy)))
         .collect();
+    let test_loss: Vec<_> = series
+        .iter()
+        .map(|s| points(s.records, |r| Some(r.test_loss)))
+        .collect();
+    // The clients' own loss is telling for one run; with several it only clutters.
+    let train_loss = if single {
+        points(series[0].records, |r| r.train_loss)
+    } else {
+        Vec::new()
+    };
+    let colour = |i: usize| PALETTE[i % PALETTE.len()];
 
     let mut chart = ChartBuilder::on(&left)
         .caption("test accuracy", ("sans-serif", 16))
@@ -72,18 +114,28 @@ fn draw<DB: DrawingBackend>(
         .y_desc("accuracy")
         .draw()
         .map_err(err)?;
+    for (i, (s, pts)) in series.iter().zip(&accuracy).enumerate() {
+        let c = colour(i);
+        chart
+            .draw_series(LineSeries::new(pts.iter().copied(), c.stroke_width(2)))
+            .map_err(err)?
+            .label(s.label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
+    }
     chart
-        .draw_series(LineSeries::new(
-            accuracy.iter().copied(),
-            BLUE.stroke_width(2),
-        ))
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 14))
+        .draw()
         .map_err(err)?;
 
-    let max_loss = loss
+    let max_loss = test_loss
         .iter()
+        .flatten()
         .chain(&train_loss)
         .map(|&(_, l)| l)
-        .filter(|l| l.is_finite())
         .fold(0.0f64, f64::max)
         .max(1e-3)
         * 1.05;
@@ -100,19 +152,30 @@ fn draw<DB: DrawingBackend>(
         .y_desc("cross-entropy")
         .draw()
         .map_err(err)?;
-    chart
-        .draw_series(LineSeries::new(loss.iter().copied(), RED.stroke_width(2)))
-        .map_err(err)?
-        .label("test")
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED));
-    chart
-        .draw_series(LineSeries::new(
-            train_loss.iter().copied(),
-            GREEN.stroke_width(2),
-        ))
-        .map_err(err)?
-        .label("train (clients)")
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], GREEN));
+    for (i, (s, pts)) in series.iter().zip(&test_loss).enumerate() {
+        let c = colour(i);
+        let label = if single {
+            "test".to_string()
+        } else {
+            format!("{} (test)", s.label)
+        };
+        chart
+            .draw_series(LineSeries::new(pts.iter().copied(), c.stroke_width(2)))
+            .map_err(err)?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
+    }
+    if single {
+        let c = colour(2);
+        chart
+            .draw_series(LineSeries::new(
+                train_loss.iter().copied(),
+                c.stroke_width(2),
+            ))
+            .map_err(err)?
+            .label("train (clients)")
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
+    }
     chart
         .configure_series_labels()
         .background_style(WHITE.mix(0.8))
