@@ -13,7 +13,7 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use super::SimulationError;
-use super::config::{DatasetSpec, SimulationConfig};
+use super::config::{ConfigError, DatasetSpec, SimulationConfig};
 use crate::engine::{ClientId, ClientUpdate, EngineConfig, RoundEngine, RoundStatus};
 use crate::seeds::{Stream, derive_seed};
 
@@ -156,29 +156,53 @@ pub fn prepare(cfg: &SimulationConfig) -> Result<Prepared, SimulationError> {
         derive_seed(cfg.seed, Stream::Partition, 0, 0),
     )?;
     let spec = ModelSpec::new(&cfg.model, train.num_features(), train.num_classes())?;
-    let clients = parts
-        .iter()
-        .map(|idx| LocalModel::new(spec.clone(), &train.subset(idx)))
-        .collect::<Result<Vec<_>, TrainError>>()?;
-    let mut sizes: Vec<usize> = parts.iter().map(Vec::len).collect();
-    sizes.sort_unstable();
-    let facts = DataFacts {
-        train_samples: train.len(),
-        test_samples: test.len(),
-        features: train.num_features(),
-        classes: train.num_classes(),
-        partition: scheme.to_string(),
-        client_samples_min: sizes[0],
-        client_samples_median: sizes[sizes.len() / 2],
-        client_samples_max: sizes[sizes.len() - 1],
-        model_parameters: spec.num_params(),
-    };
-    Ok(Prepared {
-        clients,
-        test,
-        spec,
-        facts,
-    })
+    let clients = parts.iter().map(|idx| train.subset(idx)).collect();
+    Prepared::new(spec, clients, test, &scheme.to_string())
+}
+
+impl Prepared {
+    /// Binds one model per client to data the caller has already split (for data that
+    /// does not come from a [`SimulationConfig`], such as a benchmark's own generator).
+    /// `partition` names how the data was split, for the summary.
+    pub fn new(
+        spec: ModelSpec,
+        client_data: Vec<Dataset>,
+        test: Dataset,
+        partition: &str,
+    ) -> Result<Self, SimulationError> {
+        if client_data.is_empty() {
+            return Err(ConfigError("a simulation needs at least one client".into()).into());
+        }
+        let mut sizes: Vec<usize> = client_data.iter().map(Dataset::len).collect();
+        sizes.sort_unstable();
+        let facts = DataFacts {
+            train_samples: sizes.iter().sum(),
+            test_samples: test.len(),
+            features: spec.inputs(),
+            classes: spec.classes(),
+            partition: partition.to_string(),
+            client_samples_min: sizes[0],
+            client_samples_median: sizes[sizes.len() / 2],
+            client_samples_max: sizes[sizes.len() - 1],
+            model_parameters: spec.num_params(),
+        };
+        let clients = client_data
+            .iter()
+            .map(|d| LocalModel::new(spec.clone(), d))
+            .collect::<Result<Vec<_>, TrainError>>()?;
+        // Checks the test set against the model once, so evaluation cannot fail later.
+        spec.evaluate(
+            &vec![0.0; spec.num_params()],
+            test.features.view(),
+            &test.labels,
+        )?;
+        Ok(Self {
+            clients,
+            test,
+            spec,
+            facts,
+        })
+    }
 }
 
 /// Runs every round of a prepared simulation, calling `on_round` after each one (to
@@ -206,8 +230,11 @@ pub fn run_rounds(
     let threads = rayon::current_num_threads();
     // Updates are trained a chunk at a time and folded in selection order: memory stays
     // bounded by the chunk, not the cohort, and the fold order (hence every float) is the
-    // same whatever the thread timing.
-    let chunk = (threads * 4).max(1);
+    // same whatever the thread timing. Chunks hold up to 64 MiB of updates, and at least
+    // four per thread so that uneven client sizes even out within a chunk.
+    const CHUNK_BYTES: usize = 64 << 20;
+    let update_bytes = prepared.spec.num_params().max(1) * std::mem::size_of::<f32>();
+    let chunk = (CHUNK_BYTES / update_bytes).max(threads * 4);
     let mut records = Vec::with_capacity(cfg.rounds as usize);
     let mut total_updates = 0;
     let mut training_seconds = 0.0;
