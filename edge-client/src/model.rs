@@ -20,6 +20,10 @@ use serde::{Deserialize, Serialize};
 /// architecture of the shipped data sets' README.
 pub const DEFAULT_MLP_HIDDEN: [usize; 1] = [64];
 
+/// The largest model accepted: 2^28 parameters (1 GiB of `f32`). Anything larger would
+/// exhaust memory on the machines this runs on before training could start.
+pub const MAX_PARAMETERS: usize = 1 << 28;
+
 /// Which family of model to train, as a user names it on the command line.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ModelKind {
@@ -55,6 +59,14 @@ pub enum ModelError {
         inputs: usize,
         /// Output classes.
         classes: usize,
+    },
+    /// The model would have more than [`MAX_PARAMETERS`] parameters.
+    #[error("model {sizes:?} would have more than {max} parameters")]
+    TooLarge {
+        /// Layer widths asked for.
+        sizes: Vec<usize>,
+        /// The limit.
+        max: usize,
     },
     /// Parameters do not fit the spec's layout.
     #[error("parameters have {found} values but the model needs {expected}")]
@@ -143,6 +155,17 @@ impl ModelSpec {
             sizes.extend_from_slice(hidden);
         }
         sizes.push(classes);
+        let params = sizes.windows(2).try_fold(0usize, |acc, w| {
+            w[0].checked_mul(w[1])
+                .and_then(|n| n.checked_add(w[1]))
+                .and_then(|n| n.checked_add(acc))
+        });
+        if params.is_none_or(|n| n > MAX_PARAMETERS) {
+            return Err(ModelError::TooLarge {
+                sizes,
+                max: MAX_PARAMETERS,
+            });
+        }
         let tensors = sizes
             .windows(2)
             .enumerate()
@@ -556,6 +579,22 @@ mod tests {
             spec.evaluate(&params[1..], x.view(), &[0, 1, 1, 0])
                 .is_err()
         );
+    }
+
+    #[test]
+    fn oversized_models_are_refused_before_allocating() {
+        let kind: ModelKind = "mlp:100000000,100000000".parse().unwrap();
+        assert!(matches!(
+            ModelSpec::new(&kind, 64, 10),
+            Err(ModelError::TooLarge { .. })
+        ));
+        let overflow = ModelKind::Mlp {
+            hidden: vec![usize::MAX],
+        };
+        assert!(matches!(
+            ModelSpec::new(&overflow, 64, 10),
+            Err(ModelError::TooLarge { .. })
+        ));
     }
 
     #[test]
