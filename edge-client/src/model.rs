@@ -303,17 +303,28 @@ impl ModelSpec {
     ) -> Result<Array2<f32>, ModelError> {
         self.check_params(params.len())?;
         self.check_batch(&x, None)?;
-        let mut a = x.to_owned();
-        for i in 0..self.num_layers() {
+        Ok(self
+            .forward(params, x)
+            .pop()
+            .expect("a model has at least one layer"))
+    }
+
+    /// Every layer's output for the batch `x`, input side first: ReLU activations for
+    /// hidden layers, logits last. The backward pass needs them all.
+    fn forward(&self, params: &[f32], x: ArrayView2<'_, f32>) -> Vec<Array2<f32>> {
+        let layers = self.num_layers();
+        let mut outputs: Vec<Array2<f32>> = Vec::with_capacity(layers);
+        for i in 0..layers {
+            let input = if i == 0 { x } else { outputs[i - 1].view() };
             let (w, b) = self.layer(params, i);
-            let mut z = a.dot(&w.t());
+            let mut z = input.dot(&w.t());
             z += &b;
-            if i + 1 < self.num_layers() {
+            if i + 1 < layers {
                 z.mapv_inplace(|v| v.max(0.0));
             }
-            a = z;
+            outputs.push(z);
         }
-        Ok(a)
+        outputs
     }
 
     /// Mean softmax cross-entropy of the batch, and its gradient with respect to every
@@ -334,19 +345,7 @@ impl ModelSpec {
             return Ok(0.0);
         }
         let layers = self.num_layers();
-        // Keep every layer's output: the backward pass needs the inputs of each layer and
-        // the ReLU masks.
-        let mut acts: Vec<Array2<f32>> = Vec::with_capacity(layers);
-        for i in 0..layers {
-            let input = if i == 0 { x.view() } else { acts[i - 1].view() };
-            let (w, b) = self.layer(params, i);
-            let mut z = input.dot(&w.t());
-            z += &b;
-            if i + 1 < layers {
-                z.mapv_inplace(|v| v.max(0.0));
-            }
-            acts.push(z);
-        }
+        let mut acts = self.forward(params, x.view());
         let mut delta = acts.pop().expect("at least one layer");
         let loss = softmax_cross_entropy_backward(&mut delta, y);
         for i in (0..layers).rev() {
