@@ -135,6 +135,16 @@ pub enum RoundStatus {
     BelowQuorum,
 }
 
+impl RoundStatus {
+    /// The status as written in metrics files: `published` or `below_quorum`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RoundStatus::Published => "published",
+            RoundStatus::BelowQuorum => "below_quorum",
+        }
+    }
+}
+
 /// Summary of a closed round.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RoundOutcome {

@@ -66,6 +66,18 @@ fn run_writes_metrics_summary_and_plots() {
     let header = metrics.lines().next().unwrap();
     assert!(header.starts_with("round,test_accuracy,test_loss,participants,dropped,seconds"));
     assert_eq!(metrics.lines().count(), 5, "header plus one row per round");
+    let jsonl = fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let rows: Vec<serde_json::Value> = jsonl
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 4);
+    assert_eq!(rows[3]["round"], 4);
+    assert_eq!(rows[3]["strategy"], "fedavg");
+    assert_eq!(
+        rows[3]["dropped"].as_u64().unwrap() + rows[3]["participants"].as_u64().unwrap(),
+        rows[3]["selected"].as_u64().unwrap()
+    );
     let summary: serde_json::Value =
         serde_json::from_str(&fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     for key in [

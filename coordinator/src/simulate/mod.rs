@@ -1,7 +1,8 @@
 //! Simulation mode: a researcher's whole federated experiment in one process.
 //!
 //! [`simulate`] checks the settings and the data, trains the virtual clients round after
-//! round through the [`crate::engine::RoundEngine`], and writes `metrics.csv`,
+//! round through the [`crate::engine::RoundEngine`], and writes `metrics.csv` (and the
+//! same rows as `metrics.jsonl`),
 //! `summary.json`, `accuracy.png` and `accuracy.svg` into the output directory. Output is
 //! staged next to the target and moved into place only when the run finishes, so a
 //! failed run never leaves a directory that looks like a finished one.
@@ -185,7 +186,7 @@ fn plot_into(dir: &Path, title: &str, series: &[Series<'_>]) -> Result<(), Simul
         .map_err(|message| SimulationError::Output { path: png, message })
 }
 
-/// Runs one strategy on prepared data and writes `metrics.csv`, `summary.json` and the
+/// Runs one strategy on prepared data and writes the metrics, `summary.json` and the
 /// plots into `dir`. `extra` also receives every row (the comparison's combined file).
 fn run_into(
     dir: &Path,
@@ -196,7 +197,7 @@ fn run_into(
     mut on_round: impl FnMut(&RoundRecord),
 ) -> Result<(Summary, SimulationResult), SimulationError> {
     let strategy = cfg.strategy.to_string();
-    let mut metrics = MetricsWriter::create(&dir.join("metrics.csv"))?;
+    let mut metrics = MetricsWriter::create(dir)?;
     let result = run_rounds(cfg, prepared, |record| {
         metrics.write(record, &strategy)?;
         if let Some(w) = extra.as_deref_mut() {
@@ -298,7 +299,7 @@ pub fn compare(
     };
     let prepared = prepare(&shared)?;
     let staged = StagedDir::create(&out)?;
-    let mut combined = MetricsWriter::create(&staged.path().join("metrics.csv"))?;
+    let mut combined = MetricsWriter::create(staged.path())?;
     let mut runs = Vec::with_capacity(strategies.len());
     let mut histories = Vec::with_capacity(strategies.len());
     for strategy in strategies {

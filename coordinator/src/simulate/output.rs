@@ -5,6 +5,8 @@ use std::fs::{self, File};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
+use serde::Serialize;
+
 use super::SimulationError;
 use super::config::ConfigError;
 use super::run::RoundRecord;
@@ -95,14 +97,16 @@ impl Drop for StagedDir {
     }
 }
 
-/// Writes `metrics.csv` one round at a time, flushed after each row so a long run can be
-/// watched while it goes.
+/// Writes `metrics.csv` and `metrics.jsonl` one round at a time, flushed after each row
+/// so a long run can be watched while it goes.
 pub struct MetricsWriter {
-    path: PathBuf,
-    out: BufWriter<File>,
+    csv_path: PathBuf,
+    csv: BufWriter<File>,
+    jsonl_path: PathBuf,
+    jsonl: BufWriter<File>,
 }
 
-/// Column names of `metrics.csv`, in order.
+/// Column names of `metrics.csv`, in order (also the keys of each `metrics.jsonl` line).
 pub const METRICS_COLUMNS: [&str; 11] = [
     "round",
     "test_accuracy",
@@ -117,31 +121,47 @@ pub const METRICS_COLUMNS: [&str; 11] = [
     "strategy",
 ];
 
+#[derive(Serialize)]
+struct JsonRow<'a> {
+    #[serde(flatten)]
+    record: &'a RoundRecord,
+    strategy: &'a str,
+}
+
+fn append(out: &mut BufWriter<File>, path: &Path, text: &str) -> Result<(), SimulationError> {
+    writeln!(out, "{text}")
+        .and_then(|()| out.flush())
+        .map_err(|e| output_error(path, e))
+}
+
+fn close(out: &mut BufWriter<File>, path: &Path) -> Result<(), SimulationError> {
+    out.flush().map_err(|e| output_error(path, e))?;
+    out.get_ref().sync_all().map_err(|e| output_error(path, e))
+}
+
 impl MetricsWriter {
-    /// Creates the file and writes the header.
-    pub fn create(path: &Path) -> Result<Self, SimulationError> {
-        let file = File::create(path).map_err(|e| output_error(path, e))?;
-        let mut w = Self {
-            path: path.to_path_buf(),
-            out: BufWriter::new(file),
+    /// Creates both files in `dir` and writes the CSV header.
+    pub fn create(dir: &Path) -> Result<Self, SimulationError> {
+        let open = |name: &str| {
+            let path = dir.join(name);
+            File::create(&path)
+                .map(|f| (path.clone(), BufWriter::new(f)))
+                .map_err(|e| output_error(&path, e))
         };
-        let header = METRICS_COLUMNS.join(",");
-        w.line(&header)?;
+        let (csv_path, csv) = open("metrics.csv")?;
+        let (jsonl_path, jsonl) = open("metrics.jsonl")?;
+        let mut w = Self {
+            csv_path,
+            csv,
+            jsonl_path,
+            jsonl,
+        };
+        append(&mut w.csv, &w.csv_path, &METRICS_COLUMNS.join(","))?;
         Ok(w)
     }
 
-    fn line(&mut self, text: &str) -> Result<(), SimulationError> {
-        writeln!(self.out, "{text}")
-            .and_then(|()| self.out.flush())
-            .map_err(|e| output_error(&self.path, e))
-    }
-
-    /// Appends one round of `strategy`.
+    /// Appends one round of `strategy` to both files.
     pub fn write(&mut self, r: &RoundRecord, strategy: &str) -> Result<(), SimulationError> {
-        let status = match r.status {
-            crate::engine::RoundStatus::Published => "published",
-            crate::engine::RoundStatus::BelowQuorum => "below_quorum",
-        };
         let line = format!(
             "{},{},{},{},{},{:.6},{},{},{},{},{}",
             r.round,
@@ -153,19 +173,22 @@ impl MetricsWriter {
             r.selected,
             r.train_loss.map(|l| l.to_string()).unwrap_or_default(),
             r.samples,
-            status,
+            r.status.as_str(),
             strategy
         );
-        self.line(&line)
+        append(&mut self.csv, &self.csv_path, &line)?;
+        let json = serde_json::to_string(&JsonRow {
+            record: r,
+            strategy,
+        })
+        .expect("round records serialise");
+        append(&mut self.jsonl, &self.jsonl_path, &json)
     }
 
-    /// Flushes and closes the file.
+    /// Flushes both files to disk.
     pub fn finish(mut self) -> Result<(), SimulationError> {
-        self.out.flush().map_err(|e| output_error(&self.path, e))?;
-        self.out
-            .get_ref()
-            .sync_all()
-            .map_err(|e| output_error(&self.path, e))
+        close(&mut self.csv, &self.csv_path)?;
+        close(&mut self.jsonl, &self.jsonl_path)
     }
 }
 
