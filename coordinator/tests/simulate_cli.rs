@@ -16,11 +16,29 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+fn read_json(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// Runs `cohort simulate ARGS --out OUT` in `cwd`, which must succeed, and returns the
+/// parsed `summary.json`.
+fn simulate_ok(cwd: &Path, out: &Path, args: &[&str]) -> serde_json::Value {
+    let mut full = vec!["simulate"];
+    full.extend_from_slice(args);
+    full.extend_from_slice(&["--out", out.to_str().unwrap()]);
+    let o = cohort(&full, cwd);
+    assert!(
+        o.status.success(),
+        "simulate {args:?} failed: {}",
+        stderr(&o)
+    );
+    read_json(&out.join("summary.json"))
+}
+
 /// Runs a small, fast simulation into `dir/name` and returns the output directory.
 fn small_run(dir: &Path, name: &str, extra: &[&str]) -> PathBuf {
     let out = dir.join(name);
     let mut args = vec![
-        "simulate",
         "--dataset",
         "breast-cancer",
         "--model",
@@ -31,12 +49,9 @@ fn small_run(dir: &Path, name: &str, extra: &[&str]) -> PathBuf {
         "4",
         "--local-epochs",
         "1",
-        "--out",
-        out.to_str().unwrap(),
     ];
     args.extend_from_slice(extra);
-    let o = cohort(&args, dir);
-    assert!(o.status.success(), "simulate failed: {}", stderr(&o));
+    simulate_ok(dir, &out, &args);
     out
 }
 
@@ -78,8 +93,7 @@ fn run_writes_metrics_summary_and_plots() {
         rows[3]["dropped"].as_u64().unwrap() + rows[3]["participants"].as_u64().unwrap(),
         rows[3]["selected"].as_u64().unwrap()
     );
-    let summary: serde_json::Value =
-        serde_json::from_str(&fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    let summary = read_json(&out.join("summary.json"));
     for key in [
         "final_test_accuracy",
         "rounds",
@@ -163,10 +177,10 @@ fn any_csv_with_a_label_column_works() {
     }
     let path = tmp.path().join("animals.csv");
     fs::write(&path, csv).unwrap();
-    let out = tmp.path().join("run");
-    let o = cohort(
+    let summary = simulate_ok(
+        tmp.path(),
+        &tmp.path().join("run"),
         &[
-            "simulate",
             "--dataset",
             path.to_str().unwrap(),
             "--model",
@@ -177,14 +191,8 @@ fn any_csv_with_a_label_column_works() {
             "5",
             "--partition",
             "iid",
-            "--out",
-            out.to_str().unwrap(),
         ],
-        tmp.path(),
     );
-    assert!(o.status.success(), "{}", stderr(&o));
-    let summary: serde_json::Value =
-        serde_json::from_str(&fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["data"]["classes"], 3);
     assert_eq!(summary["data"]["features"], 3);
     assert!(summary["final_test_accuracy"].as_f64().unwrap() > 0.9);
@@ -199,22 +207,11 @@ fn config_file_sets_keys_and_flags_override_it() {
         "dataset = \"breast-cancer\"\nmodel = \"logreg\"\nclients = 6\nrounds = 9\nlocal-epochs = 1\nstrategy = \"fedprox:0.5\"\n",
     )
     .unwrap();
-    let out = tmp.path().join("run");
-    let o = cohort(
-        &[
-            "simulate",
-            "--config",
-            cfg.to_str().unwrap(),
-            "--rounds",
-            "2",
-            "--out",
-            out.to_str().unwrap(),
-        ],
+    let summary = simulate_ok(
         tmp.path(),
+        &tmp.path().join("run"),
+        &["--config", cfg.to_str().unwrap(), "--rounds", "2"],
     );
-    assert!(o.status.success(), "{}", stderr(&o));
-    let summary: serde_json::Value =
-        serde_json::from_str(&fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["rounds"], 2);
     assert_eq!(summary["config"]["clients"], 6);
     assert_eq!(summary["config"]["strategy"], "fedprox:0.5");
@@ -320,9 +317,10 @@ fn out_of_range_settings_are_rejected() {
 fn comparing_strategies_writes_each_run_and_a_combined_summary() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("cmp");
-    let o = cohort(
+    let summary = simulate_ok(
+        tmp.path(),
+        &out,
         &[
-            "simulate",
             "--dataset",
             "synthetic:1,1",
             "--clients",
@@ -337,14 +335,8 @@ fn comparing_strategies_writes_each_run_and_a_combined_summary() {
             "1",
             "--strategy",
             "fedavg,fedprox:1",
-            "--out",
-            out.to_str().unwrap(),
         ],
-        tmp.path(),
     );
-    assert!(o.status.success(), "{}", stderr(&o));
-    let summary: serde_json::Value =
-        serde_json::from_str(&fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     let runs = summary["runs"].as_array().unwrap();
     let names: Vec<&str> = runs
         .iter()
