@@ -7,7 +7,9 @@
 //! - [`simulate`]: `cohort simulate`, from settings to `metrics.csv`, `summary.json` and
 //!   plots.
 //! - [`seeds`]: reproducible, independent random streams derived from one seed.
+//! - [`store`]: the system of record (SQLite embedded, PostgreSQL in production).
 
 pub mod engine;
 pub mod seeds;
 pub mod simulate;
+pub mod store;

@@ -1,0 +1,424 @@
+//! The system of record: experiments, enrolment tokens, clients, rounds, participations,
+//! uploads, models, jobs and the audit log.
+//!
+//! One [`Store`] serves both backends: an SQLite file, the embedded default, and
+//! PostgreSQL in production. Every query is written once (runtime queries with `$N`
+//! placeholders in first-use order, which both engines read the same way) and run against
+//! whichever pool is open; only the job claim differs, because PostgreSQL can skip rows
+//! locked by another coordinator and SQLite serialises writers anyway. Times are Unix
+//! milliseconds and ids are UUID text on both, so the row types are the same.
+//!
+//! Every method is one transaction: it either makes its whole change or returns an error
+//! and changes nothing.
+
+mod jobs;
+mod tokens;
+
+use std::path::Path;
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::Serialize;
+use sqlx::migrate::Migrator;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
+use uuid::Uuid;
+
+pub use jobs::{Job, JobKind, JobState};
+pub use tokens::{Client, EnrolmentToken};
+
+static SQLITE_MIGRATIONS: Migrator = sqlx::migrate!("../migrations/sqlite");
+static POSTGRES_MIGRATIONS: Migrator = sqlx::migrate!("../migrations/postgres");
+
+/// Why a store operation failed. Nothing was changed when one of these is returned.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database URL is not one the store understands.
+    #[error("unsupported database url `{0}`: expected sqlite://PATH or postgres://...")]
+    UnsupportedUrl(String),
+    /// A token or credential was refused (unknown, used, revoked or expired).
+    #[error("{0}")]
+    Refused(&'static str),
+    /// The row asked for does not exist.
+    #[error("{0} not found")]
+    NotFound(String),
+    /// The change conflicts with the row's current state.
+    #[error("{0}")]
+    Conflict(String),
+    /// A stored value could not be read back (a bug or a hand-edited database).
+    #[error("corrupt stored value: {0}")]
+    Corrupt(String),
+    /// The database itself failed.
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    /// Applying migrations failed.
+    #[error("migration failed: {0}")]
+    Migration(#[from] sqlx::migrate::MigrateError),
+}
+
+/// Which database engine a store runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// An SQLite file.
+    Sqlite,
+    /// A PostgreSQL server.
+    Postgres,
+}
+
+#[derive(Debug, Clone)]
+enum Pool {
+    Sqlite(SqlitePool),
+    Postgres(PgPool),
+}
+
+/// Runs `$body` with `$pool` bound to the open pool, whichever backend it is. The body is
+/// compiled once per backend, so one query text serves both.
+macro_rules! with_pool {
+    ($store:expr, $pool:ident => $body:expr) => {
+        match &$store.pool {
+            Pool::Sqlite($pool) => $body,
+            Pool::Postgres($pool) => $body,
+        }
+    };
+}
+pub(crate) use with_pool;
+
+/// Appends an audit entry inside the caller's open transaction `$tx`.
+macro_rules! audit {
+    ($tx:expr, $at:expr, $actor:expr, $action:expr, $subject:expr, $detail:expr) => {
+        sqlx::query(
+            "INSERT INTO audit_log (at, actor, action, subject, detail) VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind($at)
+        .bind($actor)
+        .bind($action)
+        .bind($subject)
+        .bind($detail)
+        .execute(&mut *$tx)
+        .await?
+    };
+}
+pub(crate) use audit;
+
+/// The coordinator's database.
+#[derive(Debug, Clone)]
+pub struct Store {
+    pool: Pool,
+}
+
+/// Milliseconds since the Unix epoch, the time unit of every stored timestamp.
+pub fn now_millis() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
+/// Lifecycle of an experiment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExperimentState {
+    /// Created, not started.
+    Created,
+    /// Rounds are being scheduled.
+    Running,
+    /// No new round starts until resumed.
+    Paused,
+    /// Stopped by an admin before its last round.
+    Stopped,
+    /// All rounds done.
+    Finished,
+    /// Gave up (e.g. rounds kept failing).
+    Failed,
+}
+
+impl ExperimentState {
+    /// The stored text.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExperimentState::Created => "created",
+            ExperimentState::Running => "running",
+            ExperimentState::Paused => "paused",
+            ExperimentState::Stopped => "stopped",
+            ExperimentState::Finished => "finished",
+            ExperimentState::Failed => "failed",
+        }
+    }
+
+    fn parse(text: &str) -> Result<Self, StoreError> {
+        Ok(match text {
+            "created" => ExperimentState::Created,
+            "running" => ExperimentState::Running,
+            "paused" => ExperimentState::Paused,
+            "stopped" => ExperimentState::Stopped,
+            "finished" => ExperimentState::Finished,
+            "failed" => ExperimentState::Failed,
+            other => return Err(StoreError::Corrupt(format!("experiment state `{other}`"))),
+        })
+    }
+
+    /// States from which an admin action may move to `self`.
+    pub fn allowed_from(self) -> &'static [ExperimentState] {
+        use ExperimentState::*;
+        match self {
+            Running => &[Created, Paused],
+            Paused => &[Running],
+            Stopped => &[Created, Running, Paused],
+            Finished | Failed => &[Running],
+            Created => &[],
+        }
+    }
+}
+
+/// A stored experiment.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Experiment {
+    /// Identifier.
+    pub id: Uuid,
+    /// Human name.
+    pub name: String,
+    /// Its settings, as given at creation (validated by the API layer).
+    pub spec: serde_json::Value,
+    /// Lifecycle state.
+    pub state: ExperimentState,
+    /// Last round started (0 before the first).
+    pub current_round: i64,
+    /// Creation time, Unix ms.
+    pub created_at: i64,
+    /// Last change, Unix ms.
+    pub updated_at: i64,
+}
+
+fn parse_uuid(text: &str) -> Result<Uuid, StoreError> {
+    Uuid::parse_str(text).map_err(|_| StoreError::Corrupt(format!("uuid `{text}`")))
+}
+
+/// An experiment row: id, name, spec, state, current_round, created_at, updated_at.
+type ExperimentRow = (String, String, String, String, i64, i64, i64);
+
+impl Experiment {
+    fn from_row(row: ExperimentRow) -> Result<Self, StoreError> {
+        let (id, name, spec, state, current_round, created_at, updated_at) = row;
+        Ok(Experiment {
+            id: parse_uuid(&id)?,
+            name,
+            spec: serde_json::from_str(&spec)
+                .map_err(|e| StoreError::Corrupt(format!("experiment spec: {e}")))?,
+            state: ExperimentState::parse(&state)?,
+            current_round,
+            created_at,
+            updated_at,
+        })
+    }
+}
+
+impl Store {
+    /// Opens (creating an SQLite file if missing) and migrates the database at `url`:
+    /// `sqlite://PATH` (relative paths are taken inside `data_dir`) or `postgres://...`.
+    pub async fn connect(url: &str, data_dir: &Path) -> Result<Self, StoreError> {
+        if let Some(path) = url.strip_prefix("sqlite://") {
+            let path = Path::new(path);
+            let path = if path.is_absolute() {
+                path.to_path_buf()
+            } else {
+                data_dir.join(path)
+            };
+            if let Some(parent) = path.parent() {
+                std::fs::create_dir_all(parent).map_err(|e| {
+                    StoreError::Database(sqlx::Error::Configuration(
+                        format!("cannot create `{}`: {e}", parent.display()).into(),
+                    ))
+                })?;
+            }
+            let options = SqliteConnectOptions::new()
+                .filename(&path)
+                .create_if_missing(true)
+                .journal_mode(SqliteJournalMode::Wal)
+                .foreign_keys(true)
+                .busy_timeout(Duration::from_secs(10));
+            let pool = SqlitePoolOptions::new()
+                .max_connections(8)
+                .connect_with(options)
+                .await?;
+            return Self::migrated(Pool::Sqlite(pool)).await;
+        }
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            let options = PgConnectOptions::from_str(url)?;
+            return Self::connect_postgres(options).await;
+        }
+        Err(StoreError::UnsupportedUrl(url.to_string()))
+    }
+
+    /// Opens and migrates PostgreSQL with explicit options (tests use them to put each
+    /// run in its own schema).
+    pub async fn connect_postgres(options: PgConnectOptions) -> Result<Self, StoreError> {
+        let pool = PgPoolOptions::new()
+            .max_connections(16)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_with(options)
+            .await?;
+        Self::migrated(Pool::Postgres(pool)).await
+    }
+
+    async fn migrated(pool: Pool) -> Result<Self, StoreError> {
+        match &pool {
+            Pool::Sqlite(p) => SQLITE_MIGRATIONS.run(p).await?,
+            Pool::Postgres(p) => POSTGRES_MIGRATIONS.run(p).await?,
+        }
+        Ok(Self { pool })
+    }
+
+    /// The engine in use.
+    pub fn backend(&self) -> Backend {
+        match self.pool {
+            Pool::Sqlite(_) => Backend::Sqlite,
+            Pool::Postgres(_) => Backend::Postgres,
+        }
+    }
+
+    /// Closes every connection.
+    pub async fn close(&self) {
+        with_pool!(self, p => p.close().await)
+    }
+
+    /// Records a new experiment in state `created`.
+    pub async fn create_experiment(
+        &self,
+        name: &str,
+        spec: &serde_json::Value,
+    ) -> Result<Experiment, StoreError> {
+        let now = now_millis();
+        let exp = Experiment {
+            id: Uuid::new_v4(),
+            name: name.to_string(),
+            spec: spec.clone(),
+            state: ExperimentState::Created,
+            current_round: 0,
+            created_at: now,
+            updated_at: now,
+        };
+        with_pool!(self, p => {
+            let mut tx = p.begin().await?;
+            sqlx::query(
+                "INSERT INTO experiments (id, name, spec, state, current_round, created_at, updated_at) \
+                 VALUES ($1, $2, $3, $4, 0, $5, $5)",
+            )
+            .bind(exp.id.to_string())
+            .bind(&exp.name)
+            .bind(spec.to_string())
+            .bind(exp.state.as_str())
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+            audit!(tx, now, "admin", "experiment.create", exp.id.to_string(), &exp.name);
+            tx.commit().await?;
+        });
+        Ok(exp)
+    }
+
+    /// The experiment with `id`.
+    pub async fn experiment(&self, id: Uuid) -> Result<Experiment, StoreError> {
+        let sql = "SELECT id, name, spec, state, current_round, created_at, updated_at \
+                   FROM experiments WHERE id = $1";
+        with_pool!(self, p => {
+            let row: Option<ExperimentRow> =
+                sqlx::query_as(sql).bind(id.to_string()).fetch_optional(p).await?;
+            match row {
+                Some(row) => Experiment::from_row(row),
+                None => Err(StoreError::NotFound(format!("experiment {id}"))),
+            }
+        })
+    }
+
+    /// Every experiment, newest first.
+    pub async fn experiments(&self) -> Result<Vec<Experiment>, StoreError> {
+        let sql = "SELECT id, name, spec, state, current_round, created_at, updated_at \
+                   FROM experiments ORDER BY created_at DESC, id";
+        with_pool!(self, p => {
+            let rows: Vec<ExperimentRow> = sqlx::query_as(sql).fetch_all(p).await?;
+            rows.into_iter().map(Experiment::from_row).collect()
+        })
+    }
+
+    /// Moves an experiment to `to` if its current state allows it
+    /// ([`ExperimentState::allowed_from`]); a refused move is a [`StoreError::Conflict`]
+    /// that names both states.
+    pub async fn set_experiment_state(
+        &self,
+        id: Uuid,
+        to: ExperimentState,
+        actor: &str,
+    ) -> Result<Experiment, StoreError> {
+        let now = now_millis();
+        with_pool!(self, p => {
+            let mut tx = p.begin().await?;
+            let (state,): (String,) = sqlx::query_as("SELECT state FROM experiments WHERE id = $1")
+                .bind(id.to_string())
+                .fetch_optional(&mut *tx)
+                .await?
+                .ok_or_else(|| StoreError::NotFound(format!("experiment {id}")))?;
+            let from = ExperimentState::parse(&state)?;
+            if !to.allowed_from().contains(&from) {
+                return Err(StoreError::Conflict(format!(
+                    "experiment {id} is {} and cannot become {}",
+                    from.as_str(),
+                    to.as_str()
+                )));
+            }
+            // The state is re-checked in the update, so a concurrent change by another
+            // coordinator cannot be overwritten.
+            let done = sqlx::query(
+                "UPDATE experiments SET state = $1, updated_at = $2 WHERE id = $3 AND state = $4",
+            )
+            .bind(to.as_str())
+            .bind(now)
+            .bind(id.to_string())
+            .bind(from.as_str())
+            .execute(&mut *tx)
+            .await?;
+            if done.rows_affected() != 1 {
+                return Err(StoreError::Conflict(format!(
+                    "experiment {id} changed state concurrently"
+                )));
+            }
+            audit!(tx, now, actor, "experiment.state", id.to_string(), to.as_str());
+            tx.commit().await?;
+        });
+        self.experiment(id).await
+    }
+
+    /// The most recent audit entries, newest first.
+    pub async fn audit_log(&self, limit: i64) -> Result<Vec<AuditEntry>, StoreError> {
+        with_pool!(self, p => {
+            let rows: Vec<(i64, String, String, String, String)> = sqlx::query_as(
+                "SELECT at, actor, action, subject, detail FROM audit_log ORDER BY id DESC LIMIT $1",
+            )
+            .bind(limit)
+            .fetch_all(p)
+            .await?;
+            Ok(rows
+                .into_iter()
+                .map(|(at, actor, action, subject, detail)| AuditEntry {
+                    at,
+                    actor,
+                    action,
+                    subject,
+                    detail,
+                })
+                .collect())
+        })
+    }
+}
+
+/// One line of the audit log.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AuditEntry {
+    /// When, Unix ms.
+    pub at: i64,
+    /// Who: `admin`, a client id, or `coordinator`.
+    pub actor: String,
+    /// What, e.g. `experiment.create`.
+    pub action: String,
+    /// The id acted on.
+    pub subject: String,
+    /// Free text; never a secret.
+    pub detail: String,
+}

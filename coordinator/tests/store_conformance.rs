@@ -1,0 +1,484 @@
+//! The storage conformance suite: every test runs against SQLite always, and against
+//! PostgreSQL when `COHORT_TEST_POSTGRES_URL` is set (CI sets it). Each PostgreSQL test
+//! works in a schema of its own, so concurrent runs never see each other's rows.
+
+use std::collections::HashSet;
+use std::str::FromStr;
+
+use cohort_coordinator::store::{
+    ExperimentState, JobKind, JobState, Store, StoreError, now_millis,
+};
+use sqlx::postgres::PgConnectOptions;
+use uuid::Uuid;
+
+/// A store plus whatever keeps it alive and cleans it up.
+struct TestDb {
+    store: Store,
+    _dir: Option<tempfile::TempDir>,
+    cleanup: Option<(PgConnectOptions, String)>,
+}
+
+impl TestDb {
+    async fn finish(self) {
+        self.store.close().await;
+        if let Some((admin, schema)) = self.cleanup {
+            let pool = sqlx::PgPool::connect_with(admin).await.unwrap();
+            let drop = format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE");
+            sqlx::query(sqlx::AssertSqlSafe(drop))
+                .execute(&pool)
+                .await
+                .unwrap();
+            pool.close().await;
+        }
+    }
+}
+
+async fn sqlite() -> TestDb {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::connect("sqlite://store/test.db", dir.path())
+        .await
+        .unwrap();
+    TestDb {
+        store,
+        _dir: Some(dir),
+        cleanup: None,
+    }
+}
+
+async fn postgres() -> Option<TestDb> {
+    let Ok(url) = std::env::var("COHORT_TEST_POSTGRES_URL") else {
+        eprintln!("COHORT_TEST_POSTGRES_URL is not set: PostgreSQL half of the suite skipped");
+        return None;
+    };
+    let admin = PgConnectOptions::from_str(&url).expect("COHORT_TEST_POSTGRES_URL parses");
+    let schema = format!("cohort_test_{}", Uuid::new_v4().simple());
+    let pool = sqlx::PgPool::connect_with(admin.clone()).await.unwrap();
+    let create = format!("CREATE SCHEMA \"{schema}\"");
+    sqlx::query(sqlx::AssertSqlSafe(create))
+        .execute(&pool)
+        .await
+        .unwrap();
+    pool.close().await;
+    let options = admin.clone().options([("search_path", schema.as_str())]);
+    let store = Store::connect_postgres(options).await.unwrap();
+    Some(TestDb {
+        store,
+        _dir: None,
+        cleanup: Some((admin, schema)),
+    })
+}
+
+/// Writes each test once and runs it on both backends.
+macro_rules! conformance {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite_backend {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $name() {
+                    let db = super::sqlite().await;
+                    super::$name(&db.store).await;
+                    db.finish().await;
+                }
+            )*
+        }
+        mod postgres_backend {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $name() {
+                    let Some(db) = super::postgres().await else { return };
+                    super::$name(&db.store).await;
+                    db.finish().await;
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    experiments_round_trip_and_list_newest_first,
+    experiment_state_machine_refuses_illegal_moves,
+    missing_rows_are_not_found,
+    enrolment_token_enrols_exactly_once,
+    concurrent_enrolments_with_one_token_enrol_one_client,
+    refused_enrolments_change_nothing,
+    client_credentials_and_revocation,
+    concurrent_workers_never_claim_the_same_job,
+    failed_job_is_retried_until_attempts_run_out,
+    expired_lease_hands_the_job_to_another_worker,
+);
+
+async fn experiments_round_trip_and_list_newest_first(store: &Store) {
+    let spec = serde_json::json!({"model": "mlp", "rounds": 15});
+    let a = store.create_experiment("first", &spec).await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    let b = store
+        .create_experiment("second", &serde_json::json!({}))
+        .await
+        .unwrap();
+    let got = store.experiment(a.id).await.unwrap();
+    assert_eq!(got, a);
+    assert_eq!(got.spec, spec);
+    assert_eq!(got.state, ExperimentState::Created);
+    let ids: Vec<Uuid> = store
+        .experiments()
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| e.id)
+        .collect();
+    assert_eq!(ids, vec![b.id, a.id]);
+}
+
+async fn experiment_state_machine_refuses_illegal_moves(store: &Store) {
+    let e = store
+        .create_experiment("e", &serde_json::json!({}))
+        .await
+        .unwrap();
+    let err = store
+        .set_experiment_state(e.id, ExperimentState::Paused, "admin")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, StoreError::Conflict(ref m) if m.contains("created")),
+        "{err}"
+    );
+    for to in [
+        ExperimentState::Running,
+        ExperimentState::Paused,
+        ExperimentState::Running,
+        ExperimentState::Stopped,
+    ] {
+        let moved = store.set_experiment_state(e.id, to, "admin").await.unwrap();
+        assert_eq!(moved.state, to);
+    }
+    assert!(matches!(
+        store
+            .set_experiment_state(e.id, ExperimentState::Running, "admin")
+            .await,
+        Err(StoreError::Conflict(_))
+    ));
+    assert_eq!(
+        store.experiment(e.id).await.unwrap().state,
+        ExperimentState::Stopped
+    );
+    let log = store.audit_log(10).await.unwrap();
+    assert_eq!(log[0].action, "experiment.state");
+    assert_eq!(log[0].detail, "stopped");
+    assert_eq!(
+        log.iter().filter(|l| l.subject == e.id.to_string()).count(),
+        5
+    );
+}
+
+async fn missing_rows_are_not_found(store: &Store) {
+    let id = Uuid::new_v4();
+    assert!(matches!(
+        store.experiment(id).await,
+        Err(StoreError::NotFound(_))
+    ));
+    assert!(matches!(
+        store
+            .set_experiment_state(id, ExperimentState::Running, "admin")
+            .await,
+        Err(StoreError::NotFound(_))
+    ));
+    assert!(matches!(
+        store.revoke_client(id).await,
+        Err(StoreError::NotFound(_))
+    ));
+    assert!(matches!(
+        store.revoke_enrolment_token(id).await,
+        Err(StoreError::NotFound(_))
+    ));
+    assert!(matches!(
+        store.client_credential(id).await,
+        Err(StoreError::NotFound(_))
+    ));
+}
+
+async fn enrolment_token_enrols_exactly_once(store: &Store) {
+    let token = store
+        .create_enrolment_token(b"hash-of-token", "hospital-a", None)
+        .await
+        .unwrap();
+    let client = store
+        .enrol(b"hash-of-token", b"hash-of-secret", now_millis())
+        .await
+        .unwrap();
+    assert_eq!(client.label, "hospital-a");
+    let again = store.enrol(b"hash-of-token", b"other", now_millis()).await;
+    assert!(matches!(
+        again,
+        Err(StoreError::Refused("enrolment token already used"))
+    ));
+    let tokens = store.enrolment_tokens().await.unwrap();
+    assert_eq!(tokens.len(), 1);
+    assert_eq!(tokens[0].id, token.id);
+    assert_eq!(tokens[0].used_by, Some(client.id));
+    assert_eq!(store.clients().await.unwrap(), vec![client]);
+}
+
+async fn concurrent_enrolments_with_one_token_enrol_one_client(store: &Store) {
+    store
+        .create_enrolment_token(b"shared", "race", None)
+        .await
+        .unwrap();
+    let attempts: Vec<_> = (0..8u8)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move { store.enrol(b"shared", &[i; 32], now_millis()).await })
+        })
+        .collect();
+    let mut enrolled = 0;
+    for attempt in attempts {
+        match attempt.await.unwrap() {
+            Ok(_) => enrolled += 1,
+            Err(StoreError::Refused(_)) => {}
+            // SQLite may report a busy database under a burst of writers; that, too,
+            // must not enrol anyone.
+            Err(StoreError::Database(_)) => {}
+            Err(other) => panic!("unexpected error: {other}"),
+        }
+    }
+    assert_eq!(enrolled, 1);
+    assert_eq!(store.clients().await.unwrap().len(), 1);
+}
+
+async fn refused_enrolments_change_nothing(store: &Store) {
+    let now = now_millis();
+    assert!(matches!(
+        store.enrol(b"never-issued", b"s", now).await,
+        Err(StoreError::Refused("unknown enrolment token"))
+    ));
+    let revoked = store
+        .create_enrolment_token(b"revoked", "r", None)
+        .await
+        .unwrap();
+    store.revoke_enrolment_token(revoked.id).await.unwrap();
+    assert!(matches!(
+        store.enrol(b"revoked", b"s", now).await,
+        Err(StoreError::Refused("enrolment token revoked"))
+    ));
+    assert!(matches!(
+        store.revoke_enrolment_token(revoked.id).await,
+        Err(StoreError::Conflict(_))
+    ));
+    store
+        .create_enrolment_token(b"expired", "x", Some(now - 1))
+        .await
+        .unwrap();
+    assert!(matches!(
+        store.enrol(b"expired", b"s", now).await,
+        Err(StoreError::Refused("enrolment token expired"))
+    ));
+    assert!(store.clients().await.unwrap().is_empty());
+    assert!(
+        store
+            .enrolment_tokens()
+            .await
+            .unwrap()
+            .iter()
+            .all(|t| t.used_at.is_none())
+    );
+}
+
+async fn client_credentials_and_revocation(store: &Store) {
+    store.create_enrolment_token(b"t", "c", None).await.unwrap();
+    let client = store
+        .enrol(b"t", b"secret-hash", now_millis())
+        .await
+        .unwrap();
+    let (hash, record) = store.client_credential(client.id).await.unwrap();
+    assert_eq!(hash, b"secret-hash");
+    assert_eq!(record.revoked_at, None);
+    store.touch_client(client.id, 42).await.unwrap();
+    assert_eq!(
+        store
+            .client_credential(client.id)
+            .await
+            .unwrap()
+            .1
+            .last_seen_at,
+        Some(42)
+    );
+    store.revoke_client(client.id).await.unwrap();
+    assert!(
+        store
+            .client_credential(client.id)
+            .await
+            .unwrap()
+            .1
+            .revoked_at
+            .is_some()
+    );
+    assert!(matches!(
+        store.revoke_client(client.id).await,
+        Err(StoreError::Conflict(_))
+    ));
+}
+
+async fn concurrent_workers_never_claim_the_same_job(store: &Store) {
+    let e = store
+        .create_experiment("jobs", &serde_json::json!({}))
+        .await
+        .unwrap();
+    for round in 0..24 {
+        store
+            .enqueue_job(JobKind::Aggregate, e.id, round, 3)
+            .await
+            .unwrap();
+    }
+    let workers: Vec<_> = (0..4)
+        .map(|w| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let name = format!("worker-{w}");
+                let mut claimed = Vec::new();
+                loop {
+                    match store.claim_job(&name, now_millis(), 60_000).await {
+                        Ok(Some(job)) => {
+                            store.complete_job(job.id, &name).await.unwrap();
+                            claimed.push(job.id);
+                        }
+                        Ok(None) => break,
+                        // A busy SQLite file: try again, as a worker would.
+                        Err(StoreError::Database(_)) => tokio::task::yield_now().await,
+                        Err(other) => panic!("claim failed: {other}"),
+                    }
+                }
+                claimed
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for w in workers {
+        all.extend(w.await.unwrap());
+    }
+    let distinct: HashSet<i64> = all.iter().copied().collect();
+    assert_eq!(all.len(), 24, "every job claimed once: {all:?}");
+    assert_eq!(distinct.len(), 24);
+    assert!(
+        store
+            .jobs(e.id)
+            .await
+            .unwrap()
+            .iter()
+            .all(|j| j.state == JobState::Done)
+    );
+}
+
+async fn failed_job_is_retried_until_attempts_run_out(store: &Store) {
+    let e = store
+        .create_experiment("retry", &serde_json::json!({}))
+        .await
+        .unwrap();
+    let job = store
+        .enqueue_job(JobKind::Evaluate, e.id, 1, 2)
+        .await
+        .unwrap();
+    let t0 = now_millis();
+    let first = store.claim_job("w", t0, 1_000).await.unwrap().unwrap();
+    assert_eq!((first.id, first.attempts), (job.id, 1));
+    let after = store
+        .fail_job(job.id, "w", "disk full", t0, 500)
+        .await
+        .unwrap();
+    assert_eq!(after.state, JobState::Queued);
+    assert_eq!(after.last_error.as_deref(), Some("disk full"));
+    assert!(
+        store
+            .claim_job("w", t0 + 100, 1_000)
+            .await
+            .unwrap()
+            .is_none(),
+        "backoff"
+    );
+    let second = store
+        .claim_job("w", t0 + 600, 1_000)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(second.attempts, 2);
+    let last = store
+        .fail_job(job.id, "w", "still full", t0 + 700, 500)
+        .await
+        .unwrap();
+    assert_eq!(last.state, JobState::Failed);
+    assert!(
+        store
+            .claim_job("w", t0 + 10_000, 1_000)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(matches!(
+        store.enqueue_job(JobKind::Publish, e.id, 1, 0).await,
+        Err(StoreError::Conflict(_))
+    ));
+}
+
+async fn expired_lease_hands_the_job_to_another_worker(store: &Store) {
+    let e = store
+        .create_experiment("lease", &serde_json::json!({}))
+        .await
+        .unwrap();
+    store
+        .enqueue_job(JobKind::Aggregate, e.id, 1, 3)
+        .await
+        .unwrap();
+    let t0 = now_millis();
+    let a = store.claim_job("a", t0, 100).await.unwrap().unwrap();
+    assert!(
+        store.claim_job("b", t0 + 50, 100).await.unwrap().is_none(),
+        "lease held"
+    );
+    let b = store.claim_job("b", t0 + 150, 100).await.unwrap().unwrap();
+    assert_eq!(
+        (a.id, b.attempts, b.locked_by.as_deref()),
+        (b.id, 2, Some("b"))
+    );
+    assert!(matches!(
+        store.complete_job(a.id, "a").await,
+        Err(StoreError::Conflict(_))
+    ));
+    store.complete_job(b.id, "b").await.unwrap();
+}
+
+/// A restarted coordinator (or a second one) opens a migrated database: migrations run
+/// again as a no-op and every row is still there.
+async fn reopen_keeps_rows(first: TestDb, reopen: impl AsyncFnOnce() -> Store) {
+    let e = first
+        .store
+        .create_experiment("kept", &serde_json::json!({"k": 1}))
+        .await
+        .unwrap();
+    first.store.close().await;
+    let again = reopen().await;
+    assert_eq!(again.experiment(e.id).await.unwrap(), e);
+    again.close().await;
+    first.finish().await;
+}
+
+#[tokio::test]
+async fn sqlite_reopen_keeps_rows() {
+    let db = sqlite().await;
+    let dir = db._dir.as_ref().unwrap().path().to_path_buf();
+    reopen_keeps_rows(db, async || {
+        Store::connect("sqlite://store/test.db", &dir)
+            .await
+            .unwrap()
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn postgres_reopen_keeps_rows() {
+    let Some(db) = postgres().await else { return };
+    let (admin, schema) = db.cleanup.clone().unwrap();
+    reopen_keeps_rows(db, async move || {
+        Store::connect_postgres(admin.options([("search_path", schema.as_str())]))
+            .await
+            .unwrap()
+    })
+    .await;
+}
