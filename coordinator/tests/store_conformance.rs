@@ -6,7 +6,8 @@ use std::collections::HashSet;
 use std::str::FromStr;
 
 use cohort_coordinator::store::{
-    ExperimentState, JobKind, JobState, Store, StoreError, now_millis,
+    Experiment, ExperimentState, JobKind, JobState, NewUpload, ParticipationState, PublishedModel,
+    RoundMetrics, RoundStage, Store, StoreError, now_millis,
 };
 use sqlx::postgres::PgConnectOptions;
 use uuid::Uuid;
@@ -105,6 +106,10 @@ conformance!(
     concurrent_workers_never_claim_the_same_job,
     failed_job_is_retried_until_attempts_run_out,
     expired_lease_hands_the_job_to_another_worker,
+    round_records_uploads_and_drops_clients_that_miss_the_deadline,
+    round_without_quorum_fails_and_runs_again_as_next_attempt,
+    uploads_outside_collection_are_refused_and_change_nothing,
+    a_round_opens_only_while_running_and_idle,
 );
 
 async fn experiments_round_trip_and_list_newest_first(store: &Store) {
@@ -442,6 +447,224 @@ async fn expired_lease_hands_the_job_to_another_worker(store: &Store) {
         Err(StoreError::Conflict(_))
     ));
     store.complete_job(b.id, "b").await.unwrap();
+}
+
+/// A running experiment and `n` enrolled clients.
+async fn running_with_clients(store: &Store, n: u8) -> (Experiment, Vec<Uuid>) {
+    let e = store
+        .create_experiment("rounds", &serde_json::json!({}))
+        .await
+        .unwrap();
+    store
+        .set_experiment_state(e.id, ExperimentState::Running, "admin")
+        .await
+        .unwrap();
+    let mut clients = Vec::new();
+    for i in 0..n {
+        let token = [b't', i];
+        store
+            .create_enrolment_token(&token, "c", None)
+            .await
+            .unwrap();
+        clients.push(
+            store
+                .enrol(&token, &[i; 32], now_millis())
+                .await
+                .unwrap()
+                .id,
+        );
+    }
+    (e, clients)
+}
+
+fn upload(client: Uuid, n: i64) -> NewUpload<'static> {
+    NewUpload {
+        client_id: client,
+        blob_path: "uploads/blob",
+        bytes: 400,
+        sha256: &[7; 32],
+        num_samples: n,
+        train_loss: Some(0.5),
+    }
+}
+
+async fn round_records_uploads_and_drops_clients_that_miss_the_deadline(store: &Store) {
+    let (e, c) = running_with_clients(store, 3).await;
+    let t0 = now_millis();
+    let r = store
+        .open_round(e.id, 1, 1, &c, t0 + 60_000, t0)
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.stage, r.selected, r.reported),
+        (RoundStage::Collecting, 3, 0)
+    );
+    assert_eq!(store.experiment(e.id).await.unwrap().current_round, 1);
+    store
+        .record_upload(e.id, 1, 1, &upload(c[0], 10), t0 + 1)
+        .await
+        .unwrap();
+    store
+        .record_upload(e.id, 1, 1, &upload(c[2], 30), t0 + 2)
+        .await
+        .unwrap();
+    let closed = store.close_collection(e.id, 1, 1, 2, t0 + 3).await.unwrap();
+    assert_eq!(
+        (closed.stage, closed.reported, closed.dropped),
+        (RoundStage::Aggregating, 2, 1)
+    );
+    let parts = store.participations(e.id, 1, 1).await.unwrap();
+    let state_of = |id: Uuid| parts.iter().find(|p| p.client_id == id).unwrap().state;
+    assert_eq!(state_of(c[0]), ParticipationState::Uploaded);
+    assert_eq!(state_of(c[1]), ParticipationState::Dropped);
+    assert_eq!(state_of(c[2]), ParticipationState::Uploaded);
+    let uploads = store.uploads(e.id, 1, 1).await.unwrap();
+    let mut samples: Vec<i64> = uploads.iter().map(|u| u.num_samples).collect();
+    samples.sort_unstable();
+    assert_eq!(samples, vec![10, 30]);
+    let model = PublishedModel {
+        round: 1,
+        blob_path: "models/1".into(),
+        parameters: 100,
+    };
+    let metrics = RoundMetrics {
+        test_accuracy: Some(0.9),
+        test_loss: Some(0.3),
+        train_loss: Some(0.5),
+    };
+    store
+        .publish_model(e.id, 1, 1, &model, metrics, t0 + 4)
+        .await
+        .unwrap();
+    assert_eq!(store.latest_model(e.id).await.unwrap(), Some(model.clone()));
+    let done = store.round(e.id, 1, 1).await.unwrap();
+    assert_eq!(done.stage, RoundStage::Published);
+    assert_eq!(done.test_accuracy, Some(0.9));
+    assert!(matches!(
+        store
+            .publish_model(e.id, 1, 1, &model, metrics, t0 + 5)
+            .await,
+        Err(StoreError::Conflict(_))
+    ));
+}
+
+async fn round_without_quorum_fails_and_runs_again_as_next_attempt(store: &Store) {
+    let (e, c) = running_with_clients(store, 2).await;
+    let t0 = now_millis();
+    store
+        .open_round(e.id, 1, 1, &c, t0 + 1_000, t0)
+        .await
+        .unwrap();
+    store
+        .record_upload(e.id, 1, 1, &upload(c[0], 5), t0)
+        .await
+        .unwrap();
+    let failed = store
+        .close_collection(e.id, 1, 1, 2, t0 + 1_001)
+        .await
+        .unwrap();
+    assert_eq!(failed.stage, RoundStage::Failed);
+    assert!(failed.finished_at.is_some());
+    let retry = store
+        .open_round(e.id, 1, 2, &c, t0 + 5_000, t0 + 1_002)
+        .await
+        .unwrap();
+    assert_eq!((retry.round, retry.attempt), (1, 2));
+    // The first attempt's upload does not count for the second.
+    store
+        .record_upload(e.id, 1, 2, &upload(c[0], 5), t0 + 1_003)
+        .await
+        .unwrap();
+    let attempts: Vec<_> = store
+        .rounds(e.id)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.attempt, r.stage, r.reported))
+        .collect();
+    assert_eq!(
+        attempts,
+        vec![(1, RoundStage::Failed, 1), (2, RoundStage::Collecting, 1)]
+    );
+}
+
+async fn uploads_outside_collection_are_refused_and_change_nothing(store: &Store) {
+    let (e, c) = running_with_clients(store, 3).await;
+    let t0 = now_millis();
+    store
+        .open_round(e.id, 1, 1, &c[..2], t0 + 1_000, t0)
+        .await
+        .unwrap();
+    store
+        .record_upload(e.id, 1, 1, &upload(c[0], 5), t0)
+        .await
+        .unwrap();
+    let refused = [
+        // A replay of an acknowledged upload.
+        store
+            .record_upload(e.id, 1, 1, &upload(c[0], 5), t0 + 1)
+            .await,
+        // A client that was not selected.
+        store
+            .record_upload(e.id, 1, 1, &upload(c[2], 5), t0 + 1)
+            .await,
+        // After the deadline.
+        store
+            .record_upload(e.id, 1, 1, &upload(c[1], 5), t0 + 1_001)
+            .await,
+        // A round that does not exist.
+        store
+            .record_upload(e.id, 2, 1, &upload(c[1], 5), t0 + 1)
+            .await,
+    ];
+    for r in &refused[..3] {
+        assert!(matches!(r, Err(StoreError::Conflict(_))), "{r:?}");
+    }
+    assert!(matches!(refused[3], Err(StoreError::NotFound(_))));
+    let round = store.round(e.id, 1, 1).await.unwrap();
+    assert_eq!(round.reported, 1);
+    assert_eq!(store.uploads(e.id, 1, 1).await.unwrap().len(), 1);
+    store
+        .close_collection(e.id, 1, 1, 1, t0 + 1_002)
+        .await
+        .unwrap();
+    assert!(matches!(
+        store
+            .record_upload(e.id, 1, 1, &upload(c[1], 5), t0 + 1)
+            .await,
+        Err(StoreError::Conflict(_))
+    ));
+    assert!(matches!(
+        store.close_collection(e.id, 1, 1, 1, t0 + 1_003).await,
+        Err(StoreError::Conflict(_))
+    ));
+}
+
+async fn a_round_opens_only_while_running_and_idle(store: &Store) {
+    let e = store
+        .create_experiment("idle", &serde_json::json!({}))
+        .await
+        .unwrap();
+    let t0 = now_millis();
+    assert!(matches!(
+        store.open_round(e.id, 1, 1, &[], t0 + 1, t0).await,
+        Err(StoreError::Conflict(_))
+    ));
+    store
+        .set_experiment_state(e.id, ExperimentState::Running, "admin")
+        .await
+        .unwrap();
+    store.open_round(e.id, 1, 1, &[], t0 + 1, t0).await.unwrap();
+    assert!(matches!(
+        store.open_round(e.id, 2, 1, &[], t0 + 1, t0).await,
+        Err(StoreError::Conflict(_))
+    ));
+    assert!(matches!(
+        store
+            .open_round(Uuid::new_v4(), 1, 1, &[], t0 + 1, t0)
+            .await,
+        Err(StoreError::NotFound(_))
+    ));
 }
 
 /// A restarted coordinator (or a second one) opens a migrated database: migrations run

@@ -46,34 +46,38 @@ CREATE TABLE rounds (
     train_loss     DOUBLE PRECISION,
     started_at     BIGINT NOT NULL,
     finished_at    BIGINT,
-    PRIMARY KEY (experiment_id, round)
+    -- A round that fails for want of a quorum is run again as the next attempt.
+    PRIMARY KEY (experiment_id, round, attempt)
 );
 
 CREATE TABLE participations (
     experiment_id TEXT NOT NULL,
     round         BIGINT NOT NULL,
+    attempt       BIGINT NOT NULL,
     client_id     TEXT NOT NULL REFERENCES clients (id),
     state         TEXT NOT NULL,
     selected_at   BIGINT NOT NULL,
     uploaded_at   BIGINT,
     num_samples   BIGINT,
     train_loss    DOUBLE PRECISION,
-    PRIMARY KEY (experiment_id, round, client_id),
-    FOREIGN KEY (experiment_id, round) REFERENCES rounds (experiment_id, round)
+    PRIMARY KEY (experiment_id, round, attempt, client_id),
+    FOREIGN KEY (experiment_id, round, attempt) REFERENCES rounds (experiment_id, round, attempt)
 );
 
 CREATE TABLE uploads (
     id            TEXT PRIMARY KEY,
     experiment_id TEXT NOT NULL,
     round         BIGINT NOT NULL,
+    attempt       BIGINT NOT NULL,
     client_id     TEXT NOT NULL,
     blob_path     TEXT NOT NULL,
     bytes         BIGINT NOT NULL,
     sha256        BYTEA NOT NULL,
     created_at    BIGINT NOT NULL,
-    UNIQUE (experiment_id, round, client_id),
-    FOREIGN KEY (experiment_id, round, client_id)
-        REFERENCES participations (experiment_id, round, client_id)
+    num_samples   BIGINT NOT NULL,
+    UNIQUE (experiment_id, round, attempt, client_id),
+    FOREIGN KEY (experiment_id, round, attempt, client_id)
+        REFERENCES participations (experiment_id, round, attempt, client_id)
 );
 
 CREATE TABLE models (

@@ -46,34 +46,38 @@ CREATE TABLE rounds (
     train_loss     REAL,
     started_at     INTEGER NOT NULL,
     finished_at    INTEGER,
-    PRIMARY KEY (experiment_id, round)
+    -- A round that fails for want of a quorum is run again as the next attempt.
+    PRIMARY KEY (experiment_id, round, attempt)
 );
 
 CREATE TABLE participations (
     experiment_id TEXT NOT NULL,
     round         INTEGER NOT NULL,
+    attempt       INTEGER NOT NULL,
     client_id     TEXT NOT NULL REFERENCES clients (id),
     state         TEXT NOT NULL,
     selected_at   INTEGER NOT NULL,
     uploaded_at   INTEGER,
     num_samples   INTEGER,
     train_loss    REAL,
-    PRIMARY KEY (experiment_id, round, client_id),
-    FOREIGN KEY (experiment_id, round) REFERENCES rounds (experiment_id, round)
+    PRIMARY KEY (experiment_id, round, attempt, client_id),
+    FOREIGN KEY (experiment_id, round, attempt) REFERENCES rounds (experiment_id, round, attempt)
 );
 
 CREATE TABLE uploads (
     id            TEXT PRIMARY KEY,
     experiment_id TEXT NOT NULL,
     round         INTEGER NOT NULL,
+    attempt       INTEGER NOT NULL,
     client_id     TEXT NOT NULL,
     blob_path     TEXT NOT NULL,
     bytes         INTEGER NOT NULL,
     sha256        BLOB NOT NULL,
     created_at    INTEGER NOT NULL,
-    UNIQUE (experiment_id, round, client_id),
-    FOREIGN KEY (experiment_id, round, client_id)
-        REFERENCES participations (experiment_id, round, client_id)
+    num_samples   INTEGER NOT NULL,
+    UNIQUE (experiment_id, round, attempt, client_id),
+    FOREIGN KEY (experiment_id, round, attempt, client_id)
+        REFERENCES participations (experiment_id, round, attempt, client_id)
 );
 
 CREATE TABLE models (

@@ -12,6 +12,7 @@
 //! and changes nothing.
 
 mod jobs;
+mod rounds;
 mod tokens;
 
 use std::path::Path;
@@ -25,6 +26,10 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePo
 use uuid::Uuid;
 
 pub use jobs::{Job, JobKind, JobState};
+pub use rounds::{
+    NewUpload, Participation, ParticipationState, PublishedModel, Round, RoundMetrics, RoundStage,
+    Upload,
+};
 pub use tokens::{Client, EnrolmentToken};
 
 static SQLITE_MIGRATIONS: Migrator = sqlx::migrate!("../migrations/sqlite");

@@ -1,0 +1,655 @@
+//! Rounds, the clients selected for them, their uploads and the published models. Every
+//! stage change is one transaction with its precondition checked inside it, so a
+//! coordinator that restarts (or a second one on the same PostgreSQL) finds each round
+//! exactly where the last committed step left it.
+
+use serde::Serialize;
+use uuid::Uuid;
+
+use super::{Pool, Store, StoreError, audit, parse_uuid, with_pool};
+
+/// Where a round attempt is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RoundStage {
+    /// Selected clients train and upload until the deadline.
+    Collecting,
+    /// Collection closed with a quorum; the aggregation job folds the uploads.
+    Aggregating,
+    /// The new global model is published.
+    Published,
+    /// Too few uploads by the deadline; the round runs again as the next attempt.
+    Failed,
+}
+
+impl RoundStage {
+    /// The stored text.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RoundStage::Collecting => "collecting",
+            RoundStage::Aggregating => "aggregating",
+            RoundStage::Published => "published",
+            RoundStage::Failed => "failed",
+        }
+    }
+
+    fn parse(text: &str) -> Result<Self, StoreError> {
+        Ok(match text {
+            "collecting" => RoundStage::Collecting,
+            "aggregating" => RoundStage::Aggregating,
+            "published" => RoundStage::Published,
+            "failed" => RoundStage::Failed,
+            other => return Err(StoreError::Corrupt(format!("round stage `{other}`"))),
+        })
+    }
+}
+
+/// One attempt at one round.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Round {
+    /// The experiment.
+    pub experiment_id: Uuid,
+    /// Round number, from 1.
+    pub round: i64,
+    /// Attempt, from 1.
+    pub attempt: i64,
+    /// Stage.
+    pub stage: RoundStage,
+    /// When collection closes, Unix ms.
+    pub stage_deadline: Option<i64>,
+    /// Clients selected.
+    pub selected: i64,
+    /// Uploads received.
+    pub reported: i64,
+    /// Selected clients that did not upload by the deadline.
+    pub dropped: i64,
+    /// Test accuracy of the published model.
+    pub test_accuracy: Option<f64>,
+    /// Test loss of the published model.
+    pub test_loss: Option<f64>,
+    /// Sample-weighted mean client training loss.
+    pub train_loss: Option<f64>,
+    /// Start, Unix ms.
+    pub started_at: i64,
+    /// End (published or failed), Unix ms.
+    pub finished_at: Option<i64>,
+}
+
+type RoundRow = (
+    String,
+    i64,
+    i64,
+    String,
+    Option<i64>,
+    i64,
+    i64,
+    i64,
+    Option<f64>,
+    Option<f64>,
+    Option<f64>,
+    i64,
+    Option<i64>,
+);
+
+const ROUND_COLUMNS: &str = "experiment_id, round, attempt, stage, stage_deadline, selected, \
+                             reported, dropped, test_accuracy, test_loss, train_loss, \
+                             started_at, finished_at";
+
+impl Round {
+    fn from_row(r: RoundRow) -> Result<Self, StoreError> {
+        Ok(Self {
+            experiment_id: parse_uuid(&r.0)?,
+            round: r.1,
+            attempt: r.2,
+            stage: RoundStage::parse(&r.3)?,
+            stage_deadline: r.4,
+            selected: r.5,
+            reported: r.6,
+            dropped: r.7,
+            test_accuracy: r.8,
+            test_loss: r.9,
+            train_loss: r.10,
+            started_at: r.11,
+            finished_at: r.12,
+        })
+    }
+}
+
+/// A client's part in a round attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ParticipationState {
+    /// Selected; no upload yet.
+    Selected,
+    /// Its upload is durable.
+    Uploaded,
+    /// Missed the deadline.
+    Dropped,
+}
+
+impl ParticipationState {
+    fn parse(text: &str) -> Result<Self, StoreError> {
+        Ok(match text {
+            "selected" => ParticipationState::Selected,
+            "uploaded" => ParticipationState::Uploaded,
+            "dropped" => ParticipationState::Dropped,
+            other => {
+                return Err(StoreError::Corrupt(format!(
+                    "participation state `{other}`"
+                )));
+            }
+        })
+    }
+}
+
+/// A selected client's row.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Participation {
+    /// The client.
+    pub client_id: Uuid,
+    /// Where it is.
+    pub state: ParticipationState,
+    /// Selection time, Unix ms.
+    pub selected_at: i64,
+    /// Upload time, Unix ms.
+    pub uploaded_at: Option<i64>,
+    /// Samples behind its update.
+    pub num_samples: Option<i64>,
+    /// Its mean training loss.
+    pub train_loss: Option<f64>,
+}
+
+/// An upload to record, its blob already durable at `blob_path`.
+#[derive(Debug, Clone)]
+pub struct NewUpload<'a> {
+    /// The uploading client.
+    pub client_id: Uuid,
+    /// Where the update's bytes are, relative to the data directory.
+    pub blob_path: &'a str,
+    /// Size of the blob.
+    pub bytes: i64,
+    /// SHA-256 of the blob.
+    pub sha256: &'a [u8],
+    /// Samples behind the update (the FedAvg weight).
+    pub num_samples: i64,
+    /// The client's mean training loss.
+    pub train_loss: Option<f64>,
+}
+
+/// A recorded upload.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Upload {
+    /// Identifier.
+    pub id: Uuid,
+    /// The uploading client.
+    pub client_id: Uuid,
+    /// Where the bytes are, relative to the data directory.
+    pub blob_path: String,
+    /// Size of the blob.
+    pub bytes: i64,
+    /// SHA-256 of the blob.
+    #[serde(skip)]
+    pub sha256: Vec<u8>,
+    /// Samples behind the update.
+    pub num_samples: i64,
+}
+
+/// A published global model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PublishedModel {
+    /// Round that produced it (0 is the initial model).
+    pub round: i64,
+    /// Where its bytes are, relative to the data directory.
+    pub blob_path: String,
+    /// Number of parameters.
+    pub parameters: i64,
+}
+
+/// Metrics recorded when a round's model is published.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct RoundMetrics {
+    /// Test accuracy of the new model.
+    pub test_accuracy: Option<f64>,
+    /// Test loss of the new model.
+    pub test_loss: Option<f64>,
+    /// Sample-weighted mean client training loss.
+    pub train_loss: Option<f64>,
+}
+
+impl Store {
+    /// Starts attempt `attempt` of round `round` with the `selected` clients, collecting
+    /// until `deadline`. The experiment must be running and have no attempt in progress.
+    pub async fn open_round(
+        &self,
+        experiment_id: Uuid,
+        round: i64,
+        attempt: i64,
+        selected: &[Uuid],
+        deadline: i64,
+        now: i64,
+    ) -> Result<Round, StoreError> {
+        let exp = experiment_id.to_string();
+        with_pool!(self, p => {
+            let mut tx = p.begin().await?;
+            let state: Option<(String,)> =
+                sqlx::query_as("SELECT state FROM experiments WHERE id = $1")
+                    .bind(&exp)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+            match state {
+                None => return Err(StoreError::NotFound(format!("experiment {experiment_id}"))),
+                Some((s,)) if s != "running" => {
+                    return Err(StoreError::Conflict(format!(
+                        "experiment {experiment_id} is {s}, not running"
+                    )));
+                }
+                Some(_) => {}
+            }
+            let (busy,): (i64,) = sqlx::query_as(
+                "SELECT COUNT(*) FROM rounds WHERE experiment_id = $1 \
+                 AND stage IN ('collecting', 'aggregating')",
+            )
+            .bind(&exp)
+            .fetch_one(&mut *tx)
+            .await?;
+            if busy > 0 {
+                return Err(StoreError::Conflict(format!(
+                    "experiment {experiment_id} already has a round in progress"
+                )));
+            }
+            sqlx::query(
+                "INSERT INTO rounds (experiment_id, round, attempt, stage, stage_deadline, \
+                 selected, started_at) VALUES ($1, $2, $3, 'collecting', $4, $5, $6)",
+            )
+            .bind(&exp)
+            .bind(round)
+            .bind(attempt)
+            .bind(deadline)
+            .bind(selected.len() as i64)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+            for client in selected {
+                sqlx::query(
+                    "INSERT INTO participations (experiment_id, round, attempt, client_id, state, \
+                     selected_at) VALUES ($1, $2, $3, $4, 'selected', $5)",
+                )
+                .bind(&exp)
+                .bind(round)
+                .bind(attempt)
+                .bind(client.to_string())
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+            }
+            sqlx::query("UPDATE experiments SET current_round = $1, updated_at = $2 WHERE id = $3")
+                .bind(round)
+                .bind(now)
+                .bind(&exp)
+                .execute(&mut *tx)
+                .await?;
+            audit!(tx, now, "coordinator", "round.open", exp.as_str(), format!("round {round} attempt {attempt}"));
+            tx.commit().await?;
+        });
+        self.round(experiment_id, round, attempt).await
+    }
+
+    /// One round attempt.
+    pub async fn round(
+        &self,
+        experiment_id: Uuid,
+        round: i64,
+        attempt: i64,
+    ) -> Result<Round, StoreError> {
+        let sql = "SELECT experiment_id, round, attempt, stage, stage_deadline, selected, \
+                   reported, dropped, test_accuracy, test_loss, train_loss, started_at, finished_at \
+                   FROM rounds WHERE experiment_id = $1 AND round = $2 AND attempt = $3";
+        debug_assert!(sql.contains(ROUND_COLUMNS));
+        with_pool!(self, p => {
+            let row: Option<RoundRow> = sqlx::query_as(sql)
+                .bind(experiment_id.to_string())
+                .bind(round)
+                .bind(attempt)
+                .fetch_optional(p)
+                .await?;
+            row.ok_or_else(|| StoreError::NotFound(format!("round {round} attempt {attempt}")))
+                .and_then(Round::from_row)
+        })
+    }
+
+    /// Every attempt of every round of an experiment, in order.
+    pub async fn rounds(&self, experiment_id: Uuid) -> Result<Vec<Round>, StoreError> {
+        with_pool!(self, p => {
+            let rows: Vec<RoundRow> = sqlx::query_as(
+                "SELECT experiment_id, round, attempt, stage, stage_deadline, selected, \
+                 reported, dropped, test_accuracy, test_loss, train_loss, started_at, finished_at \
+                 FROM rounds WHERE experiment_id = $1 ORDER BY round, attempt",
+            )
+            .bind(experiment_id.to_string())
+            .fetch_all(p)
+            .await?;
+            rows.into_iter().map(Round::from_row).collect()
+        })
+    }
+
+    /// The participations of a round attempt, by client id.
+    pub async fn participations(
+        &self,
+        experiment_id: Uuid,
+        round: i64,
+        attempt: i64,
+    ) -> Result<Vec<Participation>, StoreError> {
+        with_pool!(self, p => {
+            let rows: Vec<(String, String, i64, Option<i64>, Option<i64>, Option<f64>)> =
+                sqlx::query_as(
+                    "SELECT client_id, state, selected_at, uploaded_at, num_samples, train_loss \
+                     FROM participations WHERE experiment_id = $1 AND round = $2 AND attempt = $3 \
+                     ORDER BY client_id",
+                )
+                .bind(experiment_id.to_string())
+                .bind(round)
+                .bind(attempt)
+                .fetch_all(p)
+                .await?;
+            rows.into_iter()
+                .map(|(c, s, sel, up, n, loss)| {
+                    Ok(Participation {
+                        client_id: parse_uuid(&c)?,
+                        state: ParticipationState::parse(&s)?,
+                        selected_at: sel,
+                        uploaded_at: up,
+                        num_samples: n,
+                        train_loss: loss,
+                    })
+                })
+                .collect()
+        })
+    }
+
+    /// Records a durable upload. Refused, with nothing changed, unless the round attempt
+    /// is collecting, its deadline has not passed, and the client is selected and has not
+    /// uploaded yet (a replay is a conflict).
+    pub async fn record_upload(
+        &self,
+        experiment_id: Uuid,
+        round: i64,
+        attempt: i64,
+        upload: &NewUpload<'_>,
+        now: i64,
+    ) -> Result<Upload, StoreError> {
+        let exp = experiment_id.to_string();
+        let client = upload.client_id.to_string();
+        let id = Uuid::new_v4();
+        with_pool!(self, p => {
+            let mut tx = p.begin().await?;
+            let stage: Option<(String, Option<i64>)> = sqlx::query_as(
+                "SELECT stage, stage_deadline FROM rounds \
+                 WHERE experiment_id = $1 AND round = $2 AND attempt = $3",
+            )
+            .bind(&exp)
+            .bind(round)
+            .bind(attempt)
+            .fetch_optional(&mut *tx)
+            .await?;
+            match stage {
+                None => return Err(StoreError::NotFound(format!("round {round} attempt {attempt}"))),
+                Some((s, _)) if s != "collecting" => {
+                    return Err(StoreError::Conflict(format!(
+                        "round {round} attempt {attempt} is {s}, not collecting uploads"
+                    )));
+                }
+                Some((_, Some(deadline))) if now > deadline => {
+                    return Err(StoreError::Conflict(format!(
+                        "round {round} attempt {attempt} stopped collecting at its deadline"
+                    )));
+                }
+                Some(_) => {}
+            }
+            let part: Option<(String,)> = sqlx::query_as(
+                "SELECT state FROM participations WHERE experiment_id = $1 AND round = $2 \
+                 AND attempt = $3 AND client_id = $4",
+            )
+            .bind(&exp)
+            .bind(round)
+            .bind(attempt)
+            .bind(&client)
+            .fetch_optional(&mut *tx)
+            .await?;
+            match part {
+                None => {
+                    return Err(StoreError::Conflict(format!(
+                        "client {client} is not selected for round {round}"
+                    )));
+                }
+                Some((s,)) if s == "uploaded" => {
+                    return Err(StoreError::Conflict(format!(
+                        "client {client} already uploaded for round {round}"
+                    )));
+                }
+                Some((s,)) if s != "selected" => {
+                    return Err(StoreError::Conflict(format!(
+                        "client {client} is {s} in round {round}"
+                    )));
+                }
+                Some(_) => {}
+            }
+            let moved = sqlx::query(
+                "UPDATE participations SET state = 'uploaded', uploaded_at = $1, num_samples = $2, \
+                 train_loss = $3 WHERE experiment_id = $4 AND round = $5 AND attempt = $6 \
+                 AND client_id = $7 AND state = 'selected'",
+            )
+            .bind(now)
+            .bind(upload.num_samples)
+            .bind(upload.train_loss)
+            .bind(&exp)
+            .bind(round)
+            .bind(attempt)
+            .bind(&client)
+            .execute(&mut *tx)
+            .await?;
+            if moved.rows_affected() != 1 {
+                return Err(StoreError::Conflict(format!(
+                    "client {client} already uploaded for round {round}"
+                )));
+            }
+            sqlx::query(
+                "INSERT INTO uploads (id, experiment_id, round, attempt, client_id, blob_path, \
+                 bytes, sha256, created_at, num_samples) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+            )
+            .bind(id.to_string())
+            .bind(&exp)
+            .bind(round)
+            .bind(attempt)
+            .bind(&client)
+            .bind(upload.blob_path)
+            .bind(upload.bytes)
+            .bind(upload.sha256)
+            .bind(now)
+            .bind(upload.num_samples)
+            .execute(&mut *tx)
+            .await?;
+            sqlx::query(
+                "UPDATE rounds SET reported = reported + 1 \
+                 WHERE experiment_id = $1 AND round = $2 AND attempt = $3",
+            )
+            .bind(&exp)
+            .bind(round)
+            .bind(attempt)
+            .execute(&mut *tx)
+            .await?;
+            tx.commit().await?;
+        });
+        Ok(Upload {
+            id,
+            client_id: upload.client_id,
+            blob_path: upload.blob_path.to_string(),
+            bytes: upload.bytes,
+            sha256: upload.sha256.to_vec(),
+            num_samples: upload.num_samples,
+        })
+    }
+
+    /// Closes collection: clients that did not upload are dropped, and the attempt moves
+    /// to aggregating with at least `quorum` uploads, or fails without.
+    pub async fn close_collection(
+        &self,
+        experiment_id: Uuid,
+        round: i64,
+        attempt: i64,
+        quorum: i64,
+        now: i64,
+    ) -> Result<Round, StoreError> {
+        let exp = experiment_id.to_string();
+        with_pool!(self, p => {
+            let mut tx = p.begin().await?;
+            let row: Option<(String, i64)> = sqlx::query_as(
+                "SELECT stage, reported FROM rounds \
+                 WHERE experiment_id = $1 AND round = $2 AND attempt = $3",
+            )
+            .bind(&exp)
+            .bind(round)
+            .bind(attempt)
+            .fetch_optional(&mut *tx)
+            .await?;
+            let (stage, reported) =
+                row.ok_or_else(|| StoreError::NotFound(format!("round {round} attempt {attempt}")))?;
+            if stage != "collecting" {
+                return Err(StoreError::Conflict(format!(
+                    "round {round} attempt {attempt} is {stage}, not collecting"
+                )));
+            }
+            let dropped = sqlx::query(
+                "UPDATE participations SET state = 'dropped' WHERE experiment_id = $1 \
+                 AND round = $2 AND attempt = $3 AND state = 'selected'",
+            )
+            .bind(&exp)
+            .bind(round)
+            .bind(attempt)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected() as i64;
+            let next = if reported >= quorum { "aggregating" } else { "failed" };
+            sqlx::query(
+                "UPDATE rounds SET stage = $1, dropped = $2, \
+                 finished_at = CASE WHEN $1 = 'failed' THEN $3 ELSE NULL END \
+                 WHERE experiment_id = $4 AND round = $5 AND attempt = $6",
+            )
+            .bind(next)
+            .bind(dropped)
+            .bind(now)
+            .bind(&exp)
+            .bind(round)
+            .bind(attempt)
+            .execute(&mut *tx)
+            .await?;
+            audit!(tx, now, "coordinator", "round.close", exp.as_str(), format!("round {round} attempt {attempt}: {next}, {reported} uploads, {dropped} dropped"));
+            tx.commit().await?;
+        });
+        self.round(experiment_id, round, attempt).await
+    }
+
+    /// The uploads of a round attempt, in upload-id order, for the aggregation job.
+    pub async fn uploads(
+        &self,
+        experiment_id: Uuid,
+        round: i64,
+        attempt: i64,
+    ) -> Result<Vec<Upload>, StoreError> {
+        with_pool!(self, p => {
+            let rows: Vec<(String, String, String, i64, Vec<u8>, i64)> = sqlx::query_as(
+                "SELECT id, client_id, blob_path, bytes, sha256, num_samples FROM uploads \
+                 WHERE experiment_id = $1 AND round = $2 AND attempt = $3 ORDER BY id",
+            )
+            .bind(experiment_id.to_string())
+            .bind(round)
+            .bind(attempt)
+            .fetch_all(p)
+            .await?;
+            rows.into_iter()
+                .map(|(id, c, path, bytes, sha, n)| {
+                    Ok(Upload {
+                        id: parse_uuid(&id)?,
+                        client_id: parse_uuid(&c)?,
+                        blob_path: path,
+                        bytes,
+                        sha256: sha,
+                        num_samples: n,
+                    })
+                })
+                .collect()
+        })
+    }
+
+    /// Stores the model of round 0 (the initial one) or of a round that is aggregating,
+    /// which then becomes published with `metrics`.
+    pub async fn publish_model(
+        &self,
+        experiment_id: Uuid,
+        round: i64,
+        attempt: i64,
+        model: &PublishedModel,
+        metrics: RoundMetrics,
+        now: i64,
+    ) -> Result<(), StoreError> {
+        let exp = experiment_id.to_string();
+        with_pool!(self, p => {
+            let mut tx = p.begin().await?;
+            if round > 0 {
+                let moved = sqlx::query(
+                    "UPDATE rounds SET stage = 'published', finished_at = $1, test_accuracy = $2, \
+                     test_loss = $3, train_loss = $4 WHERE experiment_id = $5 AND round = $6 \
+                     AND attempt = $7 AND stage = 'aggregating'",
+                )
+                .bind(now)
+                .bind(metrics.test_accuracy)
+                .bind(metrics.test_loss)
+                .bind(metrics.train_loss)
+                .bind(&exp)
+                .bind(round)
+                .bind(attempt)
+                .execute(&mut *tx)
+                .await?;
+                if moved.rows_affected() != 1 {
+                    return Err(StoreError::Conflict(format!(
+                        "round {round} attempt {attempt} is not aggregating"
+                    )));
+                }
+            }
+            sqlx::query(
+                "INSERT INTO models (experiment_id, round, blob_path, parameters, created_at) \
+                 VALUES ($1, $2, $3, $4, $5)",
+            )
+            .bind(&exp)
+            .bind(round)
+            .bind(&model.blob_path)
+            .bind(model.parameters)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+            tx.commit().await?;
+        });
+        Ok(())
+    }
+
+    /// The newest published model of an experiment.
+    pub async fn latest_model(
+        &self,
+        experiment_id: Uuid,
+    ) -> Result<Option<PublishedModel>, StoreError> {
+        with_pool!(self, p => {
+            let row: Option<(i64, String, i64)> = sqlx::query_as(
+                "SELECT round, blob_path, parameters FROM models WHERE experiment_id = $1 \
+                 ORDER BY round DESC LIMIT 1",
+            )
+            .bind(experiment_id.to_string())
+            .fetch_optional(p)
+            .await?;
+            Ok(row.map(|(round, blob_path, parameters)| PublishedModel {
+                round,
+                blob_path,
+                parameters,
+            }))
+        })
+    }
+}
