@@ -8,11 +8,13 @@
 //! - [`ServerOptimizer`]: how the server turns the averaged update into the next global
 //!   model (plain averaging, FedAdam, FedYogi, FedAdagrad).
 //! - [`Strategy`]: the named federated strategies a user picks from.
+//! - [`wire`]: the little-endian `f32` body in which vectors travel.
 
 mod fedavg;
 mod model_vector;
 mod server_optimizer;
 mod strategy;
+pub mod wire;
 
 pub use fedavg::{AggregationError, WeightedMean};
 pub use model_vector::{Layout, LayoutError, ModelVector, TensorSpec};

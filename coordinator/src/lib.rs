@@ -7,8 +7,10 @@
 //! - [`simulate`]: `cohort simulate`, from settings to `metrics.csv`, `summary.json` and
 //!   plots.
 //! - [`seeds`]: reproducible, independent random streams derived from one seed.
+//! - [`blobs`]: durable files for uploads and models.
 //! - [`store`]: the system of record (SQLite embedded, PostgreSQL in production).
 
+pub mod blobs;
 pub mod engine;
 pub mod seeds;
 pub mod simulate;

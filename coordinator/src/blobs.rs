@@ -1,0 +1,141 @@
+//! Durable blobs on disk: uploaded updates and published models.
+//!
+//! A blob is written to a temporary file, flushed to disk, renamed into place and its
+//! directory flushed too, so once `put` returns the bytes survive a crash or a SIGKILL;
+//! only then may the upload be acknowledged.
+
+use std::fs::{self, File};
+use std::io::{self, Write};
+use std::path::{Component, Path, PathBuf};
+
+use ring::digest;
+
+/// Where a stored blob is and what it holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlobInfo {
+    /// Path relative to the store's root, as recorded in the database.
+    pub path: String,
+    /// Size in bytes.
+    pub bytes: u64,
+    /// SHA-256 of the contents.
+    pub sha256: [u8; 32],
+}
+
+/// A directory of blobs addressed by relative paths.
+#[derive(Debug, Clone)]
+pub struct BlobStore {
+    root: PathBuf,
+}
+
+fn invalid(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, msg)
+}
+
+impl BlobStore {
+    /// A store rooted at `root`, created if missing.
+    pub fn open(root: &Path) -> io::Result<Self> {
+        fs::create_dir_all(root)?;
+        Ok(Self {
+            root: root.to_path_buf(),
+        })
+    }
+
+    /// Resolves `relative`, refusing anything that could leave the root.
+    fn resolve(&self, relative: &str) -> io::Result<PathBuf> {
+        let rel = Path::new(relative);
+        let plain = rel.components().all(|c| matches!(c, Component::Normal(_)));
+        if relative.is_empty() || !plain {
+            return Err(invalid(format!(
+                "blob path `{relative}` must be relative and plain"
+            )));
+        }
+        Ok(self.root.join(rel))
+    }
+
+    /// Writes `bytes` durably at `relative`, replacing an earlier blob of that name.
+    pub fn put(&self, relative: &str, bytes: &[u8]) -> io::Result<BlobInfo> {
+        let target = self.resolve(relative)?;
+        let dir = target
+            .parent()
+            .ok_or_else(|| invalid(format!("blob path `{relative}` has no directory")))?;
+        fs::create_dir_all(dir)?;
+        let tmp = target.with_extension(format!("tmp-{}", uuid::Uuid::new_v4().simple()));
+        let result = (|| {
+            let mut file = File::create(&tmp)?;
+            file.write_all(bytes)?;
+            file.sync_all()?;
+            fs::rename(&tmp, &target)?;
+            File::open(dir)?.sync_all()
+        })();
+        if result.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        result?;
+        let mut sha256 = [0u8; 32];
+        sha256.copy_from_slice(digest::digest(&digest::SHA256, bytes).as_ref());
+        Ok(BlobInfo {
+            path: relative.to_string(),
+            bytes: bytes.len() as u64,
+            sha256,
+        })
+    }
+
+    /// Reads the blob at `relative`.
+    pub fn get(&self, relative: &str) -> io::Result<Vec<u8>> {
+        fs::read(self.resolve(relative)?)
+    }
+
+    /// Reads the blob at `relative` and checks it against its recorded SHA-256, so a
+    /// damaged file is an error rather than a wrong model.
+    pub fn get_verified(&self, relative: &str, sha256: &[u8]) -> io::Result<Vec<u8>> {
+        let bytes = self.get(relative)?;
+        if digest::digest(&digest::SHA256, &bytes).as_ref() != sha256 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("blob `{relative}` does not match its recorded checksum"),
+            ));
+        }
+        Ok(bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn put_then_get_round_trips_and_leaves_no_temporary_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlobStore::open(dir.path()).unwrap();
+        let info = store.put("uploads/e/1-1/c.bin", b"hello").unwrap();
+        assert_eq!(info.bytes, 5);
+        assert_eq!(store.get("uploads/e/1-1/c.bin").unwrap(), b"hello");
+        assert_eq!(
+            store.get_verified(&info.path, &info.sha256).unwrap(),
+            b"hello"
+        );
+        let names: Vec<_> = fs::read_dir(dir.path().join("uploads/e/1-1"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec!["c.bin"]);
+    }
+
+    #[test]
+    fn paths_that_escape_the_root_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlobStore::open(dir.path()).unwrap();
+        for bad in ["", "../x", "/etc/passwd", "a/../../x", "./a"] {
+            assert!(store.put(bad, b"x").is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn damaged_blob_fails_verification() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlobStore::open(dir.path()).unwrap();
+        let info = store.put("m/1", b"weights").unwrap();
+        fs::write(dir.path().join("m/1"), b"weightz").unwrap();
+        assert!(store.get_verified(&info.path, &info.sha256).is_err());
+    }
+}
