@@ -39,7 +39,7 @@ pub fn encode(vector: &ModelVector) -> Vec<u8> {
 
 /// Decodes a body into a vector of `layout`, refusing a wrong size or a non-finite value.
 pub fn decode(layout: &Arc<Layout>, bytes: &[u8]) -> Result<ModelVector, WireError> {
-    if bytes.len() % 4 != 0 {
+    if !bytes.len().is_multiple_of(4) {
         return Err(WireError::Ragged(bytes.len()));
     }
     let found = bytes.len() / 4;
