@@ -8,10 +8,14 @@
 //!   plots.
 //! - [`seeds`]: reproducible, independent random streams derived from one seed.
 //! - [`blobs`]: durable files for uploads and models.
+//! - [`model_files`]: global models as safetensors files.
 //! - [`store`]: the system of record (SQLite embedded, PostgreSQL in production).
+//! - [`server`]: `cohort serve`, the HTTP API over TLS.
 
 pub mod blobs;
 pub mod engine;
+pub mod model_files;
 pub mod seeds;
+pub mod server;
 pub mod simulate;
 pub mod store;

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use cohort_aggregation::Strategy;
+use cohort_coordinator::server::{ServeArgs, ServeSettings};
 use cohort_coordinator::simulate::{DatasetSpec, RoundRecord, SimulationConfig, compare, simulate};
 use cohort_edge::model::ModelKind;
 use cohort_edge::partition::PartitionScheme;
@@ -26,6 +27,9 @@ struct Cli {
 enum Command {
     /// Train a federated model over many virtual clients in one process.
     Simulate(SimulateArgs),
+    /// Run the coordinator: the HTTP API over TLS. Flags override `COHORT_*` variables,
+    /// which override the `--config` file.
+    Serve(ServeArgs),
 }
 
 /// Flags override the keys of the same name in `--config`.
@@ -152,6 +156,24 @@ fn main() -> ExitCode {
     };
     match cli.command {
         Command::Simulate(args) => run_simulate(args),
+        Command::Serve(args) => run_serve(args),
+    }
+}
+
+fn run_serve(args: ServeArgs) -> ExitCode {
+    let settings = match ServeSettings::from_args(args) {
+        Ok(settings) => settings,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match cohort_coordinator::server::run_until_signal(settings) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(e.exit_code())
+        }
     }
 }
 

@@ -159,6 +159,10 @@ pub struct Participation {
     pub train_loss: Option<f64>,
 }
 
+/// A participation row: client_id, state, selected_at, uploaded_at, num_samples,
+/// train_loss.
+type ParticipationRow = (String, String, i64, Option<i64>, Option<i64>, Option<f64>);
+
 /// An upload to record, its blob already durable at `blob_path`.
 #[derive(Debug, Clone)]
 pub struct NewUpload<'a> {
@@ -340,7 +344,7 @@ impl Store {
         attempt: i64,
     ) -> Result<Vec<Participation>, StoreError> {
         with_pool!(self, p => {
-            let rows: Vec<(String, String, i64, Option<i64>, Option<i64>, Option<f64>)> =
+            let rows: Vec<ParticipationRow> =
                 sqlx::query_as(
                     "SELECT client_id, state, selected_at, uploaded_at, num_samples, train_loss \
                      FROM participations WHERE experiment_id = $1 AND round = $2 AND attempt = $3 \

@@ -1,0 +1,237 @@
+//! The HTTP API: routes, the admin guard and the OpenAPI document that describes them.
+//!
+//! Public routes live at the top level; admin routes go into [`admin_router`], which
+//! [`app`](super::app) nests under [`ADMIN_PREFIX`] behind the admin-token guard, so a
+//! route added there cannot be left unguarded. Every route is listed in [`ApiDoc`].
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, Method, header};
+use axum::middleware::Next;
+use axum::response::Response;
+use axum::routing::get;
+use serde::{Deserialize, Serialize};
+use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
+use utoipa::{Modify, OpenApi, ToSchema};
+
+use super::AppState;
+use super::auth::parse_bearer;
+use super::error::{ApiError, ErrorBody, ErrorDetail, Json};
+
+/// Where the admin API is mounted; every path below it needs the admin token.
+pub const ADMIN_PREFIX: &str = "/api/v1/admin";
+/// Name of the bearer security scheme in the OpenAPI document.
+pub const ADMIN_SECURITY_SCHEME: &str = "admin_token";
+
+/// The OpenAPI document of the coordinator's API.
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "Cohort coordinator API",
+        description = "Federated learning coordinator. Admin routes need \
+                       `Authorization: Bearer <admin token>`. Every error is \
+                       `{\"error\": {\"code\": ..., \"message\": ...}}`."
+    ),
+    paths(health, openapi_json, whoami),
+    components(schemas(ErrorBody, ErrorDetail, Health, WhoAmI)),
+    modifiers(&AdminSecurity),
+    tags(
+        (name = "meta", description = "Liveness and the API description"),
+        (name = "admin", description = "Platform administration (admin token)")
+    )
+)]
+pub struct ApiDoc;
+
+/// Adds the admin bearer scheme to the document's components.
+struct AdminSecurity;
+
+impl Modify for AdminSecurity {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        let mut scheme = Http::new(HttpAuthScheme::Bearer);
+        scheme.description = Some(
+            "The admin token: set in settings (`COHORT_ADMIN_TOKEN`) or printed once by \
+             `cohort serve` at first start."
+                .into(),
+        );
+        components.add_security_scheme(ADMIN_SECURITY_SCHEME, SecurityScheme::Http(scheme));
+    }
+}
+
+/// The answer of the health check.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct Health {
+    /// Always `ok` when the server answers.
+    #[schema(example = "ok")]
+    pub status: String,
+}
+
+/// Who the caller is, as the server sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct WhoAmI {
+    /// The caller's role; `admin` for the admin token.
+    #[schema(example = "admin")]
+    pub role: String,
+}
+
+/// Liveness check; needs no token.
+#[utoipa::path(
+    get,
+    path = "/api/v1/health",
+    tag = "meta",
+    responses((status = 200, description = "The server is up", body = Health))
+)]
+async fn health() -> Json<Health> {
+    Json(Health {
+        status: "ok".into(),
+    })
+}
+
+/// This OpenAPI document; needs no token.
+#[utoipa::path(
+    get,
+    path = "/api/v1/openapi.json",
+    tag = "meta",
+    responses((status = 200, description = "The OpenAPI 3 document", content_type = "application/json"))
+)]
+async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
+    Json(ApiDoc::openapi())
+}
+
+/// Echoes the caller's role: a cheap way to check an admin token.
+#[utoipa::path(
+    get,
+    path = "/api/v1/admin/whoami",
+    tag = "admin",
+    security(("admin_token" = [])),
+    responses(
+        (status = 200, description = "The token is the admin token", body = WhoAmI),
+        (status = 401, description = "Missing, malformed or wrong token", body = ErrorBody)
+    )
+)]
+async fn whoami() -> Json<WhoAmI> {
+    Json(WhoAmI {
+        role: "admin".into(),
+    })
+}
+
+/// The public routes, with absolute paths.
+pub(crate) fn public_router() -> Router<AppState> {
+    Router::new()
+        .route("/api/v1/health", get(health))
+        .route("/api/v1/openapi.json", get(openapi_json))
+}
+
+/// The admin routes, with paths relative to [`ADMIN_PREFIX`]. Add new admin routes here
+/// (and to [`ApiDoc`]); [`app`](super::app) puts the whole router behind the guard.
+pub fn admin_router() -> Router<AppState> {
+    Router::new().route("/whoami", get(whoami))
+}
+
+/// Middleware: lets a request through only with `Authorization: Bearer <admin token>`.
+pub(crate) async fn require_admin(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
+    check_admin(&state, request.headers())?;
+    Ok(next.run(request).await)
+}
+
+fn check_admin(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let mut values = headers.get_all(header::AUTHORIZATION).iter();
+    let first = values.next();
+    // Two Authorization headers are ambiguous; refuse rather than pick one.
+    if values.next().is_some() {
+        return Err(ApiError::Unauthorized(
+            "more than one authorization header".into(),
+        ));
+    }
+    let token = parse_bearer(first.map(|v| v.as_bytes()))
+        .map_err(|e| ApiError::Unauthorized(e.to_string()))?;
+    if state.admin.verify(token) {
+        Ok(())
+    } else {
+        Err(ApiError::Unauthorized("invalid admin token".into()))
+    }
+}
+
+/// Every documented admin operation as (method, path), from the OpenAPI document: the
+/// list tests walk to prove that each one is guarded. Path parameters keep their
+/// `{name}` placeholders.
+pub fn documented_admin_routes() -> Vec<(Method, String)> {
+    documented_routes()
+        .into_iter()
+        .filter(|(_, path)| path == ADMIN_PREFIX || path.starts_with(&format!("{ADMIN_PREFIX}/")))
+        .collect()
+}
+
+/// Every documented operation as (method, path).
+pub fn documented_routes() -> Vec<(Method, String)> {
+    let doc = serde_json::to_value(ApiDoc::openapi()).unwrap_or_default();
+    let mut routes = Vec::new();
+    if let Some(paths) = doc.get("paths").and_then(|p| p.as_object()) {
+        for (path, item) in paths {
+            let Some(item) = item.as_object() else {
+                continue;
+            };
+            for key in item.keys() {
+                let Ok(method) = Method::from_bytes(key.to_ascii_uppercase().as_bytes()) else {
+                    continue;
+                };
+                // Path items also hold `parameters`, `summary` and the like.
+                if matches!(
+                    method,
+                    Method::GET
+                        | Method::POST
+                        | Method::PUT
+                        | Method::PATCH
+                        | Method::DELETE
+                        | Method::HEAD
+                        | Method::OPTIONS
+                ) {
+                    routes.push((method, path.clone()));
+                }
+            }
+        }
+    }
+    routes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_admin_operation_declares_the_bearer_scheme() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).unwrap();
+        let admin = documented_admin_routes();
+        assert!(!admin.is_empty());
+        for (method, path) in admin {
+            let op = &doc["paths"][&path][method.as_str().to_ascii_lowercase()];
+            let security = op["security"].as_array().cloned().unwrap_or_default();
+            assert!(
+                security
+                    .iter()
+                    .any(|s| s.get(ADMIN_SECURITY_SCHEME).is_some()),
+                "{method} {path} does not declare {ADMIN_SECURITY_SCHEME}"
+            );
+            assert!(
+                op["responses"].get("401").is_some(),
+                "{method} {path} does not document its 401"
+            );
+        }
+    }
+
+    #[test]
+    fn document_has_the_error_schema_and_the_security_scheme() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).unwrap();
+        assert!(doc["components"]["schemas"].get("ErrorBody").is_some());
+        assert_eq!(
+            doc["components"]["securitySchemes"][ADMIN_SECURITY_SCHEME]["scheme"],
+            "bearer"
+        );
+        let routes = documented_routes();
+        assert!(routes.contains(&(Method::GET, "/api/v1/health".to_string())));
+    }
+}

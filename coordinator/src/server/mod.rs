@@ -1,0 +1,372 @@
+//! `cohort serve`: settings, TLS, authentication and the HTTP API.
+//!
+//! - [`settings`]: one validated [`ServeSettings`] from a TOML file, `COHORT_*`
+//!   variables and flags.
+//! - [`tls`]: the development CA and loading certificates into rustls.
+//! - [`auth`]: the admin token (generated once, stored hashed) and secret hashing.
+//! - [`error`]: [`ApiError`], the JSON error body, and the [`Json`](error::Json) extractor.
+//! - [`api`]: the routes and the OpenAPI document.
+//!
+//! [`run`] is the whole command; [`prepare`] and [`Prepared::serve`] split it so tests can
+//! bind `127.0.0.1:0`, learn the address and generated secrets, and talk to a real server.
+
+pub mod api;
+pub mod auth;
+pub mod error;
+pub mod settings;
+pub mod tls;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::middleware;
+use axum_server::tls_rustls::RustlsConfig;
+use tower_http::trace::{DefaultMakeSpan, DefaultOnResponse, TraceLayer};
+use tracing::Level;
+
+pub use api::{ADMIN_PREFIX, ApiDoc, admin_router};
+pub use auth::{AdminToken, hash_secret};
+pub use error::ApiError;
+pub use settings::{Secret, ServeArgs, ServeFlags, ServeSettings, SettingsError, TlsMode};
+
+/// How long in-flight requests may finish after shutdown is asked for.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// How long a client may take to send a request's headers; without a bound, a client
+/// that trickles bytes could hold a connection open forever.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What every handler can reach. Cheap to clone: each part sits behind an `Arc`.
+#[derive(Clone)]
+pub struct AppState {
+    /// The validated settings.
+    pub settings: Arc<ServeSettings>,
+    /// Checks admin bearer tokens.
+    pub admin: Arc<AdminToken>,
+}
+
+impl AppState {
+    /// State from settings and the admin token verifier.
+    pub fn new(settings: ServeSettings, admin: AdminToken) -> Self {
+        Self {
+            settings: Arc::new(settings),
+            admin: Arc::new(admin),
+        }
+    }
+}
+
+/// Why the server could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The data directory could not be created.
+    #[error("cannot create data dir `{path}`: {source}")]
+    DataDir {
+        /// The directory.
+        path: PathBuf,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// TLS could not be set up.
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
+    /// The admin token could not be set up.
+    #[error(transparent)]
+    AdminToken(#[from] auth::AuthError),
+    /// The listen address could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// The async runtime could not start.
+    #[error("cannot start the async runtime: {0}")]
+    Runtime(std::io::Error),
+    /// The server stopped on an I/O error.
+    #[error("server failed: {0}")]
+    Serve(std::io::Error),
+    /// A start-up task did not finish.
+    #[error("start-up task failed: {0}")]
+    Task(String),
+}
+
+impl ServeError {
+    /// The process exit status for this error: 2 when a setting points at unusable TLS
+    /// files (fix the input), 1 otherwise.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            ServeError::Tls(_) => 2,
+            _ => 1,
+        }
+    }
+}
+
+/// The whole HTTP application: public routes, the guarded admin routes of
+/// [`admin_router`], the JSON 404 fallback, the body limit and request tracing.
+pub fn app(state: AppState) -> Router {
+    app_with_admin(state, admin_router())
+}
+
+/// Like [`app`], with `admin` as the admin router (paths relative to [`ADMIN_PREFIX`]).
+/// Every route in it, and every unknown path under the prefix, is behind the admin
+/// token guard.
+pub fn app_with_admin(state: AppState, admin: Router<AppState>) -> Router {
+    // The guard wraps the admin fallback too, so an unknown admin path answers 401 to a
+    // caller without the token instead of revealing which admin routes exist.
+    let admin = admin
+        .fallback(error::not_found)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            api::require_admin,
+        ));
+    api::public_router()
+        .nest(ADMIN_PREFIX, admin)
+        .fallback(error::not_found)
+        .layer(DefaultBodyLimit::max(state.settings.max_body_bytes))
+        .layer(middleware::map_response(error::json_errors))
+        .layer(
+            TraceLayer::new_for_http()
+                .make_span_with(DefaultMakeSpan::new().level(Level::INFO))
+                .on_response(DefaultOnResponse::new().level(Level::INFO)),
+        )
+        .with_state(state)
+}
+
+/// A server that has done all its start-up work and is bound, but not yet serving.
+pub struct Prepared {
+    listener: std::net::TcpListener,
+    state: AppState,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    /// The address actually bound (the port is known even when 0 was asked for).
+    pub local_addr: SocketAddr,
+    /// In dev TLS mode, the CA certificate clients must trust.
+    pub dev_ca_cert: Option<PathBuf>,
+    /// The admin token, when this start generated it. Shown once; only its hash is kept.
+    pub generated_admin_token: Option<Secret>,
+}
+
+impl std::fmt::Debug for Prepared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prepared")
+            .field("local_addr", &self.local_addr)
+            .field("tls", &self.tls.is_some())
+            .field("dev_ca_cert", &self.dev_ca_cert)
+            .field("generated_admin_token", &self.generated_admin_token)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Does the start-up work: creates the data directory, sets up TLS (creating the
+/// development CA when asked), loads or generates the admin token, and binds the listen
+/// address.
+pub async fn prepare(settings: ServeSettings) -> Result<Prepared, ServeError> {
+    // File I/O and key generation would stall an async worker; do them on the blocking
+    // pool.
+    tokio::task::spawn_blocking(move || prepare_blocking(settings))
+        .await
+        .map_err(|e| ServeError::Task(e.to_string()))?
+}
+
+fn prepare_blocking(settings: ServeSettings) -> Result<Prepared, ServeError> {
+    install_crypto_provider();
+    std::fs::create_dir_all(&settings.data_dir).map_err(|source| ServeError::DataDir {
+        path: settings.data_dir.clone(),
+        source,
+    })?;
+    let (tls, dev_ca_cert) = match &settings.tls {
+        TlsMode::DevTls => {
+            let files = tls::ensure_dev_tls(&settings.data_dir)?;
+            let config = tls::load_server_config(&files.server_cert, &files.server_key)?;
+            (Some(config), Some(files.ca_cert))
+        }
+        TlsMode::Files { cert, key } => (Some(tls::load_server_config(cert, key)?), None),
+        TlsMode::InsecureHttp => (None, None),
+    };
+    let (admin, generated_admin_token) =
+        AdminToken::load_or_generate(&settings.data_dir, settings.admin_token.as_ref())?;
+    let listener =
+        std::net::TcpListener::bind(settings.listen).map_err(|source| ServeError::Bind {
+            addr: settings.listen,
+            source,
+        })?;
+    let local_addr = listener.local_addr().map_err(|source| ServeError::Bind {
+        addr: settings.listen,
+        source,
+    })?;
+    Ok(Prepared {
+        listener,
+        state: AppState::new(settings, admin),
+        tls,
+        local_addr,
+        dev_ca_cert,
+        generated_admin_token,
+    })
+}
+
+impl Prepared {
+    /// The state the routes will see.
+    pub fn state(&self) -> &AppState {
+        &self.state
+    }
+
+    /// The base URL clients use, e.g. `https://127.0.0.1:8443`.
+    pub fn base_url(&self) -> String {
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", self.local_addr)
+    }
+
+    /// The start-up report for stdout: the CA to trust in dev TLS, the admin token when it
+    /// was just generated (the only time it is ever shown), and last, as the sign that the
+    /// server is ready, where to connect.
+    pub fn banner(&self) -> Vec<String> {
+        let mut lines = Vec::new();
+        if self.tls.is_none() {
+            lines.push("warning: plain HTTP (--insecure-http); put a TLS proxy in front".into());
+        }
+        if let Some(ca) = &self.dev_ca_cert {
+            lines.push(format!(
+                "dev TLS: clients must trust the CA certificate {}",
+                ca.display()
+            ));
+        }
+        if let Some(token) = &self.generated_admin_token {
+            lines.push(format!(
+                "admin token (shown only this once; only its hash is stored): {}",
+                token.expose()
+            ));
+        }
+        lines.push(format!("cohort serve listening on {}", self.base_url()));
+        lines
+    }
+
+    /// Serves [`app`] until `shutdown` completes, then drains in-flight requests for up
+    /// to [`SHUTDOWN_GRACE`].
+    pub async fn serve(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), ServeError> {
+        self.serve_with_admin(admin_router(), shutdown).await
+    }
+
+    /// Like [`serve`](Self::serve), with `admin` as the admin router (see
+    /// [`app_with_admin`]); every route in it is guarded by the admin token.
+    pub async fn serve_with_admin(
+        self,
+        admin: Router<AppState>,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), ServeError> {
+        let router = app_with_admin(self.state, admin);
+        serve(self.listener, router, self.tls, shutdown).await
+    }
+}
+
+/// Serves `router` on `listener`, over TLS with `tls` or as plain HTTP without, until
+/// `shutdown` completes; then stops accepting and lets in-flight requests finish for up
+/// to [`SHUTDOWN_GRACE`].
+pub async fn serve(
+    listener: std::net::TcpListener,
+    router: Router,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let handle = axum_server::Handle::new();
+    let trigger = handle.clone();
+    let watcher = tokio::spawn(async move {
+        shutdown.await;
+        tracing::info!("shutting down");
+        trigger.graceful_shutdown(Some(SHUTDOWN_GRACE));
+    });
+    let service = router.into_make_service();
+    let result = match tls {
+        Some(config) => {
+            let mut server = axum_server::tls_rustls::from_tcp_rustls(
+                listener,
+                RustlsConfig::from_config(config),
+            )
+            .map_err(ServeError::Serve)?;
+            server
+                .http_builder()
+                .http1()
+                .header_read_timeout(HEADER_READ_TIMEOUT);
+            server.handle(handle).serve(service).await
+        }
+        None => {
+            let mut server = axum_server::from_tcp(listener).map_err(ServeError::Serve)?;
+            server
+                .http_builder()
+                .http1()
+                .header_read_timeout(HEADER_READ_TIMEOUT);
+            server.handle(handle).serve(service).await
+        }
+    };
+    watcher.abort();
+    result.map_err(ServeError::Serve)
+}
+
+/// `cohort serve` inside an existing runtime: prepares, prints the banner to stdout, and
+/// serves until `shutdown`.
+pub async fn run(
+    settings: ServeSettings,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let prepared = prepare(settings).await?;
+    for line in prepared.banner() {
+        println!("{line}");
+    }
+    prepared.serve(shutdown).await
+}
+
+/// `cohort serve` from a synchronous `main`: installs the ring crypto provider, starts
+/// logging to stderr (`RUST_LOG`, default `info`) and a multi-threaded runtime, and runs
+/// until Ctrl-C or SIGTERM.
+pub fn run_until_signal(settings: ServeSettings) -> Result<(), ServeError> {
+    install_crypto_provider();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Fails only when a subscriber is already set (an embedding program's); keep theirs.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(ServeError::Runtime)?;
+    runtime.block_on(run(settings, shutdown_signal()))
+}
+
+/// Completes on Ctrl-C, or on SIGTERM (what `docker stop` and systemd send) on Unix.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            // Without a signal handler there is nothing to wait for; never complete.
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = terminate => {}
+    }
+}
+
+/// Makes ring the process-wide rustls provider. Safe to call more than once; a provider
+/// installed earlier (by an embedding program or a test) is kept.
+pub fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}

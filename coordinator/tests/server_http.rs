@@ -1,0 +1,659 @@
+//! `cohort serve` over a real socket: a server on `127.0.0.1:0` with dev TLS in a temporary
+//! data directory, and a reqwest client that trusts only the generated CA.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::post;
+use cohort_coordinator::server::api::documented_admin_routes;
+use cohort_coordinator::server::error::{ErrorBody, Json};
+use cohort_coordinator::server::{
+    AppState, Prepared, ServeError, ServeFlags, ServeSettings, admin_router, prepare,
+};
+use reqwest::{Method, StatusCode};
+use serde::{Deserialize, Serialize};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// Body limit of the test servers: small, so the oversize test sends little.
+const BODY_LIMIT: usize = 1024;
+
+struct TestServer {
+    base: String,
+    client: reqwest::Client,
+    token: String,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), ServeError>>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+impl TestServer {
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    async fn get(&self, path: &str, token: Option<&str>) -> reqwest::Response {
+        let mut req = self.client.get(self.url(path));
+        if let Some(token) = token {
+            req = req.bearer_auth(token);
+        }
+        req.send().await.expect("request reaches the server")
+    }
+
+    /// Asks for a graceful shutdown and waits for the server to stop.
+    async fn shut_down(mut self) -> Result<(), ServeError> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        tokio::time::timeout(Duration::from_secs(20), &mut self.task)
+            .await
+            .expect("server stops within the grace period")
+            .expect("server task does not panic")
+    }
+}
+
+fn settings(data_dir: &Path, flags: ServeFlags) -> ServeSettings {
+    ServeSettings::from_sources(
+        None,
+        &HashMap::new(),
+        ServeFlags {
+            listen: Some("127.0.0.1:0".parse().unwrap()),
+            data_dir: Some(data_dir.to_path_buf()),
+            max_body_bytes: Some(BODY_LIMIT),
+            ..flags
+        },
+    )
+    .expect("test settings are valid")
+}
+
+fn dev_tls() -> ServeFlags {
+    ServeFlags {
+        dev_tls: true,
+        ..ServeFlags::default()
+    }
+}
+
+fn client_trusting(ca_pem: &[u8]) -> reqwest::Client {
+    let ca = reqwest::Certificate::from_pem(ca_pem).expect("CA PEM parses");
+    reqwest::Client::builder()
+        .tls_certs_only([ca])
+        .timeout(Duration::from_secs(20))
+        .build()
+        .expect("client builds")
+}
+
+/// Starts a prepared server; `admin` replaces the admin router when given.
+fn launch(prepared: Prepared, admin: Option<Router<AppState>>, token: String) -> TestServer {
+    let base = prepared.base_url();
+    let client = match &prepared.dev_ca_cert {
+        Some(ca) => client_trusting(&std::fs::read(ca).unwrap()),
+        None => reqwest::Client::new(),
+    };
+    let (stop, stopped) = oneshot::channel::<()>();
+    let shutdown = async move {
+        let _ = stopped.await;
+    };
+    let task = tokio::spawn(async move {
+        match admin {
+            Some(admin) => prepared.serve_with_admin(admin, shutdown).await,
+            None => prepared.serve(shutdown).await,
+        }
+    });
+    TestServer {
+        base,
+        client,
+        token,
+        stop: Some(stop),
+        task,
+        _dir: None,
+    }
+}
+
+/// A dev-TLS server in a fresh data directory, with a generated admin token.
+async fn start_with(admin: Option<Router<AppState>>) -> TestServer {
+    cohort_coordinator::server::install_crypto_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let prepared = prepare(settings(dir.path(), dev_tls())).await.unwrap();
+    assert!(prepared.base_url().starts_with("https://127.0.0.1:"));
+    let token = prepared
+        .generated_admin_token
+        .as_ref()
+        .expect("first start generates a token")
+        .expose()
+        .to_string();
+    let mut server = launch(prepared, admin, token);
+    server._dir = Some(dir);
+    server
+}
+
+async fn start() -> TestServer {
+    start_with(None).await
+}
+
+/// Reads an error response and checks it has the API's error shape.
+async fn error_body(response: reqwest::Response) -> ErrorBody {
+    let content_type = response
+        .headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        content_type.starts_with("application/json"),
+        "content type {content_type}"
+    );
+    let text = response.text().await.unwrap();
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("not the error shape ({e}): {text}"))
+}
+
+#[tokio::test]
+async fn health_answers_ok_over_tls_without_a_token() {
+    let server = start().await;
+    let response = server.get("/api/v1/health", None).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body, serde_json::json!({"status": "ok"}));
+    server.shut_down().await.unwrap();
+}
+
+#[tokio::test]
+async fn openapi_document_is_served_without_a_token() {
+    let server = start().await;
+    let response = server.get("/api/v1/openapi.json", None).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let doc: serde_json::Value = response.json().await.unwrap();
+    assert!(doc["openapi"].as_str().is_some_and(|v| v.starts_with('3')));
+    assert!(doc["paths"].get("/api/v1/health").is_some());
+    assert!(doc["paths"].get("/api/v1/admin/whoami").is_some());
+    assert!(doc["components"]["schemas"].get("ErrorBody").is_some());
+    assert!(
+        doc["components"]["securitySchemes"]
+            .get("admin_token")
+            .is_some()
+    );
+    server.shut_down().await.unwrap();
+}
+
+#[tokio::test]
+async fn admin_route_without_token_is_401_with_the_error_shape() {
+    let server = start().await;
+    let response = server.get("/api/v1/admin/whoami", None).await;
+    assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        response
+            .headers()
+            .get(reqwest::header::WWW_AUTHENTICATE)
+            .unwrap(),
+        "Bearer"
+    );
+    let body = error_body(response).await;
+    assert_eq!(body.error.code, "unauthorized");
+    assert!(
+        body.error.message.contains("Bearer"),
+        "{}",
+        body.error.message
+    );
+    server.shut_down().await.unwrap();
+}
+
+#[tokio::test]
+async fn admin_route_with_a_wrong_or_malformed_token_is_401() {
+    let server = start().await;
+    let wrong = server
+        .get("/api/v1/admin/whoami", Some(&"0".repeat(64)))
+        .await;
+    assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(error_body(wrong).await.error.code, "unauthorized");
+
+    for header in [
+        format!("Basic {}", server.token),
+        server.token.clone(),
+        "Bearer".to_string(),
+    ] {
+        let response = server
+            .client
+            .get(server.url("/api/v1/admin/whoami"))
+            .header(reqwest::header::AUTHORIZATION, header)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(error_body(response).await.error.code, "unauthorized");
+    }
+    server.shut_down().await.unwrap();
+}
+
+#[tokio::test]
+async fn admin_route_with_the_right_token_answers() {
+    let server = start().await;
+    let response = server
+        .get("/api/v1/admin/whoami", Some(&server.token))
+        .await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body, serde_json::json!({"role": "admin"}));
+    server.shut_down().await.unwrap();
+}
+
+#[tokio::test]
+async fn unknown_routes_are_404_with_the_error_shape() {
+    let server = start().await;
+    let response = server.get("/api/v1/nope", None).await;
+    assert_eq!(response.status(), StatusCode::NOT_FOUND);
+    assert_eq!(error_body(response).await.error.code, "not_found");
+
+    // Under the admin prefix the guard answers first, so the set of admin routes is not
+    // revealed to callers without the token.
+    let response = server.get("/api/v1/admin/nope", None).await;
+    assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+    let response = server.get("/api/v1/admin/nope", Some(&server.token)).await;
+    assert_eq!(response.status(), StatusCode::NOT_FOUND);
+    assert_eq!(error_body(response).await.error.code, "not_found");
+    server.shut_down().await.unwrap();
+}
+
+#[tokio::test]
+async fn wrong_method_is_405_with_the_error_shape() {
+    let server = start().await;
+    let response = server
+        .client
+        .delete(server.url("/api/v1/health"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(error_body(response).await.error.code, "method_not_allowed");
+    server.shut_down().await.unwrap();
+}
+
+#[tokio::test]
+async fn every_documented_admin_route_refuses_requests_without_the_token() {
+    let server = start().await;
+    let routes = documented_admin_routes();
+    assert!(
+        routes
+            .iter()
+            .any(|(_, path)| path == "/api/v1/admin/whoami"),
+        "{routes:?}"
+    );
+    for (method, path) in routes {
+        // Path parameters get a well-formed placeholder, so the guard, not a parse
+        // error, is what answers.
+        let concrete = path
+            .split('/')
+            .map(|seg| {
+                if seg.starts_with('{') && seg.ends_with('}') {
+                    "00000000-0000-4000-8000-000000000000"
+                } else {
+                    seg
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("/");
+        for token in [None, Some("wrong-token-wrong-token-wrong-token")] {
+            let mut req = server
+                .client
+                .request(method.clone(), server.url(&concrete))
+                .header(reqwest::header::CONTENT_TYPE, "application/json")
+                .body("{}");
+            if let Some(token) = token {
+                req = req.bearer_auth(token);
+            }
+            let response = req.send().await.unwrap();
+            assert_eq!(
+                response.status(),
+                StatusCode::UNAUTHORIZED,
+                "{method} {path} with token {token:?}"
+            );
+            if method != Method::HEAD {
+                assert_eq!(error_body(response).await.error.code, "unauthorized");
+            }
+        }
+    }
+    server.shut_down().await.unwrap();
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EchoBody {
+    name: String,
+    count: u32,
+}
+
+async fn echo(Json(body): Json<EchoBody>) -> Json<EchoBody> {
+    Json(body)
+}
+
+/// A server whose admin router has one more route, as later features will add them.
+async fn start_with_echo() -> TestServer {
+    start_with(Some(admin_router().route("/test/echo", post(echo)))).await
+}
+
+async fn post_echo(server: &TestServer, content_type: &str, body: String) -> reqwest::Response {
+    server
+        .client
+        .post(server.url("/api/v1/admin/test/echo"))
+        .bearer_auth(&server.token)
+        .header(reqwest::header::CONTENT_TYPE, content_type)
+        .body(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn routes_added_to_the_admin_router_are_guarded() {
+    let server = start_with_echo().await;
+    let response = server
+        .client
+        .post(server.url("/api/v1/admin/test/echo"))
+        .json(&serde_json::json!({"name": "a", "count": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+
+    let response = post_echo(
+        &server,
+        "application/json",
+        r#"{"name":"a","count":1}"#.into(),
+    )
+    .await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body, serde_json::json!({"name": "a", "count": 1}));
+    server.shut_down().await.unwrap();
+}
+
+#[tokio::test]
+async fn bad_json_bodies_get_precise_errors() {
+    let server = start_with_echo().await;
+
+    let response = post_echo(&server, "application/json", "{\"name\": ".into()).await;
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(error_body(response).await.error.code, "malformed_json");
+
+    let response = post_echo(&server, "text/plain", r#"{"name":"a","count":1}"#.into()).await;
+    assert_eq!(response.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    assert_eq!(
+        error_body(response).await.error.code,
+        "unsupported_media_type"
+    );
+
+    let response = post_echo(
+        &server,
+        "application/json",
+        r#"{"name":"a","count":1,"admin":true}"#.into(),
+    )
+    .await;
+    assert_eq!(response.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    let body = error_body(response).await;
+    assert_eq!(body.error.code, "invalid_body");
+    assert!(
+        body.error.message.contains("admin"),
+        "{}",
+        body.error.message
+    );
+
+    let big = format!(r#"{{"name":"{}","count":1}}"#, "x".repeat(BODY_LIMIT * 4));
+    let response = post_echo(&server, "application/json", big).await;
+    assert_eq!(response.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(error_body(response).await.error.code, "payload_too_large");
+
+    // The server is still healthy after all of that.
+    let response = server.get("/api/v1/health", None).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    server.shut_down().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_restart_reuses_the_ca_and_the_stored_token() {
+    cohort_coordinator::server::install_crypto_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let first = prepare(settings(dir.path(), dev_tls())).await.unwrap();
+    let ca_path = first.dev_ca_cert.clone().unwrap();
+    let ca = std::fs::read(&ca_path).unwrap();
+    let token = first
+        .generated_admin_token
+        .as_ref()
+        .unwrap()
+        .expose()
+        .to_string();
+    assert!(first.banner().iter().any(|l| l.contains(&token)));
+    assert!(
+        first
+            .banner()
+            .iter()
+            .any(|l| l.contains(&ca_path.display().to_string()))
+    );
+    drop(first);
+
+    let second = prepare(settings(dir.path(), dev_tls())).await.unwrap();
+    assert!(second.generated_admin_token.is_none());
+    assert!(
+        !second.banner().iter().any(|l| l.contains("admin token")),
+        "the token is printed only at first start"
+    );
+    assert_eq!(
+        std::fs::read(second.dev_ca_cert.as_ref().unwrap()).unwrap(),
+        ca
+    );
+
+    // A client that trusted the CA from the first start still connects, and the first
+    // start's token still works.
+    let server = launch(second, None, token.clone());
+    let response = server.get("/api/v1/admin/whoami", Some(&token)).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    server.shut_down().await.unwrap();
+}
+
+#[tokio::test]
+async fn reissued_server_certificate_is_trusted_through_the_original_ca() {
+    cohort_coordinator::server::install_crypto_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let first = prepare(settings(dir.path(), dev_tls())).await.unwrap();
+    let ca = std::fs::read(first.dev_ca_cert.as_ref().unwrap()).unwrap();
+    drop(first);
+    std::fs::remove_file(dir.path().join("tls/server.pem")).unwrap();
+
+    let second = prepare(settings(dir.path(), dev_tls())).await.unwrap();
+    assert_eq!(
+        std::fs::read(second.dev_ca_cert.as_ref().unwrap()).unwrap(),
+        ca
+    );
+    let mut server = launch(second, None, String::new());
+    server.client = client_trusting(&ca);
+    let response = server.get("/api/v1/health", None).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    server.shut_down().await.unwrap();
+}
+
+#[tokio::test]
+async fn configured_token_is_used_and_nothing_is_generated() {
+    cohort_coordinator::server::install_crypto_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let token = "configured-admin-token-configured-admin-token".to_string();
+    let prepared = prepare(settings(
+        dir.path(),
+        ServeFlags {
+            admin_token: Some(token.clone()),
+            ..dev_tls()
+        },
+    ))
+    .await
+    .unwrap();
+    assert!(prepared.generated_admin_token.is_none());
+    let server = launch(prepared, None, token.clone());
+    let response = server.get("/api/v1/admin/whoami", Some(&token)).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    server.shut_down().await.unwrap();
+}
+
+#[tokio::test]
+async fn insecure_http_serves_plain_http_only_when_asked() {
+    cohort_coordinator::server::install_crypto_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let prepared = prepare(settings(
+        dir.path(),
+        ServeFlags {
+            insecure_http: true,
+            ..ServeFlags::default()
+        },
+    ))
+    .await
+    .unwrap();
+    assert!(prepared.base_url().starts_with("http://"));
+    assert!(prepared.dev_ca_cert.is_none());
+    assert!(!dir.path().join("tls").exists(), "no TLS material is made");
+    let server = launch(prepared, None, String::new());
+    let response = server.get("/api/v1/health", None).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    server.shut_down().await.unwrap();
+}
+
+#[tokio::test]
+async fn tls_server_does_not_answer_plain_http() {
+    let server = start().await;
+    let plain = server.base.replacen("https://", "http://", 1);
+    let result = reqwest::Client::new()
+        .get(format!("{plain}/api/v1/health"))
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await;
+    assert!(
+        result.is_err() || !result.unwrap().status().is_success(),
+        "plain HTTP must not reach the API on a TLS listener"
+    );
+    server.shut_down().await.unwrap();
+}
+
+#[tokio::test]
+async fn shutdown_stops_accepting_connections() {
+    let server = start().await;
+    let client = server.client.clone();
+    let url = server.url("/api/v1/health");
+    assert_eq!(
+        client.get(&url).send().await.unwrap().status(),
+        StatusCode::OK
+    );
+    server.shut_down().await.unwrap();
+    let fresh = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    assert!(fresh.get(&url).send().await.is_err());
+}
+
+fn cohort() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cohort"));
+    // The tests' own environment must not pick a TLS mode or a token for the child.
+    for (key, _) in std::env::vars_os() {
+        if key.to_string_lossy().starts_with("COHORT_") {
+            cmd.env_remove(key);
+        }
+    }
+    cmd
+}
+
+#[test]
+fn serve_without_a_tls_mode_exits_2_with_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = cohort()
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("--dev-tls") && stderr.contains("--insecure-http"),
+        "{stderr}"
+    );
+    assert!(out.stdout.is_empty());
+}
+
+#[test]
+fn serve_with_a_bad_database_url_exits_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = cohort()
+        .args([
+            "serve",
+            "--insecure-http",
+            "--database-url",
+            "mysql://db/x",
+            "--data-dir",
+        ])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("mysql://db/x"), "{stderr}");
+}
+
+/// Kills the child when the test ends, however it ends.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn serve_binary_prints_address_ca_and_token_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let start = || {
+        let child = cohort()
+            .args([
+                "serve",
+                "--dev-tls",
+                "--listen",
+                "127.0.0.1:0",
+                "--data-dir",
+            ])
+            .arg(dir.path())
+            .env("RUST_LOG", "off")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        KillOnDrop(child)
+    };
+    let read_banner = |child: &mut KillOnDrop| -> Vec<String> {
+        let stdout = child.0.stdout.take().unwrap();
+        let mut lines = Vec::new();
+        for line in BufReader::new(stdout).lines() {
+            let line = line.unwrap();
+            let last = line.contains("listening on");
+            lines.push(line);
+            if last || lines.len() > 10 {
+                break;
+            }
+        }
+        lines
+    };
+
+    let mut first = start();
+    let banner = read_banner(&mut first);
+    drop(first);
+    let text = banner.join("\n");
+    assert!(text.contains("listening on https://127.0.0.1:"), "{text}");
+    let ca = dir.path().join("tls").join("ca.pem");
+    assert!(text.contains(&ca.display().to_string()), "{text}");
+    assert!(text.contains("admin token"), "{text}");
+
+    let mut second = start();
+    let banner = read_banner(&mut second);
+    drop(second);
+    let text = banner.join("\n");
+    assert!(text.contains("listening on"), "{text}");
+    assert!(!text.contains("admin token"), "{text}");
+}
