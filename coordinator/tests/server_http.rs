@@ -657,3 +657,217 @@ fn serve_binary_prints_address_ca_and_token_once() {
     assert!(text.contains("listening on"), "{text}");
     assert!(!text.contains("admin token"), "{text}");
 }
+
+impl TestServer {
+    async fn admin(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> reqwest::Response {
+        let mut req = self
+            .client
+            .request(method, self.url(&format!("/api/v1/admin{path}")))
+            .bearer_auth(&self.token);
+        if let Some(body) = body {
+            req = req.json(&body);
+        }
+        req.send().await.expect("request reaches the server")
+    }
+}
+
+fn experiment_spec() -> serde_json::Value {
+    serde_json::json!({
+        "name": "digits",
+        "features": 64,
+        "classes": 10,
+        "model": "mlp:64",
+        "strategy": "fedavg",
+        "rounds": 15,
+        "clients_per_round": 10,
+        "min_participants": 8,
+        "train": {"local_epochs": 5, "lr": 0.05}
+    })
+}
+
+#[tokio::test]
+async fn admin_creates_lists_and_steers_an_experiment() {
+    let server = start().await;
+    let created = server
+        .admin(Method::POST, "/experiments", Some(experiment_spec()))
+        .await;
+    assert_eq!(created.status(), StatusCode::CREATED);
+    let exp: serde_json::Value = created.json().await.unwrap();
+    assert_eq!(exp["state"], "created");
+    assert_eq!(exp["spec"]["model"], "mlp:64");
+    assert_eq!(
+        exp["spec"]["collect_deadline_seconds"], 120,
+        "defaults are filled in"
+    );
+    let id = exp["id"].as_str().unwrap().to_string();
+    let list: Vec<serde_json::Value> = server
+        .admin(Method::GET, "/experiments", None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(list.len(), 1);
+    let one: serde_json::Value = server
+        .admin(Method::GET, &format!("/experiments/{id}"), None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(one["id"], exp["id"]);
+    for (action, status, state) in [
+        ("start", StatusCode::OK, Some("running")),
+        ("start", StatusCode::CONFLICT, None),
+        ("pause", StatusCode::OK, Some("paused")),
+        ("pause", StatusCode::CONFLICT, None),
+        ("resume", StatusCode::OK, Some("running")),
+        ("stop", StatusCode::OK, Some("stopped")),
+        ("resume", StatusCode::CONFLICT, None),
+    ] {
+        let r = server
+            .admin(Method::POST, &format!("/experiments/{id}/{action}"), None)
+            .await;
+        assert_eq!(r.status(), status, "{action}");
+        match state {
+            Some(state) => {
+                let body: serde_json::Value = r.json().await.unwrap();
+                assert_eq!(body["state"], state, "{action}");
+            }
+            None => assert_eq!(error_body(r).await.error.code, "conflict"),
+        }
+    }
+    for path in ["rounds", "jobs"] {
+        let r = server
+            .admin(Method::GET, &format!("/experiments/{id}/{path}"), None)
+            .await;
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(
+            r.json::<serde_json::Value>().await.unwrap(),
+            serde_json::json!([])
+        );
+    }
+    server.shut_down().await.unwrap();
+}
+
+#[tokio::test]
+async fn invalid_experiments_are_refused_and_nothing_is_created() {
+    let server = start().await;
+    let mut quorum_too_big = experiment_spec();
+    quorum_too_big["min_participants"] = 11.into();
+    let mut unknown_field = experiment_spec();
+    unknown_field["colour"] = "blue".into();
+    let mut bad_model = experiment_spec();
+    bad_model["model"] = "resnet".into();
+    let mut bad_lr = experiment_spec();
+    bad_lr["train"]["lr"] = (-1.0).into();
+    for (body, needle) in [
+        (quorum_too_big, "min_participants"),
+        (unknown_field, "colour"),
+        (bad_model, "resnet"),
+        (bad_lr, "learning rate"),
+    ] {
+        let r = server.admin(Method::POST, "/experiments", Some(body)).await;
+        assert_eq!(r.status(), StatusCode::UNPROCESSABLE_ENTITY);
+        let err = error_body(r).await;
+        assert!(
+            err.error.message.contains(needle),
+            "{} lacks {needle}",
+            err.error.message
+        );
+    }
+    let list: Vec<serde_json::Value> = server
+        .admin(Method::GET, "/experiments", None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert!(list.is_empty());
+    for path in [
+        "/experiments/not-a-uuid".to_string(),
+        format!("/experiments/{}", uuid::Uuid::new_v4()),
+        format!("/experiments/{}/rounds", uuid::Uuid::new_v4()),
+    ] {
+        let r = server.admin(Method::GET, &path, None).await;
+        assert_eq!(r.status(), StatusCode::NOT_FOUND, "{path}");
+        assert_eq!(error_body(r).await.error.code, "not_found");
+    }
+    server.shut_down().await.unwrap();
+}
+
+#[tokio::test]
+async fn enrolment_tokens_are_shown_once_and_revocable() {
+    let server = start().await;
+    let r = server
+        .admin(
+            Method::POST,
+            "/enrolment-tokens",
+            Some(serde_json::json!({"label": "hospital-a"})),
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::CREATED);
+    let issued: serde_json::Value = r.json().await.unwrap();
+    let token = issued["token"].as_str().unwrap();
+    assert!(token.len() >= 32);
+    let listing = server
+        .admin(Method::GET, "/enrolment-tokens", None)
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(!listing.contains(token), "the token itself is never listed");
+    assert!(listing.contains("hospital-a"));
+    let id = issued["id"].as_str().unwrap();
+    let revoke = format!("/enrolment-tokens/{id}/revoke");
+    assert_eq!(
+        server.admin(Method::POST, &revoke, None).await.status(),
+        StatusCode::NO_CONTENT
+    );
+    assert_eq!(
+        server.admin(Method::POST, &revoke, None).await.status(),
+        StatusCode::CONFLICT
+    );
+    let bad = server
+        .admin(
+            Method::POST,
+            "/enrolment-tokens",
+            Some(serde_json::json!({"label": ""})),
+        )
+        .await;
+    assert_eq!(bad.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    let clients: Vec<serde_json::Value> = server
+        .admin(Method::GET, "/clients", None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert!(clients.is_empty());
+    let missing = format!("/clients/{}/revoke", uuid::Uuid::new_v4());
+    assert_eq!(
+        server.admin(Method::POST, &missing, None).await.status(),
+        StatusCode::NOT_FOUND
+    );
+    server.shut_down().await.unwrap();
+}
+
+#[test]
+fn every_admin_operation_is_in_the_route_walk() {
+    let routes = documented_admin_routes();
+    for (method, path) in [
+        ("POST", "/api/v1/admin/experiments"),
+        ("POST", "/api/v1/admin/experiments/{id}/stop"),
+        ("GET", "/api/v1/admin/experiments/{id}/jobs"),
+        ("POST", "/api/v1/admin/enrolment-tokens/{id}/revoke"),
+        ("POST", "/api/v1/admin/clients/{id}/revoke"),
+    ] {
+        assert!(
+            routes
+                .iter()
+                .any(|(m, p)| m.as_str() == method && p == path),
+            "{method} {path} missing from {routes:?}"
+        );
+    }
+}

@@ -42,6 +42,13 @@ pub const ADMIN_SECURITY_SCHEME: &str = "admin_token";
 )]
 pub struct ApiDoc;
 
+/// The whole OpenAPI document: the meta routes plus every admin route.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    let mut doc = ApiDoc::openapi();
+    doc.merge(super::admin::AdminDoc::openapi());
+    doc
+}
+
 /// Adds the admin bearer scheme to the document's components.
 struct AdminSecurity;
 
@@ -95,7 +102,7 @@ async fn health() -> Json<Health> {
     responses((status = 200, description = "The OpenAPI 3 document", content_type = "application/json"))
 )]
 async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
-    Json(ApiDoc::openapi())
+    Json(openapi())
 }
 
 /// Echoes the caller's role: a cheap way to check an admin token.
@@ -125,7 +132,9 @@ pub(crate) fn public_router() -> Router<AppState> {
 /// The admin routes, with paths relative to [`ADMIN_PREFIX`]. Add new admin routes here
 /// (and to [`ApiDoc`]); [`app`](super::app) puts the whole router behind the guard.
 pub fn admin_router() -> Router<AppState> {
-    Router::new().route("/whoami", get(whoami))
+    Router::new()
+        .route("/whoami", get(whoami))
+        .merge(super::admin::routes())
 }
 
 /// Middleware: lets a request through only with `Authorization: Bearer <admin token>`.
@@ -168,7 +177,7 @@ pub fn documented_admin_routes() -> Vec<(Method, String)> {
 
 /// Every documented operation as (method, path).
 pub fn documented_routes() -> Vec<(Method, String)> {
-    let doc = serde_json::to_value(ApiDoc::openapi()).unwrap_or_default();
+    let doc = serde_json::to_value(openapi()).unwrap_or_default();
     let mut routes = Vec::new();
     if let Some(paths) = doc.get("paths").and_then(|p| p.as_object()) {
         for (path, item) in paths {
@@ -204,7 +213,7 @@ mod tests {
 
     #[test]
     fn every_admin_operation_declares_the_bearer_scheme() {
-        let doc = serde_json::to_value(ApiDoc::openapi()).unwrap();
+        let doc = serde_json::to_value(openapi()).unwrap();
         let admin = documented_admin_routes();
         assert!(!admin.is_empty());
         for (method, path) in admin {
@@ -225,7 +234,7 @@ mod tests {
 
     #[test]
     fn document_has_the_error_schema_and_the_security_scheme() {
-        let doc = serde_json::to_value(ApiDoc::openapi()).unwrap();
+        let doc = serde_json::to_value(openapi()).unwrap();
         assert!(doc["components"]["schemas"].get("ErrorBody").is_some());
         assert_eq!(
             doc["components"]["securitySchemes"][ADMIN_SECURITY_SCHEME]["scheme"],

@@ -10,6 +10,7 @@
 //! [`run`] is the whole command; [`prepare`] and [`Prepared::serve`] split it so tests can
 //! bind `127.0.0.1:0`, learn the address and generated secrets, and talk to a real server.
 
+pub mod admin;
 pub mod api;
 pub mod auth;
 pub mod error;
@@ -23,6 +24,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
+
+use crate::blobs::BlobStore;
+use crate::store::{Store, StoreError};
 use axum::extract::DefaultBodyLimit;
 use axum::middleware;
 use axum_server::tls_rustls::RustlsConfig;
@@ -47,14 +51,20 @@ pub struct AppState {
     pub settings: Arc<ServeSettings>,
     /// Checks admin bearer tokens.
     pub admin: Arc<AdminToken>,
+    /// The system of record.
+    pub store: Store,
+    /// Uploaded updates and published models on disk.
+    pub blobs: BlobStore,
 }
 
 impl AppState {
-    /// State from settings and the admin token verifier.
-    pub fn new(settings: ServeSettings, admin: AdminToken) -> Self {
+    /// State from settings, the admin token verifier, the store and the blob store.
+    pub fn new(settings: ServeSettings, admin: AdminToken, store: Store, blobs: BlobStore) -> Self {
         Self {
             settings: Arc::new(settings),
             admin: Arc::new(admin),
+            store,
+            blobs,
         }
     }
 }
@@ -93,6 +103,9 @@ pub enum ServeError {
     /// A start-up task did not finish.
     #[error("start-up task failed: {0}")]
     Task(String),
+    /// The database could not be opened or migrated.
+    #[error(transparent)]
+    Store(#[from] StoreError),
 }
 
 impl ServeError {
@@ -167,12 +180,15 @@ impl std::fmt::Debug for Prepared {
 pub async fn prepare(settings: ServeSettings) -> Result<Prepared, ServeError> {
     // File I/O and key generation would stall an async worker; do them on the blocking
     // pool.
-    tokio::task::spawn_blocking(move || prepare_blocking(settings))
+    // The store first: a database that cannot be opened or migrated stops start-up before
+    // anything listens.
+    let store = Store::connect(&settings.database_url, &settings.data_dir).await?;
+    tokio::task::spawn_blocking(move || prepare_blocking(settings, store))
         .await
         .map_err(|e| ServeError::Task(e.to_string()))?
 }
 
-fn prepare_blocking(settings: ServeSettings) -> Result<Prepared, ServeError> {
+fn prepare_blocking(settings: ServeSettings, store: Store) -> Result<Prepared, ServeError> {
     install_crypto_provider();
     std::fs::create_dir_all(&settings.data_dir).map_err(|source| ServeError::DataDir {
         path: settings.data_dir.clone(),
@@ -189,6 +205,11 @@ fn prepare_blocking(settings: ServeSettings) -> Result<Prepared, ServeError> {
     };
     let (admin, generated_admin_token) =
         AdminToken::load_or_generate(&settings.data_dir, settings.admin_token.as_ref())?;
+    let blobs_root = settings.data_dir.join("blobs");
+    let blobs = BlobStore::open(&blobs_root).map_err(|source| ServeError::DataDir {
+        path: blobs_root,
+        source,
+    })?;
     let listener =
         std::net::TcpListener::bind(settings.listen).map_err(|source| ServeError::Bind {
             addr: settings.listen,
@@ -200,7 +221,7 @@ fn prepare_blocking(settings: ServeSettings) -> Result<Prepared, ServeError> {
     })?;
     Ok(Prepared {
         listener,
-        state: AppState::new(settings, admin),
+        state: AppState::new(settings, admin, store, blobs),
         tls,
         local_addr,
         dev_ca_cert,

@@ -1,0 +1,465 @@
+//! Admin routes: experiments and their lifecycle, rounds and jobs, enrolment tokens and
+//! clients. Mounted under [`ADMIN_PREFIX`](super::ADMIN_PREFIX), behind the admin guard.
+
+use axum::Router;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use cohort_aggregation::Strategy;
+use cohort_edge::model::{ModelKind, ModelSpec};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use super::AppState;
+use super::auth::{generate_secret, hash_secret};
+use super::error::{ApiError, ErrorBody, Json};
+use crate::store::{
+    Client, EnrolmentToken, Experiment, ExperimentState, Job, Round, StoreError, now_millis,
+};
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::NotFound(what) => ApiError::NotFound(what),
+            StoreError::Conflict(message) => ApiError::conflict("conflict", message),
+            StoreError::Refused(why) => ApiError::Unauthorized(why.to_string()),
+            other => ApiError::internal(other),
+        }
+    }
+}
+
+/// Local training settings sent to clients with every task.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainSettings {
+    /// Local epochs per round.
+    pub local_epochs: u32,
+    /// Mini-batch size.
+    pub batch_size: usize,
+    /// SGD learning rate.
+    pub lr: f32,
+    /// SGD momentum.
+    pub momentum: f32,
+    /// L2 weight decay.
+    pub weight_decay: f32,
+}
+
+impl Default for TrainSettings {
+    fn default() -> Self {
+        let d = cohort_edge::train::TrainConfig::default();
+        Self {
+            local_epochs: d.local_epochs,
+            batch_size: d.batch_size,
+            lr: d.lr,
+            momentum: d.momentum,
+            weight_decay: d.weight_decay,
+        }
+    }
+}
+
+/// What an admin sends to create an experiment. Unknown fields are refused.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExperimentSpec {
+    /// Human name.
+    pub name: String,
+    /// Feature columns of the clients' data.
+    pub features: usize,
+    /// Number of classes.
+    pub classes: usize,
+    /// `logreg`, `mlp` or `mlp:H1,H2,...`.
+    #[schema(value_type = String, example = "mlp:64")]
+    pub model: ModelKind,
+    /// `fedavg`, `fedprox:MU`, `fedadam`, `fedyogi` or `fedadagrad`.
+    #[schema(value_type = String, example = "fedavg")]
+    #[serde(default = "default_strategy")]
+    pub strategy: Strategy,
+    /// Rounds to run.
+    pub rounds: u32,
+    /// Clients whose updates a round needs.
+    pub clients_per_round: usize,
+    /// Minimum uploads for a round to count (the quorum).
+    pub min_participants: usize,
+    /// Clients selected per round, as a multiple of `clients_per_round` (>= 1), so that
+    /// dropouts still leave enough uploads.
+    #[serde(default = "default_over_selection")]
+    pub over_selection: f64,
+    /// Seconds selected clients have to upload.
+    #[serde(default = "default_collect_seconds")]
+    pub collect_deadline_seconds: u64,
+    /// Times a round without quorum is tried again before the experiment fails.
+    #[serde(default = "default_round_retries")]
+    pub max_round_attempts: u32,
+    /// Local training settings.
+    #[serde(default)]
+    pub train: TrainSettings,
+    /// Seed of the initial model.
+    #[serde(default)]
+    pub seed: u64,
+}
+
+fn default_strategy() -> Strategy {
+    Strategy::FedAvg
+}
+fn default_over_selection() -> f64 {
+    1.0
+}
+fn default_collect_seconds() -> u64 {
+    120
+}
+fn default_round_retries() -> u32 {
+    3
+}
+
+impl ExperimentSpec {
+    /// Checks the spec as a whole; the message names the offending field.
+    pub fn validate(&self) -> Result<(), ApiError> {
+        let bad = |msg: String| Err(ApiError::unprocessable("invalid_experiment", msg));
+        if self.name.trim().is_empty() || self.name.len() > 200 {
+            return bad("name must be 1 to 200 characters".into());
+        }
+        if let Err(e) = ModelSpec::new(&self.model, self.features, self.classes) {
+            return bad(format!("model: {e}"));
+        }
+        if self.rounds == 0 || self.rounds > 100_000 {
+            return bad(format!(
+                "rounds must be between 1 and 100000, got {}",
+                self.rounds
+            ));
+        }
+        if self.clients_per_round == 0 {
+            return bad("clients_per_round must be at least 1".into());
+        }
+        if self.min_participants == 0 || self.min_participants > self.clients_per_round {
+            return bad(format!(
+                "min_participants must be between 1 and clients_per_round ({}), got {}",
+                self.clients_per_round, self.min_participants
+            ));
+        }
+        if !(self.over_selection.is_finite() && (1.0..=10.0).contains(&self.over_selection)) {
+            return bad(format!(
+                "over_selection must be between 1 and 10, got {}",
+                self.over_selection
+            ));
+        }
+        if self.collect_deadline_seconds == 0 || self.collect_deadline_seconds > 86_400 {
+            return bad("collect_deadline_seconds must be between 1 and 86400".into());
+        }
+        if self.max_round_attempts == 0 {
+            return bad("max_round_attempts must be at least 1".into());
+        }
+        if let Err(e) = self.strategy.server_optimizer(None) {
+            return bad(format!("strategy: {e}"));
+        }
+        let train = cohort_edge::train::TrainConfig {
+            local_epochs: self.train.local_epochs,
+            batch_size: self.train.batch_size,
+            lr: self.train.lr,
+            momentum: self.train.momentum,
+            weight_decay: self.train.weight_decay,
+            proximal_mu: self.strategy.proximal_mu(),
+        };
+        train.validate().or_else(|e| bad(format!("train: {e}")))
+    }
+}
+
+/// A request for a new enrolment token.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NewEnrolmentToken {
+    /// Who it is for, e.g. the hospital it is handed to.
+    pub label: String,
+    /// Seconds until it stops working; none means it never expires.
+    #[serde(default)]
+    pub expires_in_seconds: Option<u64>,
+}
+
+/// A new enrolment token. `token` is shown only here: the server keeps its hash.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct IssuedEnrolmentToken {
+    /// Identifier, for listing and revoking.
+    pub id: Uuid,
+    /// The one-time token to hand to the client.
+    pub token: String,
+    /// Its label.
+    pub label: String,
+    /// Expiry, Unix ms.
+    pub expires_at: Option<i64>,
+}
+
+fn parse_id(text: &str, what: &str) -> Result<Uuid, ApiError> {
+    Uuid::parse_str(text).map_err(|_| ApiError::NotFound(format!("{what} {text}")))
+}
+
+/// Creates an experiment in state `created`.
+#[utoipa::path(post, path = "/api/v1/admin/experiments", tag = "admin",
+    security(("admin_token" = [])), request_body = ExperimentSpec,
+    responses((status = 201, description = "Created"), (status = 401, body = ErrorBody),
+              (status = 422, description = "Invalid spec", body = ErrorBody)))]
+async fn create_experiment(
+    State(state): State<AppState>,
+    Json(spec): Json<ExperimentSpec>,
+) -> Result<(StatusCode, Json<Experiment>), ApiError> {
+    spec.validate()?;
+    let value = serde_json::to_value(&spec).map_err(ApiError::internal)?;
+    let exp = state.store.create_experiment(&spec.name, &value).await?;
+    Ok((StatusCode::CREATED, Json(exp)))
+}
+
+/// Lists experiments, newest first.
+#[utoipa::path(get, path = "/api/v1/admin/experiments", tag = "admin",
+    security(("admin_token" = [])),
+    responses((status = 200, description = "Experiments"), (status = 401, body = ErrorBody)))]
+async fn list_experiments(
+    State(state): State<AppState>,
+) -> Result<Json<Vec<Experiment>>, ApiError> {
+    Ok(Json(state.store.experiments().await?))
+}
+
+/// One experiment.
+#[utoipa::path(get, path = "/api/v1/admin/experiments/{id}", tag = "admin",
+    security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
+    responses((status = 200, description = "The experiment"), (status = 401, body = ErrorBody),
+              (status = 404, body = ErrorBody)))]
+async fn get_experiment(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Experiment>, ApiError> {
+    let id = parse_id(&id, "experiment")?;
+    Ok(Json(state.store.experiment(id).await?))
+}
+
+async fn transition(
+    state: &AppState,
+    id: &str,
+    to: ExperimentState,
+) -> Result<Json<Experiment>, ApiError> {
+    let id = parse_id(id, "experiment")?;
+    Ok(Json(
+        state.store.set_experiment_state(id, to, "admin").await?,
+    ))
+}
+
+/// Starts a created experiment.
+#[utoipa::path(post, path = "/api/v1/admin/experiments/{id}/start", tag = "admin",
+    security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
+    responses((status = 200, description = "Running"), (status = 401, body = ErrorBody),
+              (status = 404, body = ErrorBody), (status = 409, description = "Not startable", body = ErrorBody)))]
+async fn start_experiment(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Experiment>, ApiError> {
+    let id_parsed = parse_id(&id, "experiment")?;
+    let current = state.store.experiment(id_parsed).await?;
+    if current.state != ExperimentState::Created {
+        return Err(ApiError::conflict(
+            "conflict",
+            format!(
+                "experiment {id} is {}; only a created experiment starts (use resume)",
+                current.state.as_str()
+            ),
+        ));
+    }
+    transition(&state, &id, ExperimentState::Running).await
+}
+
+/// Pauses a running experiment: the round in progress finishes, no new one starts.
+#[utoipa::path(post, path = "/api/v1/admin/experiments/{id}/pause", tag = "admin",
+    security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
+    responses((status = 200, description = "Paused"), (status = 401, body = ErrorBody),
+              (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+async fn pause_experiment(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Experiment>, ApiError> {
+    transition(&state, &id, ExperimentState::Paused).await
+}
+
+/// Resumes a paused experiment.
+#[utoipa::path(post, path = "/api/v1/admin/experiments/{id}/resume", tag = "admin",
+    security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
+    responses((status = 200, description = "Running"), (status = 401, body = ErrorBody),
+              (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+async fn resume_experiment(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Experiment>, ApiError> {
+    let id_parsed = parse_id(&id, "experiment")?;
+    let current = state.store.experiment(id_parsed).await?;
+    if current.state != ExperimentState::Paused {
+        return Err(ApiError::conflict(
+            "conflict",
+            format!("experiment {id} is {}, not paused", current.state.as_str()),
+        ));
+    }
+    transition(&state, &id, ExperimentState::Running).await
+}
+
+/// Stops an experiment for good.
+#[utoipa::path(post, path = "/api/v1/admin/experiments/{id}/stop", tag = "admin",
+    security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
+    responses((status = 200, description = "Stopped"), (status = 401, body = ErrorBody),
+              (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+async fn stop_experiment(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Experiment>, ApiError> {
+    transition(&state, &id, ExperimentState::Stopped).await
+}
+
+/// Every round attempt of an experiment, with its stage and metrics.
+#[utoipa::path(get, path = "/api/v1/admin/experiments/{id}/rounds", tag = "admin",
+    security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
+    responses((status = 200, description = "Rounds"), (status = 401, body = ErrorBody),
+              (status = 404, body = ErrorBody)))]
+async fn list_rounds(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Vec<Round>>, ApiError> {
+    let id = parse_id(&id, "experiment")?;
+    state.store.experiment(id).await?;
+    Ok(Json(state.store.rounds(id).await?))
+}
+
+/// The jobs of an experiment (aggregation, evaluation, publishing) and their state.
+#[utoipa::path(get, path = "/api/v1/admin/experiments/{id}/jobs", tag = "admin",
+    security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
+    responses((status = 200, description = "Jobs"), (status = 401, body = ErrorBody),
+              (status = 404, body = ErrorBody)))]
+async fn list_jobs(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Vec<Job>>, ApiError> {
+    let id = parse_id(&id, "experiment")?;
+    state.store.experiment(id).await?;
+    Ok(Json(state.store.jobs(id).await?))
+}
+
+/// Issues a one-time enrolment token; the token itself appears only in this answer.
+#[utoipa::path(post, path = "/api/v1/admin/enrolment-tokens", tag = "admin",
+    security(("admin_token" = [])), request_body = NewEnrolmentToken,
+    responses((status = 201, description = "Issued", body = IssuedEnrolmentToken),
+              (status = 401, body = ErrorBody), (status = 422, body = ErrorBody)))]
+async fn create_token(
+    State(state): State<AppState>,
+    Json(req): Json<NewEnrolmentToken>,
+) -> Result<(StatusCode, Json<IssuedEnrolmentToken>), ApiError> {
+    if req.label.trim().is_empty() || req.label.len() > 200 {
+        return Err(ApiError::unprocessable(
+            "invalid_token_request",
+            "label must be 1 to 200 characters",
+        ));
+    }
+    let expires_at = match req.expires_in_seconds {
+        Some(s) if s == 0 || s > 10 * 365 * 86_400 => {
+            return Err(ApiError::unprocessable(
+                "invalid_token_request",
+                "expires_in_seconds must be between 1 and ten years",
+            ));
+        }
+        Some(s) => Some(now_millis() + (s as i64) * 1000),
+        None => None,
+    };
+    let token = generate_secret().map_err(ApiError::internal)?;
+    let stored = state
+        .store
+        .create_enrolment_token(&hash_secret(&token), &req.label, expires_at)
+        .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(IssuedEnrolmentToken {
+            id: stored.id,
+            token,
+            label: stored.label,
+            expires_at,
+        }),
+    ))
+}
+
+/// Lists enrolment tokens (never the tokens themselves).
+#[utoipa::path(get, path = "/api/v1/admin/enrolment-tokens", tag = "admin",
+    security(("admin_token" = [])),
+    responses((status = 200, description = "Tokens"), (status = 401, body = ErrorBody)))]
+async fn list_tokens(State(state): State<AppState>) -> Result<Json<Vec<EnrolmentToken>>, ApiError> {
+    Ok(Json(state.store.enrolment_tokens().await?))
+}
+
+/// Revokes an unused enrolment token.
+#[utoipa::path(post, path = "/api/v1/admin/enrolment-tokens/{id}/revoke", tag = "admin",
+    security(("admin_token" = [])), params(("id" = String, Path, description = "Token id")),
+    responses((status = 204, description = "Revoked"), (status = 401, body = ErrorBody),
+              (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+async fn revoke_token(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let id = parse_id(&id, "enrolment token")?;
+    state.store.revoke_enrolment_token(id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Lists enrolled clients.
+#[utoipa::path(get, path = "/api/v1/admin/clients", tag = "admin",
+    security(("admin_token" = [])),
+    responses((status = 200, description = "Clients"), (status = 401, body = ErrorBody)))]
+async fn list_clients(State(state): State<AppState>) -> Result<Json<Vec<Client>>, ApiError> {
+    Ok(Json(state.store.clients().await?))
+}
+
+/// Revokes a client: its credential is refused from now on.
+#[utoipa::path(post, path = "/api/v1/admin/clients/{id}/revoke", tag = "admin",
+    security(("admin_token" = [])), params(("id" = String, Path, description = "Client id")),
+    responses((status = 204, description = "Revoked"), (status = 401, body = ErrorBody),
+              (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+async fn revoke_client(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let id = parse_id(&id, "client")?;
+    state.store.revoke_client(id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// The admin routes for experiments, tokens and clients, relative to the admin prefix.
+pub(crate) fn routes() -> Router<AppState> {
+    Router::new()
+        .route(
+            "/experiments",
+            post(create_experiment).get(list_experiments),
+        )
+        .route("/experiments/{id}", get(get_experiment))
+        .route("/experiments/{id}/start", post(start_experiment))
+        .route("/experiments/{id}/pause", post(pause_experiment))
+        .route("/experiments/{id}/resume", post(resume_experiment))
+        .route("/experiments/{id}/stop", post(stop_experiment))
+        .route("/experiments/{id}/rounds", get(list_rounds))
+        .route("/experiments/{id}/jobs", get(list_jobs))
+        .route("/enrolment-tokens", post(create_token).get(list_tokens))
+        .route("/enrolment-tokens/{id}/revoke", post(revoke_token))
+        .route("/clients", get(list_clients))
+        .route("/clients/{id}/revoke", post(revoke_client))
+}
+
+/// The handlers above, for the OpenAPI document.
+#[derive(utoipa::OpenApi)]
+#[openapi(
+    paths(
+        create_experiment,
+        list_experiments,
+        get_experiment,
+        start_experiment,
+        pause_experiment,
+        resume_experiment,
+        stop_experiment,
+        list_rounds,
+        list_jobs,
+        create_token,
+        list_tokens,
+        revoke_token,
+        list_clients,
+        revoke_client
+    ),
+    components(schemas(ExperimentSpec, TrainSettings, NewEnrolmentToken, IssuedEnrolmentToken))
+)]
+pub(crate) struct AdminDoc;
