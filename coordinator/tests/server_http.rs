@@ -871,3 +871,133 @@ fn every_admin_operation_is_in_the_route_walk() {
         );
     }
 }
+
+impl TestServer {
+    async fn issue_token(&self, label: &str) -> String {
+        let r = self
+            .admin(
+                Method::POST,
+                "/enrolment-tokens",
+                Some(serde_json::json!({"label": label})),
+            )
+            .await;
+        assert_eq!(r.status(), StatusCode::CREATED);
+        let body: serde_json::Value = r.json().await.unwrap();
+        body["token"].as_str().unwrap().to_string()
+    }
+
+    async fn enrol(&self, body: serde_json::Value) -> reqwest::Response {
+        self.client
+            .post(self.url("/api/v1/clients/enrol"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    async fn me(&self, credential: Option<&str>) -> reqwest::Response {
+        self.get("/api/v1/clients/me", credential).await
+    }
+
+    async fn client_count(&self) -> usize {
+        let clients: Vec<serde_json::Value> = self
+            .admin(Method::GET, "/clients", None)
+            .await
+            .json()
+            .await
+            .unwrap();
+        clients.len()
+    }
+}
+
+#[tokio::test]
+async fn a_client_enrols_once_and_its_credential_is_checked() {
+    let server = start().await;
+    let token = server.issue_token("hospital-b").await;
+    let r = server.enrol(serde_json::json!({"token": token})).await;
+    assert_eq!(r.status(), StatusCode::CREATED);
+    let enrolled: serde_json::Value = r.json().await.unwrap();
+    let id = enrolled["client_id"].as_str().unwrap().to_string();
+    let credential = format!("{id}.{}", enrolled["secret"].as_str().unwrap());
+    let me = server.me(Some(&credential)).await;
+    assert_eq!(me.status(), StatusCode::OK);
+    let who: serde_json::Value = me.json().await.unwrap();
+    assert_eq!(
+        (who["client_id"].as_str(), who["label"].as_str()),
+        (Some(id.as_str()), Some("hospital-b"))
+    );
+
+    // A used enrolment token enrols nobody else.
+    let again = server.enrol(serde_json::json!({"token": token})).await;
+    assert_eq!(again.status(), StatusCode::UNAUTHORIZED);
+    assert!(
+        error_body(again)
+            .await
+            .error
+            .message
+            .contains("already used")
+    );
+    assert_eq!(server.client_count().await, 1);
+
+    // Missing, malformed and wrong credentials.
+    let wrong_secret = format!("{id}.{}", "0".repeat(64));
+    let unknown_client = format!(
+        "{}.{}",
+        uuid::Uuid::new_v4(),
+        enrolled["secret"].as_str().unwrap()
+    );
+    for bad in [
+        None,
+        Some("no-dot-here"),
+        Some(wrong_secret.as_str()),
+        Some(unknown_client.as_str()),
+    ] {
+        let r = server.me(bad).await;
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED, "{bad:?}");
+        assert_eq!(error_body(r).await.error.code, "unauthorized");
+    }
+    // The admin token is not a client credential.
+    assert_eq!(
+        server.me(Some(&server.token.clone())).await.status(),
+        StatusCode::UNAUTHORIZED
+    );
+
+    // A revoked client is refused.
+    let revoke = server
+        .admin(Method::POST, &format!("/clients/{id}/revoke"), None)
+        .await;
+    assert_eq!(revoke.status(), StatusCode::NO_CONTENT);
+    let refused = server.me(Some(&credential)).await;
+    assert_eq!(refused.status(), StatusCode::FORBIDDEN);
+    assert_eq!(error_body(refused).await.error.code, "forbidden");
+    server.shut_down().await.unwrap();
+}
+
+#[tokio::test]
+async fn bad_enrolments_are_refused_and_enrol_nobody() {
+    let server = start().await;
+    let token = server.issue_token("x").await;
+    let unknown = server
+        .enrol(serde_json::json!({"token": "not-a-token"}))
+        .await;
+    assert_eq!(unknown.status(), StatusCode::UNAUTHORIZED);
+    let extra = server
+        .enrol(serde_json::json!({"token": token, "admin": true}))
+        .await;
+    assert_eq!(extra.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    let malformed = server
+        .client
+        .post(server.url("/api/v1/clients/enrol"))
+        .header(reqwest::header::CONTENT_TYPE, "application/json")
+        .body("{\"token\": ")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(malformed.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(error_body(malformed).await.error.code, "malformed_json");
+    assert_eq!(server.client_count().await, 0);
+    // The token survived the bad attempts and still works once.
+    let ok = server.enrol(serde_json::json!({"token": token})).await;
+    assert_eq!(ok.status(), StatusCode::CREATED);
+    server.shut_down().await.unwrap();
+}

@@ -46,6 +46,15 @@ pub struct ApiDoc;
 pub fn openapi() -> utoipa::openapi::OpenApi {
     let mut doc = ApiDoc::openapi();
     doc.merge(super::admin::AdminDoc::openapi());
+    doc.merge(super::client_api::ClientDoc::openapi());
+    let components = doc.components.get_or_insert_with(Default::default);
+    let mut scheme = Http::new(HttpAuthScheme::Bearer);
+    scheme.description =
+        Some("A client's credential, `<client id>.<secret>`, as returned by enrolment.".into());
+    components.add_security_scheme(
+        super::client_api::CLIENT_SECURITY_SCHEME,
+        SecurityScheme::Http(scheme),
+    );
     doc
 }
 
@@ -127,6 +136,7 @@ pub(crate) fn public_router() -> Router<AppState> {
     Router::new()
         .route("/api/v1/health", get(health))
         .route("/api/v1/openapi.json", get(openapi_json))
+        .merge(super::client_api::routes())
 }
 
 /// The admin routes, with paths relative to [`ADMIN_PREFIX`]. Add new admin routes here

@@ -13,6 +13,7 @@
 pub mod admin;
 pub mod api;
 pub mod auth;
+pub mod client_api;
 pub mod error;
 pub mod settings;
 pub mod tls;
