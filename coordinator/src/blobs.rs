@@ -85,6 +85,11 @@ impl BlobStore {
         fs::read(self.resolve(relative)?)
     }
 
+    /// Deletes the blob at `relative` (an orphan whose record was refused).
+    pub fn remove(&self, relative: &str) -> io::Result<()> {
+        fs::remove_file(self.resolve(relative)?)
+    }
+
     /// Reads the blob at `relative` and checks it against its recorded SHA-256, so a
     /// damaged file is an error rather than a wrong model.
     pub fn get_verified(&self, relative: &str, sha256: &[u8]) -> io::Result<Vec<u8>> {

@@ -1001,3 +1001,282 @@ async fn bad_enrolments_are_refused_and_enrol_nobody() {
     assert_eq!(ok.status(), StatusCode::CREATED);
     server.shut_down().await.unwrap();
 }
+
+/// An enrolled client's credential, in a test.
+async fn enrolled(server: &TestServer, label: &str) -> String {
+    let token = server.issue_token(label).await;
+    let body: serde_json::Value = server
+        .enrol(serde_json::json!({"token": token}))
+        .await
+        .json()
+        .await
+        .unwrap();
+    format!(
+        "{}.{}",
+        body["client_id"].as_str().unwrap(),
+        body["secret"].as_str().unwrap()
+    )
+}
+
+impl TestServer {
+    async fn checkin(&self, credential: &str, wait: u64) -> serde_json::Value {
+        let r = self
+            .client
+            .post(self.url("/api/v1/clients/checkin"))
+            .bearer_auth(credential)
+            .json(&serde_json::json!({"wait_seconds": wait}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        r.json().await.unwrap()
+    }
+
+    async fn upload(
+        &self,
+        credential: &str,
+        task: &serde_json::Value,
+        body: Vec<u8>,
+        samples: i64,
+    ) -> reqwest::Response {
+        let path = format!(
+            "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/update?num_samples={samples}&train_loss=0.5",
+            task["experiment_id"].as_str().unwrap(),
+            task["round"],
+            task["attempt"]
+        );
+        self.client
+            .post(self.url(&path))
+            .bearer_auth(credential)
+            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+            .body(body)
+            .send()
+            .await
+            .unwrap()
+    }
+}
+
+fn floats(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// A tiny experiment (logistic regression, 4 features, 2 classes: 10 parameters) so that
+/// updates fit the test servers' small body limit.
+async fn tiny_experiment(server: &TestServer, rounds: u32, quorum: usize) -> String {
+    let spec = serde_json::json!({
+        "name": "tiny", "features": 4, "classes": 2, "model": "logreg", "rounds": rounds,
+        "clients_per_round": 2, "min_participants": quorum, "collect_deadline_seconds": 30
+    });
+    let exp: serde_json::Value = server
+        .admin(Method::POST, "/experiments", Some(spec))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let id = exp["id"].as_str().unwrap().to_string();
+    let r = server
+        .admin(Method::POST, &format!("/experiments/{id}/start"), None)
+        .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    id
+}
+
+async fn task_of(server: &TestServer, credential: &str) -> serde_json::Value {
+    for _ in 0..10 {
+        let reply = server.checkin(credential, 3).await;
+        if !reply["task"].is_null() {
+            return reply["task"].clone();
+        }
+    }
+    panic!("no task was handed out");
+}
+
+#[tokio::test]
+async fn rounds_run_over_the_api_and_publish_the_weighted_mean() {
+    let server = start().await;
+    let a = enrolled(&server, "a").await;
+    let b = enrolled(&server, "b").await;
+    // Both check in once so the driver sees them as available.
+    server.checkin(&a, 0).await;
+    server.checkin(&b, 0).await;
+    let id = tiny_experiment(&server, 2, 2).await;
+    for round in 1..=2i64 {
+        let ta = task_of(&server, &a).await;
+        let tb = task_of(&server, &b).await;
+        assert_eq!(
+            (ta["round"].as_i64(), ta["model"].as_str()),
+            (Some(round), Some("logreg"))
+        );
+        let model = server
+            .client
+            .get(server.url(&format!("/api/v1/clients/experiments/{id}/model")))
+            .bearer_auth(&a)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            model.headers()["x-cohort-round"],
+            (round - 1).to_string().as_str()
+        );
+        assert_eq!(model.bytes().await.unwrap().len(), 40);
+        let r = server.upload(&a, &ta, floats(&[1.0; 10]), 1).await;
+        assert_eq!(
+            r.status(),
+            StatusCode::CREATED,
+            "{}",
+            r.text().await.unwrap()
+        );
+        // A replay of an acknowledged upload is refused.
+        assert_eq!(
+            server.upload(&a, &ta, floats(&[9.0; 10]), 1).await.status(),
+            StatusCode::CONFLICT
+        );
+        assert_eq!(
+            server.upload(&b, &tb, floats(&[5.0; 10]), 3).await.status(),
+            StatusCode::CREATED
+        );
+    }
+    // The driver closes the last round, aggregates and finishes the experiment.
+    let mut state = String::new();
+    for _ in 0..100 {
+        let exp: serde_json::Value = server
+            .admin(Method::GET, &format!("/experiments/{id}"), None)
+            .await
+            .json()
+            .await
+            .unwrap();
+        state = exp["state"].as_str().unwrap().to_string();
+        if state == "finished" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(state, "finished");
+    let rounds: Vec<serde_json::Value> = server
+        .admin(Method::GET, &format!("/experiments/{id}/rounds"), None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(rounds.len(), 2);
+    assert!(
+        rounds
+            .iter()
+            .all(|r| r["stage"] == "published" && r["reported"] == 2)
+    );
+    let model = server
+        .client
+        .get(server.url(&format!("/api/v1/clients/experiments/{id}/model")))
+        .bearer_auth(&b)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(model.headers()["x-cohort-round"], "2");
+    let bytes = model.bytes().await.unwrap();
+    let values: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    // FedAvg weighted by sample count: (1 * 1 + 3 * 5) / 4 = 4.
+    assert_eq!(values, vec![4.0; 10]);
+    let jobs: Vec<serde_json::Value> = server
+        .admin(Method::GET, &format!("/experiments/{id}/jobs"), None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(jobs.len(), 2);
+    assert!(
+        jobs.iter()
+            .all(|j| j["state"] == "done" && j["kind"] == "aggregate")
+    );
+    server.shut_down().await.unwrap();
+}
+
+#[tokio::test]
+async fn bad_uploads_are_refused_and_record_nothing() {
+    let server = start().await;
+    let a = enrolled(&server, "a").await;
+    let b = enrolled(&server, "b").await;
+    let outsider = enrolled(&server, "outsider").await;
+    server.checkin(&a, 0).await;
+    server.checkin(&b, 0).await;
+    let id = tiny_experiment(&server, 1, 2).await;
+    let ta = task_of(&server, &a).await;
+    // The outsider was never available, so it was not selected.
+    let mut nan = vec![0.0f32; 10];
+    nan[3] = f32::NAN;
+    let cases: Vec<(&str, Vec<u8>, StatusCode, &str)> = vec![
+        (
+            a.as_str(),
+            floats(&[0.0; 9]),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_update",
+        ),
+        (
+            a.as_str(),
+            floats(&nan),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_update",
+        ),
+        (
+            a.as_str(),
+            vec![0; 2000],
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+        ),
+        (
+            outsider.as_str(),
+            floats(&[0.0; 10]),
+            StatusCode::CONFLICT,
+            "conflict",
+        ),
+        (
+            "nobody.secret",
+            floats(&[0.0; 10]),
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+        ),
+    ];
+    for (credential, body, status, code) in cases {
+        let r = server.upload(credential, &ta, body, 1).await;
+        assert_eq!(r.status(), status, "{code}");
+        assert_eq!(error_body(r).await.error.code, code);
+    }
+    let wrong_type = server
+        .client
+        .post(server.url(&format!(
+            "/api/v1/clients/experiments/{id}/rounds/1/attempts/1/update?num_samples=1"
+        )))
+        .bearer_auth(&a)
+        .json(&serde_json::json!([0.0]))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong_type.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    let wrong_round = server
+        .client
+        .post(server.url(&format!(
+            "/api/v1/clients/experiments/{id}/rounds/7/attempts/1/update?num_samples=1"
+        )))
+        .bearer_auth(&a)
+        .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+        .body(floats(&[0.0; 10]))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong_round.status(), StatusCode::NOT_FOUND);
+    let rounds: Vec<serde_json::Value> = server
+        .admin(Method::GET, &format!("/experiments/{id}/rounds"), None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(rounds[0]["reported"], 0, "no refused upload was recorded");
+    // The real upload still goes through afterwards.
+    assert_eq!(
+        server.upload(&a, &ta, floats(&[1.0; 10]), 2).await.status(),
+        StatusCode::CREATED
+    );
+    server.shut_down().await.unwrap();
+}

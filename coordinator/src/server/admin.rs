@@ -152,6 +152,18 @@ impl ExperimentSpec {
         if let Err(e) = self.strategy.server_optimizer(None) {
             return bad(format!("strategy: {e}"));
         }
+        if self
+            .strategy
+            .server_optimizer(None)
+            .is_ok_and(|o| o.name() != "average")
+        {
+            // The coordinator does not store the adaptive optimizers' moments yet, and
+            // without them every round would restart Adam from zero.
+            return bad(format!(
+                "strategy: {} is available in `cohort simulate` only for now; use fedavg or fedprox:MU",
+                self.strategy
+            ));
+        }
         let train = cohort_edge::train::TrainConfig {
             local_epochs: self.train.local_epochs,
             batch_size: self.train.batch_size,

@@ -132,13 +132,247 @@ pub(crate) fn routes() -> Router<AppState> {
     Router::new()
         .route("/api/v1/clients/enrol", post(enrol))
         .route("/api/v1/clients/me", get(me))
+        .route("/api/v1/clients/checkin", post(checkin))
+        .route("/api/v1/clients/experiments/{id}/model", get(model))
+        .route(
+            "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/update",
+            post(upload),
+        )
 }
 
 /// The handlers above, for the OpenAPI document.
 #[derive(utoipa::OpenApi)]
 #[openapi(
-    paths(enrol, me),
-    components(schemas(EnrolRequest, Enrolled, ClientIdentity)),
+    paths(enrol, me, checkin, model, upload),
+    components(schemas(EnrolRequest, Enrolled, ClientIdentity, CheckIn, Task, CheckInReply)),
     tags((name = "client", description = "Edge clients (enrolment, then the client credential)"))
 )]
 pub(crate) struct ClientDoc;
+
+/// How long a check-in may wait for a task at most.
+pub const MAX_CHECKIN_WAIT_SECONDS: u64 = 30;
+
+/// A check-in: the client is available and waits up to `wait_seconds` for a task.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CheckIn {
+    /// Seconds to wait for a task (long poll), at most 30.
+    #[serde(default)]
+    pub wait_seconds: u64,
+}
+
+/// What a selected client must do.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Task {
+    /// The experiment.
+    pub experiment_id: Uuid,
+    /// The round.
+    pub round: i64,
+    /// The round's attempt (part of the upload path).
+    pub attempt: i64,
+    /// Upload before this time, Unix ms.
+    pub deadline_ms: Option<i64>,
+    /// Model family and shape, e.g. `mlp:64`.
+    pub model: String,
+    /// Feature columns the model takes.
+    pub features: usize,
+    /// Classes the model predicts.
+    pub classes: usize,
+    /// Local training settings (with the FedProx mu when the strategy has one).
+    #[schema(value_type = Object)]
+    pub train: cohort_edge::train::TrainConfig,
+}
+
+/// The answer to a check-in.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct CheckInReply {
+    /// The task, or none when the client was not selected within the wait.
+    pub task: Option<Task>,
+}
+
+async fn task_for(state: &AppState, client: Uuid) -> Result<Option<Task>, ApiError> {
+    let Some(pending) = state.store.pending_task(client).await? else {
+        return Ok(None);
+    };
+    let exp = state.store.experiment(pending.experiment_id).await?;
+    let (spec, _) = super::driver::experiment_model(&exp).map_err(ApiError::internal)?;
+    Ok(Some(Task {
+        experiment_id: exp.id,
+        round: pending.round,
+        attempt: pending.attempt,
+        deadline_ms: pending.deadline,
+        model: spec.model.to_string(),
+        features: spec.features,
+        classes: spec.classes,
+        train: cohort_edge::train::TrainConfig {
+            local_epochs: spec.train.local_epochs,
+            batch_size: spec.train.batch_size,
+            lr: spec.train.lr,
+            momentum: spec.train.momentum,
+            weight_decay: spec.train.weight_decay,
+            proximal_mu: spec.strategy.proximal_mu(),
+        },
+    }))
+}
+
+/// Checks in and waits (long poll) for a task.
+#[utoipa::path(post, path = "/api/v1/clients/checkin", tag = "client",
+    security(("client_credential" = [])), request_body = CheckIn,
+    responses((status = 200, description = "A task, or none", body = CheckInReply),
+              (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
+              (status = 422, body = ErrorBody)))]
+async fn checkin(
+    State(state): State<AppState>,
+    AuthenticatedClient(client): AuthenticatedClient,
+    Json(req): Json<CheckIn>,
+) -> Result<Json<CheckInReply>, ApiError> {
+    if req.wait_seconds > MAX_CHECKIN_WAIT_SECONDS {
+        return Err(ApiError::unprocessable(
+            "invalid_checkin",
+            format!("wait_seconds must be at most {MAX_CHECKIN_WAIT_SECONDS}"),
+        ));
+    }
+    let until = tokio::time::Instant::now() + std::time::Duration::from_secs(req.wait_seconds);
+    loop {
+        if let Some(task) = task_for(&state, client.id).await? {
+            return Ok(Json(CheckInReply { task: Some(task) }));
+        }
+        if tokio::time::Instant::now() >= until {
+            return Ok(Json(CheckInReply { task: None }));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        // Staying in the long poll counts as being available.
+        state.store.touch_client(client.id, now_millis()).await?;
+    }
+}
+
+/// The experiment's current global model as little-endian `f32`; the round that
+/// produced it is in the `x-cohort-round` header.
+#[utoipa::path(get, path = "/api/v1/clients/experiments/{id}/model", tag = "client",
+    security(("client_credential" = [])), params(("id" = String, Path, description = "Experiment id")),
+    responses((status = 200, description = "The model", content_type = "application/octet-stream"),
+              (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)))]
+async fn model(
+    State(state): State<AppState>,
+    _client: AuthenticatedClient,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<axum::response::Response, ApiError> {
+    let id = Uuid::parse_str(&id).map_err(|_| ApiError::NotFound(format!("experiment {id}")))?;
+    let model = state
+        .store
+        .latest_model(id)
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("experiment {id} has no model yet")))?;
+    let blobs = state.blobs.clone();
+    let path = model.blob_path.clone();
+    let bytes = tokio::task::spawn_blocking(move || blobs.get(&path))
+        .await
+        .map_err(ApiError::internal)?
+        .map_err(ApiError::internal)?;
+    axum::response::Response::builder()
+        .header(header::CONTENT_TYPE, "application/octet-stream")
+        .header("x-cohort-round", model.round.to_string())
+        .body(axum::body::Body::from(bytes))
+        .map_err(ApiError::internal)
+}
+
+/// Metadata of an upload, in the query string.
+#[derive(Debug, Clone, PartialEq, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct UploadQuery {
+    /// Samples behind the update (the FedAvg weight), at least 1.
+    pub num_samples: i64,
+    /// The client's mean training loss.
+    #[serde(default)]
+    pub train_loss: Option<f64>,
+}
+
+/// Uploads a trained update (little-endian `f32`, `application/octet-stream`). The
+/// update is on disk and recorded before the 201 is sent.
+#[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/update",
+    tag = "client", security(("client_credential" = [])),
+    params(("id" = String, Path, description = "Experiment id"), ("round" = i64, Path, description = "Round"),
+           ("attempt" = i64, Path, description = "Attempt"), UploadQuery),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 201, description = "Stored"), (status = 401, body = ErrorBody),
+              (status = 404, body = ErrorBody), (status = 409, description = "Not selected, replayed, or past the deadline", body = ErrorBody),
+              (status = 413, body = ErrorBody), (status = 415, body = ErrorBody),
+              (status = 422, description = "Wrong dimension or non-finite value", body = ErrorBody)))]
+async fn upload(
+    State(state): State<AppState>,
+    AuthenticatedClient(client): AuthenticatedClient,
+    axum::extract::Path((id, round, attempt)): axum::extract::Path<(String, i64, i64)>,
+    query: Result<axum::extract::Query<UploadQuery>, axum::extract::rejection::QueryRejection>,
+    headers: axum::http::HeaderMap,
+    body: axum::body::Bytes,
+) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
+    let axum::extract::Query(query) =
+        query.map_err(|e| ApiError::unprocessable("invalid_query", e.body_text()))?;
+    let is_octets = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/octet-stream"));
+    if !is_octets {
+        return Err(ApiError::UnsupportedMediaType(
+            "an update must be sent as application/octet-stream".into(),
+        ));
+    }
+    if query.num_samples < 1 {
+        return Err(ApiError::unprocessable(
+            "invalid_query",
+            "num_samples must be at least 1",
+        ));
+    }
+    if query.train_loss.is_some_and(|l| !l.is_finite()) {
+        return Err(ApiError::unprocessable(
+            "invalid_query",
+            "train_loss must be finite",
+        ));
+    }
+    let id = Uuid::parse_str(&id).map_err(|_| ApiError::NotFound(format!("experiment {id}")))?;
+    let exp = state.store.experiment(id).await?;
+    let (_, model) = super::driver::experiment_model(&exp).map_err(ApiError::internal)?;
+    cohort_aggregation::wire::decode(model.layout(), &body)
+        .map_err(|e| ApiError::unprocessable("invalid_update", e.to_string()))?;
+    // Each upload gets a blob of its own name, so a refused replay can never overwrite
+    // the bytes of an acknowledged upload.
+    let path = format!(
+        "uploads/{id}/{round}-{attempt}/{}-{}.bin",
+        client.id,
+        Uuid::new_v4().simple()
+    );
+    let blobs = state.blobs.clone();
+    let p = path.clone();
+    let info = tokio::task::spawn_blocking(move || blobs.put(&p, &body))
+        .await
+        .map_err(ApiError::internal)?
+        .map_err(ApiError::internal)?;
+    let recorded = state
+        .store
+        .record_upload(
+            id,
+            round,
+            attempt,
+            &crate::store::NewUpload {
+                client_id: client.id,
+                blob_path: &info.path,
+                bytes: info.bytes as i64,
+                sha256: &info.sha256,
+                num_samples: query.num_samples,
+                train_loss: query.train_loss,
+            },
+            now_millis(),
+        )
+        .await;
+    match recorded {
+        Ok(upload) => Ok((
+            StatusCode::CREATED,
+            Json(serde_json::json!({"upload_id": upload.id})),
+        )),
+        Err(e) => {
+            let blobs = state.blobs.clone();
+            let _ = tokio::task::spawn_blocking(move || blobs.remove(&path)).await;
+            Err(e.into())
+        }
+    }
+}

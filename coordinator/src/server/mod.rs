@@ -14,6 +14,7 @@ pub mod admin;
 pub mod api;
 pub mod auth;
 pub mod client_api;
+pub mod driver;
 pub mod error;
 pub mod settings;
 pub mod tls;
@@ -282,8 +283,12 @@ impl Prepared {
         admin: Router<AppState>,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), ServeError> {
+        // The round driver runs beside the API and stops with it.
+        let driver = tokio::spawn(driver::run(self.state.clone()));
         let router = app_with_admin(self.state, admin);
-        serve(self.listener, router, self.tls, shutdown).await
+        let result = serve(self.listener, router, self.tls, shutdown).await;
+        driver.abort();
+        result
     }
 }
 

@@ -27,8 +27,8 @@ use uuid::Uuid;
 
 pub use jobs::{Job, JobKind, JobState};
 pub use rounds::{
-    NewUpload, Participation, ParticipationState, PublishedModel, Round, RoundMetrics, RoundStage,
-    Upload,
+    NewUpload, Participation, ParticipationState, PendingTask, PublishedModel, Round, RoundMetrics,
+    RoundStage, Upload,
 };
 pub use tokens::{Client, EnrolmentToken};
 

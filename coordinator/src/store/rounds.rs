@@ -657,3 +657,73 @@ impl Store {
         })
     }
 }
+
+/// A collecting round a client is selected for and has not uploaded to yet.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PendingTask {
+    /// The experiment.
+    pub experiment_id: Uuid,
+    /// The round.
+    pub round: i64,
+    /// The attempt.
+    pub attempt: i64,
+    /// When collection closes, Unix ms.
+    pub deadline: Option<i64>,
+}
+
+impl Store {
+    /// The oldest collecting round attempt that `client` is selected for and has not
+    /// uploaded to.
+    pub async fn pending_task(&self, client: Uuid) -> Result<Option<PendingTask>, StoreError> {
+        with_pool!(self, p => {
+            let row: Option<(String, i64, i64, Option<i64>)> = sqlx::query_as(
+                "SELECT p.experiment_id, p.round, p.attempt, r.stage_deadline \
+                 FROM participations p JOIN rounds r ON r.experiment_id = p.experiment_id \
+                   AND r.round = p.round AND r.attempt = p.attempt \
+                 WHERE p.client_id = $1 AND p.state = 'selected' AND r.stage = 'collecting' \
+                 ORDER BY r.started_at LIMIT 1",
+            )
+            .bind(client.to_string())
+            .fetch_optional(p)
+            .await?;
+            row.map(|(e, round, attempt, deadline)| {
+                Ok(PendingTask {
+                    experiment_id: parse_uuid(&e)?,
+                    round,
+                    attempt,
+                    deadline,
+                })
+            })
+            .transpose()
+        })
+    }
+
+    /// Clients not revoked and seen at or after `since` (Unix ms), in id order: the pool
+    /// a round selects from.
+    pub async fn available_clients(&self, since: i64) -> Result<Vec<Uuid>, StoreError> {
+        with_pool!(self, p => {
+            let rows: Vec<(String,)> = sqlx::query_as(
+                "SELECT id FROM clients WHERE revoked_at IS NULL AND last_seen_at >= $1 ORDER BY id",
+            )
+            .bind(since)
+            .fetch_all(p)
+            .await?;
+            rows.into_iter().map(|(id,)| parse_uuid(&id)).collect()
+        })
+    }
+
+    /// The newest attempt of the newest round of an experiment.
+    pub async fn latest_round(&self, experiment_id: Uuid) -> Result<Option<Round>, StoreError> {
+        with_pool!(self, p => {
+            let row: Option<RoundRow> = sqlx::query_as(
+                "SELECT experiment_id, round, attempt, stage, stage_deadline, selected, \
+                 reported, dropped, test_accuracy, test_loss, train_loss, started_at, finished_at \
+                 FROM rounds WHERE experiment_id = $1 ORDER BY round DESC, attempt DESC LIMIT 1",
+            )
+            .bind(experiment_id.to_string())
+            .fetch_optional(p)
+            .await?;
+            row.map(Round::from_row).transpose()
+        })
+    }
+}

@@ -1,0 +1,316 @@
+//! The round driver: moves every running experiment through its rounds, and works the
+//! job queue.
+//!
+//! Nothing lives only in memory: each step reads the experiment's state from the store,
+//! makes one transactional change, and the next tick carries on from whatever was last
+//! committed. So a coordinator killed at any point resumes where it stopped, and several
+//! coordinators on one PostgreSQL can run drivers side by side: their conditional updates
+//! and the job claim let exactly one of them make each change.
+
+use std::time::Duration;
+
+use cohort_aggregation::{WeightedMean, wire};
+use cohort_edge::model::ModelSpec;
+use rand::seq::index;
+use uuid::Uuid;
+
+use super::AppState;
+use super::admin::ExperimentSpec;
+use crate::store::{
+    Experiment, ExperimentState, Job, JobKind, PublishedModel, Round, RoundMetrics, RoundStage,
+    StoreError, now_millis,
+};
+
+/// How often the driver looks at the experiments.
+pub const TICK: Duration = Duration::from_millis(250);
+/// A client counts as available when it checked in this recently.
+pub const AVAILABILITY_WINDOW_MS: i64 = 60_000;
+/// How long a worker holds a claimed job before another may take it over.
+pub const JOB_LEASE_MS: i64 = 120_000;
+/// Attempts a job gets before it fails for good.
+pub const JOB_ATTEMPTS: i64 = 5;
+
+/// Why a driver step failed. The step changed nothing it did not commit; the next tick
+/// tries again.
+#[derive(Debug, thiserror::Error)]
+pub enum DriverError {
+    /// The store refused or failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// A stored experiment spec no longer parses (a bug or a hand-edited database).
+    #[error("experiment {0} has an invalid spec: {1}")]
+    Spec(Uuid, String),
+    /// Reading or writing a blob failed.
+    #[error("blob i/o: {0}")]
+    Blob(#[from] std::io::Error),
+    /// An upload or model could not be decoded or combined.
+    #[error("aggregation: {0}")]
+    Aggregation(String),
+}
+
+/// The spec and model shape of an experiment.
+pub fn experiment_model(exp: &Experiment) -> Result<(ExperimentSpec, ModelSpec), DriverError> {
+    let spec: ExperimentSpec = serde_json::from_value(exp.spec.clone())
+        .map_err(|e| DriverError::Spec(exp.id, e.to_string()))?;
+    let model = ModelSpec::new(&spec.model, spec.features, spec.classes)
+        .map_err(|e| DriverError::Spec(exp.id, e.to_string()))?;
+    Ok((spec, model))
+}
+
+fn model_blob(experiment: Uuid, round: i64) -> String {
+    format!("models/{experiment}/round-{round}.bin")
+}
+
+/// One pass: every running experiment takes its next step, then queued jobs run until
+/// none is left. `worker` names this coordinator in job leases.
+pub async fn tick(state: &AppState, worker: &str) -> Result<(), DriverError> {
+    for exp in state.store.experiments().await? {
+        if exp.state == ExperimentState::Running
+            && let Err(e) = step_experiment(state, &exp).await
+        {
+            tracing::warn!(experiment = %exp.id, error = %e, "experiment step failed");
+        }
+    }
+    while let Some(job) = state
+        .store
+        .claim_job(worker, now_millis(), JOB_LEASE_MS)
+        .await?
+    {
+        match run_job(state, &job).await {
+            Ok(()) => state.store.complete_job(job.id, worker).await?,
+            Err(e) => {
+                tracing::warn!(job = job.id, error = %e, "job failed");
+                state
+                    .store
+                    .fail_job(job.id, worker, &e.to_string(), now_millis(), 1_000)
+                    .await?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Runs [`tick`] every [`TICK`] until the task is dropped.
+pub async fn run(state: AppState) {
+    let worker = format!("coordinator-{}", Uuid::new_v4().simple());
+    loop {
+        if let Err(e) = tick(&state, &worker).await {
+            tracing::warn!(error = %e, "driver tick failed");
+        }
+        tokio::time::sleep(TICK).await;
+    }
+}
+
+async fn step_experiment(state: &AppState, exp: &Experiment) -> Result<(), DriverError> {
+    let store = &state.store;
+    let (spec, model) = experiment_model(exp)?;
+    let now = now_millis();
+    if store.latest_model(exp.id).await?.is_none() {
+        let initial = model.init(spec.seed);
+        let path = model_blob(exp.id, 0);
+        let blobs = state.blobs.clone();
+        let bytes = wire::encode(&initial);
+        let p = path.clone();
+        tokio::task::spawn_blocking(move || blobs.put(&p, &bytes))
+            .await
+            .map_err(|e| DriverError::Aggregation(e.to_string()))??;
+        let published = PublishedModel {
+            round: 0,
+            blob_path: path,
+            parameters: initial.len() as i64,
+        };
+        store
+            .publish_model(exp.id, 0, 0, &published, RoundMetrics::default(), now)
+            .await?;
+    }
+    let Some(round) = store.latest_round(exp.id).await? else {
+        return open(state, exp, &spec, 1, 1, now).await;
+    };
+    match round.stage {
+        RoundStage::Collecting => {
+            let due = round.stage_deadline.is_some_and(|d| now > d);
+            if round.reported >= round.selected || due {
+                close(state, exp, &spec, &round, now).await?;
+            }
+        }
+        RoundStage::Aggregating => {}
+        RoundStage::Published => {
+            if round.round >= i64::from(spec.rounds) {
+                set_state(state, exp.id, ExperimentState::Finished).await?;
+            } else {
+                open(state, exp, &spec, round.round + 1, 1, now).await?;
+            }
+        }
+        RoundStage::Failed => {
+            if round.attempt < i64::from(spec.max_round_attempts) {
+                open(state, exp, &spec, round.round, round.attempt + 1, now).await?;
+            } else {
+                set_state(state, exp.id, ExperimentState::Failed).await?;
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn set_state(state: &AppState, id: Uuid, to: ExperimentState) -> Result<(), DriverError> {
+    match state
+        .store
+        .set_experiment_state(id, to, "coordinator")
+        .await
+    {
+        // Another coordinator (or an admin) changed it first: nothing left to do.
+        Ok(_) | Err(StoreError::Conflict(_)) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Opens a round attempt among the available clients, once there are enough of them
+/// for a quorum; until then it waits.
+async fn open(
+    state: &AppState,
+    exp: &Experiment,
+    spec: &ExperimentSpec,
+    round: i64,
+    attempt: i64,
+    now: i64,
+) -> Result<(), DriverError> {
+    let available = state
+        .store
+        .available_clients(now - AVAILABILITY_WINDOW_MS)
+        .await?;
+    if available.len() < spec.min_participants {
+        return Ok(());
+    }
+    let wanted = (spec.clients_per_round as f64 * spec.over_selection).ceil() as usize;
+    let k = wanted.clamp(1, available.len());
+    let selected: Vec<Uuid> = index::sample(&mut rand::rng(), available.len(), k)
+        .into_iter()
+        .map(|i| available[i])
+        .collect();
+    let deadline = now + (spec.collect_deadline_seconds as i64) * 1000;
+    match state
+        .store
+        .open_round(exp.id, round, attempt, &selected, deadline, now)
+        .await
+    {
+        // A concurrent coordinator opened it, or the experiment just stopped.
+        Ok(_) | Err(StoreError::Conflict(_)) => Ok(()),
+        Err(StoreError::Database(e)) if is_unique_violation(&e) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn is_unique_violation(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .is_some_and(|d| d.is_unique_violation())
+}
+
+async fn close(
+    state: &AppState,
+    exp: &Experiment,
+    spec: &ExperimentSpec,
+    round: &Round,
+    now: i64,
+) -> Result<(), DriverError> {
+    let quorum = spec.min_participants as i64;
+    match state
+        .store
+        .close_collection(exp.id, round.round, round.attempt, quorum, now)
+        .await
+    {
+        Ok(closed) if closed.stage == RoundStage::Aggregating => {
+            state
+                .store
+                .enqueue_job(JobKind::Aggregate, exp.id, round.round, JOB_ATTEMPTS)
+                .await?;
+            Ok(())
+        }
+        Ok(_) | Err(StoreError::Conflict(_)) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn run_job(state: &AppState, job: &Job) -> Result<(), DriverError> {
+    match job.kind {
+        JobKind::Aggregate => aggregate(state, job).await,
+        // Evaluation and publishing are folded into aggregation for now; a queued job of
+        // those kinds has nothing left to do.
+        JobKind::Evaluate | JobKind::Publish => Ok(()),
+    }
+}
+
+/// Folds a round's uploads, one at a time, into the next global model and publishes it.
+async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
+    let store = &state.store;
+    let exp = store.experiment(job.experiment_id).await?;
+    let (spec, model) = experiment_model(&exp)?;
+    let round = store
+        .rounds(exp.id)
+        .await?
+        .into_iter()
+        .filter(|r| r.round == job.round && r.stage == RoundStage::Aggregating)
+        .max_by_key(|r| r.attempt);
+    let Some(round) = round else {
+        // Already published by an earlier run of this job.
+        return Ok(());
+    };
+    let current = store
+        .latest_model(exp.id)
+        .await?
+        .ok_or_else(|| DriverError::Aggregation("no current model".into()))?;
+    let uploads = store.uploads(exp.id, round.round, round.attempt).await?;
+    let participations = store
+        .participations(exp.id, round.round, round.attempt)
+        .await?;
+    let blobs = state.blobs.clone();
+    let layout = model.layout().clone();
+    let strategy = spec.strategy;
+    let exp_id = exp.id;
+    let round_no = round.round;
+    let published = tokio::task::spawn_blocking(move || -> Result<PublishedModel, DriverError> {
+        let bad = |e: &dyn std::fmt::Display| DriverError::Aggregation(e.to_string());
+        let mut global =
+            wire::decode(&layout, &blobs.get(&current.blob_path)?).map_err(|e| bad(&e))?;
+        let mut mean = WeightedMean::new(layout.clone());
+        for upload in &uploads {
+            let bytes = blobs.get_verified(&upload.blob_path, &upload.sha256)?;
+            let update = wire::decode(&layout, &bytes).map_err(|e| bad(&e))?;
+            mean.fold(&update, upload.num_samples as f64)
+                .map_err(|e| bad(&e))?;
+        }
+        let mean = mean.finish().map_err(|e| bad(&e))?;
+        let mut optimizer = strategy.server_optimizer(None).map_err(|e| bad(&e))?;
+        optimizer.step(&mut global, &mean).map_err(|e| bad(&e))?;
+        let path = model_blob(exp_id, round_no);
+        blobs.put(&path, &wire::encode(&global))?;
+        Ok(PublishedModel {
+            round: round_no,
+            blob_path: path,
+            parameters: global.len() as i64,
+        })
+    })
+    .await
+    .map_err(|e| DriverError::Aggregation(e.to_string()))??;
+    let (weighted, samples) = participations
+        .iter()
+        .filter_map(|p| Some((p.train_loss?, p.num_samples? as f64)))
+        .fold((0.0, 0.0), |(l, n), (loss, s)| (l + loss * s, n + s));
+    let metrics = RoundMetrics {
+        train_loss: (samples > 0.0).then(|| weighted / samples),
+        ..RoundMetrics::default()
+    };
+    match store
+        .publish_model(
+            exp.id,
+            round.round,
+            round.attempt,
+            &published,
+            metrics,
+            now_millis(),
+        )
+        .await
+    {
+        Ok(()) | Err(StoreError::Conflict(_)) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
