@@ -1179,6 +1179,23 @@ async fn rounds_run_over_the_api_and_publish_the_weighted_mean() {
         .collect();
     // FedAvg weighted by sample count: (1 * 1 + 3 * 5) / 4 = 4.
     assert_eq!(values, vec![4.0; 10]);
+    let admin_raw = server
+        .admin(Method::GET, &format!("/experiments/{id}/model"), None)
+        .await;
+    assert_eq!(admin_raw.bytes().await.unwrap(), bytes);
+    let file = server
+        .admin(
+            Method::GET,
+            &format!("/experiments/{id}/model.safetensors"),
+            None,
+        )
+        .await
+        .bytes()
+        .await
+        .unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&file).unwrap();
+    assert_eq!(tensors.tensor("layers.0.weight").unwrap().shape(), &[2, 4]);
+    assert_eq!(tensors.tensor("layers.0.bias").unwrap().shape(), &[2]);
     let jobs: Vec<serde_json::Value> = server
         .admin(Method::GET, &format!("/experiments/{id}/jobs"), None)
         .await

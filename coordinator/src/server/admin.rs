@@ -433,6 +433,79 @@ async fn revoke_client(
     Ok(StatusCode::NO_CONTENT)
 }
 
+async fn current_model(state: &AppState, id: &str) -> Result<(Experiment, i64, Vec<u8>), ApiError> {
+    let id = parse_id(id, "experiment")?;
+    let exp = state.store.experiment(id).await?;
+    let model = state
+        .store
+        .latest_model(id)
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("experiment {id} has no model yet")))?;
+    let blobs = state.blobs.clone();
+    let bytes = tokio::task::spawn_blocking(move || blobs.get(&model.blob_path))
+        .await
+        .map_err(ApiError::internal)?
+        .map_err(ApiError::internal)?;
+    Ok((exp, model.round, bytes))
+}
+
+fn octets(
+    bytes: Vec<u8>,
+    round: i64,
+    filename: Option<String>,
+) -> Result<axum::response::Response, ApiError> {
+    let mut builder = axum::response::Response::builder()
+        .header(axum::http::header::CONTENT_TYPE, "application/octet-stream")
+        .header("x-cohort-round", round.to_string());
+    if let Some(name) = filename {
+        builder = builder.header(
+            axum::http::header::CONTENT_DISPOSITION,
+            format!("attachment; filename=\"{name}\""),
+        );
+    }
+    builder
+        .body(axum::body::Body::from(bytes))
+        .map_err(ApiError::internal)
+}
+
+/// The current global model as little-endian `f32` (round in `x-cohort-round`).
+#[utoipa::path(get, path = "/api/v1/admin/experiments/{id}/model", tag = "admin",
+    security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
+    responses((status = 200, description = "The model", content_type = "application/octet-stream"),
+              (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)))]
+async fn download_model(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<axum::response::Response, ApiError> {
+    let (_, round, bytes) = current_model(&state, &id).await?;
+    octets(bytes, round, None)
+}
+
+/// The current global model as a safetensors file (PyTorch state-dict names and shapes).
+#[utoipa::path(get, path = "/api/v1/admin/experiments/{id}/model.safetensors", tag = "admin",
+    security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
+    responses((status = 200, description = "The model", content_type = "application/octet-stream"),
+              (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)))]
+async fn download_safetensors(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<axum::response::Response, ApiError> {
+    let (exp, round, bytes) = current_model(&state, &id).await?;
+    let (_, model) = super::driver::experiment_model(&exp).map_err(ApiError::internal)?;
+    let vector =
+        cohort_aggregation::wire::decode(model.layout(), &bytes).map_err(ApiError::internal)?;
+    let metadata = std::collections::HashMap::from([
+        ("experiment".to_string(), exp.id.to_string()),
+        ("round".to_string(), round.to_string()),
+    ]);
+    let file = crate::model_files::to_safetensors(&vector, metadata);
+    octets(
+        file,
+        round,
+        Some(format!("{}-round-{round}.safetensors", exp.id)),
+    )
+}
+
 /// The admin routes for experiments, tokens and clients, relative to the admin prefix.
 pub(crate) fn routes() -> Router<AppState> {
     Router::new()
@@ -447,6 +520,11 @@ pub(crate) fn routes() -> Router<AppState> {
         .route("/experiments/{id}/stop", post(stop_experiment))
         .route("/experiments/{id}/rounds", get(list_rounds))
         .route("/experiments/{id}/jobs", get(list_jobs))
+        .route("/experiments/{id}/model", get(download_model))
+        .route(
+            "/experiments/{id}/model.safetensors",
+            get(download_safetensors),
+        )
         .route("/enrolment-tokens", post(create_token).get(list_tokens))
         .route("/enrolment-tokens/{id}/revoke", post(revoke_token))
         .route("/clients", get(list_clients))
