@@ -1297,3 +1297,87 @@ async fn bad_uploads_are_refused_and_record_nothing() {
     );
     server.shut_down().await.unwrap();
 }
+
+/// Two linearly separable blobs with 4 features, as a client's local data.
+fn blob_data(n: usize, shift: f32) -> cohort_edge::data::Dataset {
+    let labels: Vec<u32> = (0..n).map(|i| (i % 2) as u32).collect();
+    let features = ndarray::Array2::from_shape_fn((n, 4), |(i, j)| {
+        let centre = if labels[i] == 0 { -1.5 } else { 1.5 };
+        centre + shift + ((i * 7 + j * 3) % 11) as f32 * 0.05
+    });
+    cohort_edge::data::Dataset {
+        features,
+        labels,
+        classes: vec!["0".into(), "1".into()],
+        feature_names: (0..4).map(|j| format!("x{j}")).collect(),
+        groups: None,
+    }
+}
+
+#[tokio::test]
+async fn edge_agents_enrol_train_and_upload_until_the_experiment_finishes() {
+    let server = start().await;
+    let id = tiny_experiment(&server, 3, 2).await;
+    let ca = std::fs::read(server._dir.as_ref().unwrap().path().join("tls/ca.pem")).unwrap();
+    let mut agents = Vec::new();
+    for i in 0..2 {
+        let token = server.issue_token(&format!("agent-{i}")).await;
+        let state_dir = server
+            ._dir
+            .as_ref()
+            .unwrap()
+            .path()
+            .join(format!("agent-{i}"));
+        let config = cohort_edge::agent::AgentConfig {
+            coordinator: server.base.clone(),
+            ca_pem: Some(ca.clone()),
+            enrol_token: Some(token),
+            data: blob_data(40, i as f32 * 0.2),
+            state_dir,
+            idle_exit: Some(Duration::from_secs(3)),
+            seed: i,
+        };
+        agents.push(tokio::spawn(cohort_edge::agent::run_agent(config)));
+    }
+    for agent in agents {
+        let report = tokio::time::timeout(Duration::from_secs(60), agent)
+            .await
+            .expect("agents finish")
+            .unwrap()
+            .expect("agent runs without error");
+        assert_eq!(report.uploads, 3, "{report:?}");
+    }
+    let exp: serde_json::Value = server
+        .admin(Method::GET, &format!("/experiments/{id}"), None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(exp["state"], "finished");
+    let rounds: Vec<serde_json::Value> = server
+        .admin(Method::GET, &format!("/experiments/{id}/rounds"), None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(rounds.len(), 3);
+    assert!(
+        rounds
+            .iter()
+            .all(|r| r["stage"] == "published" && r["train_loss"].is_f64())
+    );
+    // Restarting an agent reuses its stored credential instead of a spent token.
+    let reused = cohort_edge::agent::run_agent(cohort_edge::agent::AgentConfig {
+        coordinator: server.base.clone(),
+        ca_pem: Some(ca),
+        enrol_token: None,
+        data: blob_data(10, 0.0),
+        state_dir: server._dir.as_ref().unwrap().path().join("agent-0"),
+        idle_exit: Some(Duration::from_millis(100)),
+        seed: 9,
+    })
+    .await
+    .expect("stored credential still works");
+    assert_eq!(reused.uploads, 0);
+    server.shut_down().await.unwrap();
+}

@@ -7,8 +7,12 @@
 //! - [`model`]: multinomial logistic regression and MLPs with forward and backward passes.
 //! - [`train`]: local training (mini-batch SGD with momentum, weight decay, FedProx) and
 //!   evaluation, behind the [`train::Trainer`] trait.
+//! - [`protocol`]: the client side of the coordinator's REST API.
+//! - [`agent`]: the edge loop: enrol once, then check in, train, upload, with retries.
 
+pub mod agent;
 pub mod data;
 pub mod model;
 pub mod partition;
+pub mod protocol;
 pub mod train;

@@ -106,6 +106,41 @@ macro_rules! audit {
 }
 pub(crate) use audit;
 
+/// Opens a transaction that will write. SQLite takes its write lock at once
+/// (`BEGIN IMMEDIATE`): a transaction that reads first and upgrades later fails with
+/// "database is locked", without waiting, when another writer got in between.
+pub(crate) trait BeginWrite {
+    /// The database.
+    type Db: sqlx::Database;
+    /// Begins the transaction.
+    fn begin_write(
+        &self,
+    ) -> impl std::future::Future<Output = Result<sqlx::Transaction<'static, Self::Db>, sqlx::Error>>
+    + Send;
+}
+
+impl BeginWrite for SqlitePool {
+    type Db = sqlx::Sqlite;
+    fn begin_write(
+        &self,
+    ) -> impl std::future::Future<Output = Result<sqlx::Transaction<'static, Self::Db>, sqlx::Error>>
+    + Send {
+        let pool = self.clone();
+        async move { pool.begin_with("BEGIN IMMEDIATE").await }
+    }
+}
+
+impl BeginWrite for PgPool {
+    type Db = sqlx::Postgres;
+    fn begin_write(
+        &self,
+    ) -> impl std::future::Future<Output = Result<sqlx::Transaction<'static, Self::Db>, sqlx::Error>>
+    + Send {
+        let pool = self.clone();
+        async move { pool.begin().await }
+    }
+}
+
 /// The coordinator's database.
 #[derive(Debug, Clone)]
 pub struct Store {
@@ -301,7 +336,7 @@ impl Store {
             updated_at: now,
         };
         with_pool!(self, p => {
-            let mut tx = p.begin().await?;
+            let mut tx = p.begin_write().await?;
             sqlx::query(
                 "INSERT INTO experiments (id, name, spec, state, current_round, created_at, updated_at) \
                  VALUES ($1, $2, $3, $4, 0, $5, $5)",
@@ -354,7 +389,7 @@ impl Store {
     ) -> Result<Experiment, StoreError> {
         let now = now_millis();
         with_pool!(self, p => {
-            let mut tx = p.begin().await?;
+            let mut tx = p.begin_write().await?;
             let (state,): (String,) = sqlx::query_as("SELECT state FROM experiments WHERE id = $1")
                 .bind(id.to_string())
                 .fetch_optional(&mut *tx)

@@ -6,7 +6,7 @@
 use serde::Serialize;
 use uuid::Uuid;
 
-use super::{Pool, Store, StoreError, audit, parse_uuid, with_pool};
+use super::{BeginWrite, Pool, Store, StoreError, audit, parse_uuid, with_pool};
 
 /// Where a round attempt is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -234,7 +234,7 @@ impl Store {
     ) -> Result<Round, StoreError> {
         let exp = experiment_id.to_string();
         with_pool!(self, p => {
-            let mut tx = p.begin().await?;
+            let mut tx = p.begin_write().await?;
             let state: Option<(String,)> =
                 sqlx::query_as("SELECT state FROM experiments WHERE id = $1")
                     .bind(&exp)
@@ -385,7 +385,7 @@ impl Store {
         let client = upload.client_id.to_string();
         let id = Uuid::new_v4();
         with_pool!(self, p => {
-            let mut tx = p.begin().await?;
+            let mut tx = p.begin_write().await?;
             let stage: Option<(String, Option<i64>)> = sqlx::query_as(
                 "SELECT stage, stage_deadline FROM rounds \
                  WHERE experiment_id = $1 AND round = $2 AND attempt = $3",
@@ -506,7 +506,7 @@ impl Store {
     ) -> Result<Round, StoreError> {
         let exp = experiment_id.to_string();
         with_pool!(self, p => {
-            let mut tx = p.begin().await?;
+            let mut tx = p.begin_write().await?;
             let row: Option<(String, i64)> = sqlx::query_as(
                 "SELECT stage, reported FROM rounds \
                  WHERE experiment_id = $1 AND round = $2 AND attempt = $3",
@@ -598,7 +598,7 @@ impl Store {
     ) -> Result<(), StoreError> {
         let exp = experiment_id.to_string();
         with_pool!(self, p => {
-            let mut tx = p.begin().await?;
+            let mut tx = p.begin_write().await?;
             if round > 0 {
                 let moved = sqlx::query(
                     "UPDATE rounds SET stage = 'published', finished_at = $1, test_accuracy = $2, \

@@ -4,7 +4,7 @@
 use serde::Serialize;
 use uuid::Uuid;
 
-use super::{Pool, Store, StoreError, audit, now_millis, parse_uuid, with_pool};
+use super::{BeginWrite, Pool, Store, StoreError, audit, now_millis, parse_uuid, with_pool};
 
 /// A one-time enrolment token, as an admin sees it (never the token itself).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -97,7 +97,7 @@ impl Store {
         let now = now_millis();
         let id = Uuid::new_v4();
         with_pool!(self, p => {
-            let mut tx = p.begin().await?;
+            let mut tx = p.begin_write().await?;
             sqlx::query(
                 "INSERT INTO enrolment_tokens (id, token_hash, label, created_at, expires_at) \
                  VALUES ($1, $2, $3, $4, $5)",
@@ -140,7 +140,7 @@ impl Store {
     pub async fn revoke_enrolment_token(&self, id: Uuid) -> Result<(), StoreError> {
         let now = now_millis();
         with_pool!(self, p => {
-            let mut tx = p.begin().await?;
+            let mut tx = p.begin_write().await?;
             let done = sqlx::query(
                 "UPDATE enrolment_tokens SET revoked_at = $1 \
                  WHERE id = $2 AND used_at IS NULL AND revoked_at IS NULL",
@@ -179,7 +179,7 @@ impl Store {
     ) -> Result<Client, StoreError> {
         let client_id = Uuid::new_v4();
         with_pool!(self, p => {
-            let mut tx = p.begin().await?;
+            let mut tx = p.begin_write().await?;
             let token: Option<SpendableToken> =
                 sqlx::query_as(
                     "SELECT id, label, expires_at, used_at, revoked_at \
@@ -282,7 +282,7 @@ impl Store {
     pub async fn revoke_client(&self, id: Uuid) -> Result<(), StoreError> {
         let now = now_millis();
         with_pool!(self, p => {
-            let mut tx = p.begin().await?;
+            let mut tx = p.begin_write().await?;
             let done = sqlx::query(
                 "UPDATE clients SET revoked_at = $1 WHERE id = $2 AND revoked_at IS NULL",
             )

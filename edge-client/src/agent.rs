@@ -1,0 +1,264 @@
+//! The edge agent: enrol once, then check in, train and upload, round after round, next
+//! to data that never leaves the machine. Only model parameters are ever sent.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use rand::RngExt;
+
+use crate::data::Dataset;
+use crate::model::{ModelKind, ModelSpec};
+use crate::protocol::{CoordinatorClient, Credential, ProtocolError, Task};
+use crate::train::{LocalModel, Trainer};
+
+/// What the agent needs to run.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// Coordinator base URL, e.g. `https://127.0.0.1:8443`.
+    pub coordinator: String,
+    /// PEM of the CA to trust (the coordinator's dev CA), or the system roots.
+    pub ca_pem: Option<Vec<u8>>,
+    /// One-time enrolment token; needed only until the credential is stored.
+    pub enrol_token: Option<String>,
+    /// The local training data.
+    pub data: Dataset,
+    /// Where the credential is kept across restarts.
+    pub state_dir: PathBuf,
+    /// Stop after this long without a task (`None`: run until killed).
+    pub idle_exit: Option<Duration>,
+    /// Seed of local shuffling.
+    pub seed: u64,
+}
+
+/// Why the agent stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// No stored credential and no enrolment token.
+    #[error("not enrolled yet: pass an enrolment token")]
+    NoToken,
+    /// Reading or writing the state directory failed.
+    #[error("state directory `{path}`: {source}")]
+    State {
+        /// The file.
+        path: PathBuf,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// The coordinator refused us for good.
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    /// A task does not fit the local data.
+    #[error("task does not fit the local data: {0}")]
+    Task(String),
+}
+
+/// What the agent did before it stopped.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AgentReport {
+    /// Updates uploaded.
+    pub uploads: usize,
+    /// Tasks given up (e.g. the round closed before the upload).
+    pub skipped: usize,
+}
+
+/// Delay before retry number `attempt` (from 0): exponential from 0.5 s, capped at 30 s,
+/// with full jitter so that many clients coming back after an outage spread out.
+pub fn backoff_delay(attempt: u32, rng: &mut impl rand::Rng) -> Duration {
+    let cap_ms = 30_000f64;
+    let ceiling = (500.0 * 2f64.powi(attempt.min(16) as i32)).min(cap_ms);
+    Duration::from_millis(rng.random_range(0.0..=ceiling) as u64)
+}
+
+const CREDENTIAL_FILE: &str = "credential.json";
+
+fn state_error(path: &Path) -> impl FnOnce(std::io::Error) -> AgentError + '_ {
+    move |source| AgentError::State {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn load_credential(dir: &Path) -> Result<Option<Credential>, AgentError> {
+    let path = dir.join(CREDENTIAL_FILE);
+    match std::fs::read(&path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| AgentError::State {
+                path,
+                source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+            }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(state_error(&path)(e)),
+    }
+}
+
+fn store_credential(dir: &Path, cred: &Credential) -> Result<(), AgentError> {
+    std::fs::create_dir_all(dir).map_err(state_error(dir))?;
+    let path = dir.join(CREDENTIAL_FILE);
+    let tmp = dir.join("credential.json.tmp");
+    let json = serde_json::to_vec(cred).expect("a credential serialises");
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(0o600);
+    }
+    let write = || -> std::io::Result<()> {
+        use std::io::Write;
+        let mut f = options.open(&tmp)?;
+        f.write_all(&json)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &path)
+    };
+    write().map_err(state_error(&path))
+}
+
+/// Runs `op` until it succeeds or fails for good, sleeping [`backoff_delay`] between
+/// retryable failures.
+async fn with_retries<T, F, Fut>(mut op: F) -> Result<T, ProtocolError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, ProtocolError>>,
+{
+    let mut attempt = 0;
+    loop {
+        match op().await {
+            Err(e) if e.is_retryable() => {
+                let delay = backoff_delay(attempt, &mut rand::rng());
+                note(&format!("retrying in {delay:?}: {e}"));
+                tokio::time::sleep(delay).await;
+                attempt += 1;
+            }
+            other => return other,
+        }
+    }
+}
+
+fn note(line: &str) {
+    eprintln!("cohort-edge: {line}");
+}
+
+/// Enrols if needed, then serves tasks until idle for `idle_exit` (or forever).
+pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
+    let client = CoordinatorClient::new(&config.coordinator, config.ca_pem.as_deref())?;
+    let cred = match load_credential(&config.state_dir)? {
+        Some(cred) => cred,
+        None => {
+            let token = config.enrol_token.as_deref().ok_or(AgentError::NoToken)?;
+            let cred = with_retries(|| client.enrol(token)).await?;
+            store_credential(&config.state_dir, &cred)?;
+            note(&format!("enrolled as {}", cred.client_id));
+            cred
+        }
+    };
+    let mut report = AgentReport::default();
+    let mut idle_since = Instant::now();
+    let mut round_seed = config.seed;
+    loop {
+        if config
+            .idle_exit
+            .is_some_and(|limit| idle_since.elapsed() >= limit)
+        {
+            return Ok(report);
+        }
+        // Never wait past the idle limit, so an idle agent exits on time.
+        let wait = config.idle_exit.map_or(10, |limit| {
+            limit.saturating_sub(idle_since.elapsed()).as_secs().min(10)
+        });
+        let task = with_retries(|| client.checkin(&cred, wait)).await?;
+        let Some(task) = task else { continue };
+        round_seed = round_seed.wrapping_add(1);
+        match serve_task(&client, &cred, &config.data, &task, round_seed).await {
+            Ok(()) => report.uploads += 1,
+            // The round moved on (closed, deadline passed): wait for the next one.
+            Err(AgentError::Protocol(ProtocolError::Refused {
+                status: 404 | 409, ..
+            })) => {
+                report.skipped += 1;
+            }
+            Err(e) => return Err(e),
+        }
+        idle_since = Instant::now();
+    }
+}
+
+async fn serve_task(
+    client: &CoordinatorClient,
+    cred: &Credential,
+    data: &Dataset,
+    task: &Task,
+    seed: u64,
+) -> Result<(), AgentError> {
+    let kind: ModelKind = task
+        .model
+        .parse()
+        .map_err(|e| AgentError::Task(format!("{e}")))?;
+    if data.num_features() != task.features {
+        return Err(AgentError::Task(format!(
+            "the model takes {} features, the local data has {}",
+            task.features,
+            data.num_features()
+        )));
+    }
+    let spec = ModelSpec::new(&kind, task.features, task.classes)
+        .map_err(|e| AgentError::Task(e.to_string()))?;
+    let local = LocalModel::new(spec.clone(), data).map_err(|e| AgentError::Task(e.to_string()))?;
+    let global = with_retries(|| client.model(cred, task.experiment_id, spec.layout())).await?;
+    let train = task.train.clone();
+    let update = tokio::task::spawn_blocking(move || local.train(&global, &train, seed))
+        .await
+        .map_err(|e| AgentError::Task(e.to_string()))?
+        .map_err(|e| AgentError::Task(e.to_string()))?;
+    with_retries(|| {
+        client.upload(
+            cred,
+            task,
+            &update.params,
+            update.num_samples,
+            update.train_loss,
+        )
+    })
+    .await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    #[test]
+    fn backoff_grows_is_capped_and_jittered() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+        for attempt in 0..40 {
+            let d = backoff_delay(attempt, &mut rng);
+            let ceiling = (500.0 * 2f64.powi(attempt.min(16) as i32)).min(30_000.0);
+            assert!(d.as_millis() as f64 <= ceiling, "attempt {attempt}: {d:?}");
+        }
+        let late: Vec<_> = (0..50).map(|_| backoff_delay(10, &mut rng)).collect();
+        assert!(late.iter().any(|d| *d != late[0]), "jittered");
+        assert!(late.iter().all(|d| *d <= Duration::from_secs(30)));
+    }
+
+    #[test]
+    fn credential_survives_a_restart_and_is_private() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(load_credential(dir.path()).unwrap(), None);
+        let cred = Credential {
+            client_id: uuid::Uuid::new_v4(),
+            secret: "s3cret".into(),
+        };
+        store_credential(dir.path(), &cred).unwrap();
+        assert_eq!(load_credential(dir.path()).unwrap(), Some(cred));
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(dir.path().join(CREDENTIAL_FILE))
+                .unwrap()
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o777, 0o600);
+        }
+    }
+}

@@ -1,0 +1,229 @@
+//! The client side of the coordinator's REST API: enrol, check in, fetch the model,
+//! upload an update. Bodies match the coordinator's `/api/v1/clients/...` routes; the
+//! cross-crate tests run this client against the real server, so the two cannot drift.
+
+use std::time::Duration;
+
+use cohort_aggregation::{ModelVector, wire};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::train::TrainConfig;
+
+/// A client's credential: its id and secret, kept in the state directory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Credential {
+    /// The client's id.
+    pub client_id: Uuid,
+    /// The client's secret (only its hash is on the server).
+    pub secret: String,
+}
+
+impl Credential {
+    fn bearer(&self) -> String {
+        format!("{}.{}", self.client_id, self.secret)
+    }
+}
+
+/// A round a coordinator selected this client for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Task {
+    /// The experiment.
+    pub experiment_id: Uuid,
+    /// The round.
+    pub round: i64,
+    /// The round's attempt.
+    pub attempt: i64,
+    /// Upload before this time, Unix ms.
+    pub deadline_ms: Option<i64>,
+    /// Model family and shape, e.g. `mlp:64`.
+    pub model: String,
+    /// Feature columns the model takes.
+    pub features: usize,
+    /// Classes the model predicts.
+    pub classes: usize,
+    /// Local training settings.
+    pub train: TrainConfig,
+}
+
+#[derive(Deserialize)]
+struct CheckInReply {
+    task: Option<Task>,
+}
+
+#[derive(Deserialize)]
+struct ErrorEnvelope {
+    error: ErrorDetail,
+}
+
+#[derive(Deserialize)]
+struct ErrorDetail {
+    code: String,
+    message: String,
+}
+
+/// Why a request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ProtocolError {
+    /// The coordinator answered with an error.
+    #[error("coordinator answered {status} {code}: {message}")]
+    Refused {
+        /// HTTP status.
+        status: u16,
+        /// The error body's code.
+        code: String,
+        /// The error body's message.
+        message: String,
+    },
+    /// The request did not get an answer (connection refused, TLS, timeout).
+    #[error("cannot reach the coordinator: {0}")]
+    Transport(#[from] reqwest::Error),
+    /// The answer was not what the protocol says.
+    #[error("unexpected answer from the coordinator: {0}")]
+    Protocol(String),
+}
+
+impl ProtocolError {
+    /// True when trying again later may succeed: the coordinator is unreachable,
+    /// overloaded or failing, rather than refusing this request for good.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            ProtocolError::Transport(_) => true,
+            ProtocolError::Refused { status, .. } => *status >= 500 || *status == 429,
+            ProtocolError::Protocol(_) => false,
+        }
+    }
+
+    /// True when the credential itself is refused (unknown, wrong or revoked).
+    pub fn is_credential_refused(&self) -> bool {
+        matches!(
+            self,
+            ProtocolError::Refused {
+                status: 401 | 403,
+                ..
+            }
+        )
+    }
+}
+
+/// An HTTP client for one coordinator.
+#[derive(Debug, Clone)]
+pub struct CoordinatorClient {
+    base: String,
+    http: reqwest::Client,
+}
+
+async fn checked(response: reqwest::Response) -> Result<reqwest::Response, ProtocolError> {
+    let status = response.status();
+    if status.is_success() {
+        return Ok(response);
+    }
+    let text = response.text().await.unwrap_or_default();
+    let (code, message) = match serde_json::from_str::<ErrorEnvelope>(&text) {
+        Ok(e) => (e.error.code, e.error.message),
+        Err(_) => ("unknown".into(), text.chars().take(200).collect()),
+    };
+    Err(ProtocolError::Refused {
+        status: status.as_u16(),
+        code,
+        message,
+    })
+}
+
+impl CoordinatorClient {
+    /// A client for the coordinator at `base` (`https://host:port`), trusting only
+    /// `ca_pem` when given, else the system's roots.
+    pub fn new(base: &str, ca_pem: Option<&[u8]>) -> Result<Self, ProtocolError> {
+        // reqwest is built without a crypto provider of its own; ring is the one.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let mut builder = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .timeout(Duration::from_secs(120));
+        if let Some(pem) = ca_pem {
+            let ca = reqwest::Certificate::from_pem(pem)?;
+            builder = builder.tls_certs_only([ca]);
+        }
+        Ok(Self {
+            base: base.trim_end_matches('/').to_string(),
+            http: builder.build()?,
+        })
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// Spends an enrolment token and returns the new credential.
+    pub async fn enrol(&self, token: &str) -> Result<Credential, ProtocolError> {
+        let r = self
+            .http
+            .post(self.url("/api/v1/clients/enrol"))
+            .json(&serde_json::json!({ "token": token }))
+            .send()
+            .await?;
+        Ok(checked(r).await?.json().await?)
+    }
+
+    /// Checks in and waits up to `wait_seconds` for a task.
+    pub async fn checkin(
+        &self,
+        cred: &Credential,
+        wait_seconds: u64,
+    ) -> Result<Option<Task>, ProtocolError> {
+        let r = self
+            .http
+            .post(self.url("/api/v1/clients/checkin"))
+            .bearer_auth(cred.bearer())
+            .json(&serde_json::json!({ "wait_seconds": wait_seconds }))
+            .send()
+            .await?;
+        let reply: CheckInReply = checked(r).await?.json().await?;
+        Ok(reply.task)
+    }
+
+    /// The experiment's current global model in `layout`.
+    pub async fn model(
+        &self,
+        cred: &Credential,
+        experiment: Uuid,
+        layout: &std::sync::Arc<cohort_aggregation::Layout>,
+    ) -> Result<ModelVector, ProtocolError> {
+        let r = self
+            .http
+            .get(self.url(&format!("/api/v1/clients/experiments/{experiment}/model")))
+            .bearer_auth(cred.bearer())
+            .send()
+            .await?;
+        let bytes = checked(r).await?.bytes().await?;
+        wire::decode(layout, &bytes)
+            .map_err(|e| ProtocolError::Protocol(format!("global model: {e}")))
+    }
+
+    /// Uploads a trained update for `task`.
+    pub async fn upload(
+        &self,
+        cred: &Credential,
+        task: &Task,
+        params: &ModelVector,
+        num_samples: usize,
+        train_loss: f64,
+    ) -> Result<(), ProtocolError> {
+        let mut url = format!(
+            "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/update?num_samples={num_samples}",
+            task.experiment_id, task.round, task.attempt
+        );
+        if train_loss.is_finite() {
+            url.push_str(&format!("&train_loss={train_loss}"));
+        }
+        let r = self
+            .http
+            .post(self.url(&url))
+            .bearer_auth(cred.bearer())
+            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+            .body(wire::encode(params))
+            .send()
+            .await?;
+        checked(r).await?;
+        Ok(())
+    }
+}
