@@ -7,12 +7,14 @@
 //! - [`simulate`]: `cohort simulate`, from settings to `metrics.csv`, `summary.json` and
 //!   plots.
 //! - [`seeds`]: reproducible, independent random streams derived from one seed.
+//! - [`demo`]: `cohort demo`, the whole system on one machine.
 //! - [`blobs`]: durable files for uploads and models.
 //! - [`model_files`]: global models as safetensors files.
 //! - [`store`]: the system of record (SQLite embedded, PostgreSQL in production).
 //! - [`server`]: `cohort serve`, the HTTP API over TLS.
 
 pub mod blobs;
+pub mod demo;
 pub mod engine;
 pub mod model_files;
 pub mod seeds;

@@ -30,6 +30,13 @@ enum Command {
     /// Run the coordinator: the HTTP API over TLS. Flags override `COHORT_*` variables,
     /// which override the `--config` file.
     Serve(ServeArgs),
+    /// Show the whole system: a coordinator (SQLite, dev TLS) and N cohort-edge processes
+    /// on partitions of the digits data run one experiment to the end.
+    Demo(cohort_coordinator::demo::DemoArgs),
+    /// The edge client (as `cohort-edge`), so that `cohort demo` can start it from this
+    /// binary.
+    #[command(hide = true)]
+    Edge(cohort_edge::cli::EdgeArgs),
 }
 
 /// Flags override the keys of the same name in `--config`.
@@ -157,6 +164,8 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Simulate(args) => run_simulate(args),
         Command::Serve(args) => run_serve(args),
+        Command::Demo(args) => run_demo(&args),
+        Command::Edge(args) => cohort_edge::cli::run(args),
     }
 }
 
@@ -263,6 +272,21 @@ fn run_simulate(args: SimulateArgs) -> ExitCode {
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+fn run_demo(args: &cohort_coordinator::demo::DemoArgs) -> ExitCode {
+    match cohort_coordinator::demo::run(args) {
+        Ok(outcome) => {
+            let last = outcome.accuracy_per_round.last().copied().unwrap_or(0.0);
+            println!("results in {}", outcome.run_dir.display());
+            println!("final_test_accuracy={last:.4}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
         }
     }
 }

@@ -183,6 +183,27 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
     }
 }
 
+/// The experiment's class index of every local sample.
+///
+/// A CSV's classes are numbered by the labels that occur in that file, so a client that
+/// lacks some classes (the normal case with non-IID data) would number the others
+/// differently from its peers. The experiment's classes are `0..classes`, so each label
+/// must be one of those integers, and that integer is the index.
+pub fn experiment_labels(data: &Dataset, classes: usize) -> Result<Vec<u32>, AgentError> {
+    let index: Vec<u32> = data
+        .classes
+        .iter()
+        .map(|name| match name.trim().parse::<usize>() {
+            Ok(i) if i < classes => Ok(i as u32),
+            _ => Err(AgentError::Task(format!(
+                "label `{name}` is not one of the experiment's classes 0..{}",
+                classes.saturating_sub(1)
+            ))),
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(data.labels.iter().map(|&l| index[l as usize]).collect())
+}
+
 async fn serve_task(
     client: &CoordinatorClient,
     cred: &Credential,
@@ -203,7 +224,9 @@ async fn serve_task(
     }
     let spec = ModelSpec::new(&kind, task.features, task.classes)
         .map_err(|e| AgentError::Task(e.to_string()))?;
-    let local = LocalModel::new(spec.clone(), data).map_err(|e| AgentError::Task(e.to_string()))?;
+    let labels = experiment_labels(data, task.classes)?;
+    let local = LocalModel::from_parts(spec.clone(), data.features.clone(), labels)
+        .map_err(|e| AgentError::Task(e.to_string()))?;
     let global = with_retries(|| client.model(cred, task.experiment_id, spec.layout())).await?;
     let train = task.train.clone();
     let update = tokio::task::spawn_blocking(move || local.train(&global, &train, seed))
@@ -239,6 +262,18 @@ mod tests {
         let late: Vec<_> = (0..50).map(|_| backoff_delay(10, &mut rng)).collect();
         assert!(late.iter().any(|d| *d != late[0]), "jittered");
         assert!(late.iter().all(|d| *d <= Duration::from_secs(30)));
+    }
+
+    #[test]
+    fn labels_keep_the_experiment_numbering_when_classes_are_missing_locally() {
+        // Only classes 3 and 8 occur here; the CSV loader numbers them 0 and 1.
+        let data =
+            crate::data::parse_csv("a,label\n1,3\n2,8\n3,3\n".as_bytes(), "local.csv").unwrap();
+        assert_eq!(data.labels, vec![0, 1, 0]);
+        assert_eq!(experiment_labels(&data, 10).unwrap(), vec![3, 8, 3]);
+        assert!(experiment_labels(&data, 5).is_err(), "8 is outside 0..4");
+        let text = crate::data::parse_csv("a,label\n1,cat\n2,dog\n".as_bytes(), "t.csv").unwrap();
+        assert!(experiment_labels(&text, 10).is_err());
     }
 
     #[test]

@@ -11,6 +11,7 @@
 //! - [`agent`]: the edge loop: enrol once, then check in, train, upload, with retries.
 
 pub mod agent;
+pub mod cli;
 pub mod data;
 pub mod model;
 pub mod partition;
