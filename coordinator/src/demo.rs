@@ -31,6 +31,9 @@ pub struct DemoArgs {
     /// Seed of the split, the partition and the initial model
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Database of the coordinator [default: an SQLite file in the run directory]
+    #[arg(long, value_name = "URL")]
+    pub database_url: Option<String>,
 }
 
 /// What a finished demo measured.
@@ -118,6 +121,7 @@ async fn run_async(args: &DemoArgs) -> Result<DemoOutcome, String> {
         ServeFlags {
             listen: Some("127.0.0.1:0".parse().expect("literal address")),
             data_dir: Some(run_dir.join("coordinator")),
+            database_url: args.database_url.clone(),
             dev_tls: true,
             ..ServeFlags::default()
         },
