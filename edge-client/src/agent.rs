@@ -55,8 +55,12 @@ pub enum AgentError {
 /// What the agent did before it stopped.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AgentReport {
-    /// Updates uploaded.
+    /// The client's id.
+    pub client_id: Option<uuid::Uuid>,
+    /// Updates uploaded (acknowledged by the coordinator).
     pub uploads: usize,
+    /// `(experiment, round, attempt)` of every acknowledged upload.
+    pub acknowledged: Vec<(uuid::Uuid, i64, i64)>,
     /// Tasks given up (e.g. the round closed before the upload).
     pub skipped: usize,
 }
@@ -152,7 +156,10 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
             cred
         }
     };
-    let mut report = AgentReport::default();
+    let mut report = AgentReport {
+        client_id: Some(cred.client_id),
+        ..AgentReport::default()
+    };
     let mut idle_since = Instant::now();
     let mut round_seed = config.seed;
     loop {
@@ -170,7 +177,12 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
         let Some(task) = task else { continue };
         round_seed = round_seed.wrapping_add(1);
         match serve_task(&client, &cred, &config.data, &task, round_seed).await {
-            Ok(()) => report.uploads += 1,
+            Ok(()) => {
+                report.uploads += 1;
+                report
+                    .acknowledged
+                    .push((task.experiment_id, task.round, task.attempt));
+            }
             // The round moved on (closed, deadline passed): wait for the next one.
             Err(AgentError::Protocol(ProtocolError::Refused {
                 status: 404 | 409, ..

@@ -1,0 +1,234 @@
+//! A coordinator killed with SIGKILL in the middle of an experiment and started again on
+//! the same data directory finishes every round, and loses no acknowledged upload.
+
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const ADMIN: &str = "restart-test-admin-token-0123456789abcdef";
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn spawn_serve(data_dir: &Path, port: u16) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_cohort"))
+        .args(["serve", "--dev-tls", "--listen"])
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--data-dir")
+        .arg(data_dir)
+        .env("COHORT_ADMIN_TOKEN", ADMIN)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("cohort serve starts")
+}
+
+fn client(ca: &Path) -> reqwest::Client {
+    let ca = reqwest::Certificate::from_pem(&std::fs::read(ca).unwrap()).unwrap();
+    reqwest::Client::builder()
+        .tls_certs_only([ca])
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap()
+}
+
+async fn wait_healthy(base: &str, ca: &Path) -> reqwest::Client {
+    let start = Instant::now();
+    loop {
+        if ca.exists() {
+            let http = client(ca);
+            if let Ok(r) = http.get(format!("{base}/api/v1/health")).send().await
+                && r.status().is_success()
+            {
+                return http;
+            }
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "server did not come up"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn admin(
+    http: &reqwest::Client,
+    base: &str,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> serde_json::Value {
+    let mut req = http
+        .request(method, format!("{base}/api/v1/admin{path}"))
+        .bearer_auth(ADMIN);
+    if let Some(body) = body {
+        req = req.json(&body);
+    }
+    let r = req.send().await.unwrap();
+    assert!(r.status().is_success(), "{path}: {}", r.status());
+    r.json().await.unwrap_or(serde_json::Value::Null)
+}
+
+fn blobs(n: usize, shift: f32) -> cohort_edge::data::Dataset {
+    let labels: Vec<u32> = (0..n).map(|i| (i % 2) as u32).collect();
+    let features = ndarray::Array2::from_shape_fn((n, 4), |(i, j)| {
+        let centre = if labels[i] == 0 { -1.5 } else { 1.5 };
+        centre + shift + ((i * 7 + j * 3) % 11) as f32 * 0.05
+    });
+    cohort_edge::data::Dataset {
+        features,
+        labels,
+        classes: vec!["0".into(), "1".into()],
+        feature_names: (0..4).map(|j| format!("x{j}")).collect(),
+        groups: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigkill_during_a_round_loses_no_acknowledged_upload() {
+    cohort_coordinator::server::install_crypto_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let data_dir = dir.path().join("coordinator");
+    let ca = data_dir.join("tls/ca.pem");
+    let port = free_port();
+    let base = format!("https://127.0.0.1:{port}");
+    let mut server = spawn_serve(&data_dir, port);
+    let http = wait_healthy(&base, &ca).await;
+
+    let rounds = 8;
+    let exp = admin(
+        &http,
+        &base,
+        reqwest::Method::POST,
+        "/experiments",
+        Some(serde_json::json!({
+            "name": "restart", "features": 4, "classes": 2, "model": "logreg", "rounds": rounds,
+            "clients_per_round": 3, "min_participants": 3, "collect_deadline_seconds": 60,
+            "train": {"local_epochs": 20}
+        })),
+    )
+    .await;
+    let id = exp["id"].as_str().unwrap().to_string();
+    admin(
+        &http,
+        &base,
+        reqwest::Method::POST,
+        &format!("/experiments/{id}/start"),
+        None,
+    )
+    .await;
+    let mut agents = Vec::new();
+    for i in 0..3u64 {
+        let issued = admin(
+            &http,
+            &base,
+            reqwest::Method::POST,
+            "/enrolment-tokens",
+            Some(serde_json::json!({"label": format!("a{i}")})),
+        )
+        .await;
+        let config = cohort_edge::agent::AgentConfig {
+            coordinator: base.clone(),
+            ca_pem: Some(std::fs::read(&ca).unwrap()),
+            enrol_token: Some(issued["token"].as_str().unwrap().to_string()),
+            data: blobs(200, i as f32 * 0.1),
+            state_dir: dir.path().join(format!("agent-{i}")),
+            idle_exit: Some(Duration::from_secs(8)),
+            seed: i,
+        };
+        agents.push(tokio::spawn(cohort_edge::agent::run_agent(config)));
+    }
+
+    // Kill the coordinator once a few rounds are done, mid-experiment.
+    let start = Instant::now();
+    loop {
+        let rs = admin(
+            &http,
+            &base,
+            reqwest::Method::GET,
+            &format!("/experiments/{id}/rounds"),
+            None,
+        )
+        .await;
+        if rs.as_array().unwrap().len() >= 3 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "rounds did not start"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    server.kill().unwrap(); // SIGKILL on Unix
+    server.wait().unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut server = spawn_serve(&data_dir, port);
+    let http = wait_healthy(&base, &ca).await;
+
+    let mut reports = Vec::new();
+    for agent in agents {
+        let report = tokio::time::timeout(Duration::from_secs(120), agent)
+            .await
+            .expect("agents finish")
+            .unwrap()
+            .expect("agents survive the restart");
+        reports.push(report);
+    }
+    let exp = admin(
+        &http,
+        &base,
+        reqwest::Method::GET,
+        &format!("/experiments/{id}"),
+        None,
+    )
+    .await;
+    assert_eq!(exp["state"], "finished");
+    let rs = admin(
+        &http,
+        &base,
+        reqwest::Method::GET,
+        &format!("/experiments/{id}/rounds"),
+        None,
+    )
+    .await;
+    let published: Vec<&serde_json::Value> = rs
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["stage"] == "published")
+        .collect();
+    assert_eq!(published.len(), rounds as usize, "every round completed");
+    server.kill().unwrap();
+    server.wait().unwrap();
+    // Every upload an agent saw acknowledged is an `uploaded` participation row.
+    let store = cohort_coordinator::store::Store::connect("sqlite://cohort.db", &data_dir)
+        .await
+        .unwrap();
+    let mut checked = 0;
+    for report in &reports {
+        let client = report.client_id.unwrap();
+        for &(exp, round, attempt) in &report.acknowledged {
+            let parts = store.participations(exp, round, attempt).await.unwrap();
+            let mine = parts
+                .iter()
+                .find(|p| p.client_id == client)
+                .expect("participation row");
+            assert_eq!(
+                mine.state,
+                cohort_coordinator::store::ParticipationState::Uploaded
+            );
+            checked += 1;
+        }
+    }
+    assert!(
+        checked >= rounds as usize * 3 - 3,
+        "only {checked} acknowledged uploads"
+    );
+}
