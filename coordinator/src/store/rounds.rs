@@ -91,9 +91,16 @@ type RoundRow = (
     Option<i64>,
 );
 
-const ROUND_COLUMNS: &str = "experiment_id, round, attempt, stage, stage_deadline, selected, \
-                             reported, dropped, test_accuracy, test_loss, train_loss, \
-                             started_at, finished_at";
+/// A `SELECT` of every [`RoundRow`] column from `rounds`, followed by `$tail`.
+macro_rules! select_rounds {
+    ($tail:literal) => {
+        concat!(
+            "SELECT experiment_id, round, attempt, stage, stage_deadline, selected, reported, ",
+            "dropped, test_accuracy, test_loss, train_loss, started_at, finished_at FROM rounds ",
+            $tail
+        )
+    };
+}
 
 impl Round {
     fn from_row(r: RoundRow) -> Result<Self, StoreError> {
@@ -305,10 +312,7 @@ impl Store {
         round: i64,
         attempt: i64,
     ) -> Result<Round, StoreError> {
-        let sql = "SELECT experiment_id, round, attempt, stage, stage_deadline, selected, \
-                   reported, dropped, test_accuracy, test_loss, train_loss, started_at, finished_at \
-                   FROM rounds WHERE experiment_id = $1 AND round = $2 AND attempt = $3";
-        debug_assert!(sql.contains(ROUND_COLUMNS));
+        let sql = select_rounds!("WHERE experiment_id = $1 AND round = $2 AND attempt = $3");
         with_pool!(self, p => {
             let row: Option<RoundRow> = sqlx::query_as(sql)
                 .bind(experiment_id.to_string())
@@ -325,9 +329,7 @@ impl Store {
     pub async fn rounds(&self, experiment_id: Uuid) -> Result<Vec<Round>, StoreError> {
         with_pool!(self, p => {
             let rows: Vec<RoundRow> = sqlx::query_as(
-                "SELECT experiment_id, round, attempt, stage, stage_deadline, selected, \
-                 reported, dropped, test_accuracy, test_loss, train_loss, started_at, finished_at \
-                 FROM rounds WHERE experiment_id = $1 ORDER BY round, attempt",
+                select_rounds!("WHERE experiment_id = $1 ORDER BY round, attempt"),
             )
             .bind(experiment_id.to_string())
             .fetch_all(p)
@@ -716,9 +718,7 @@ impl Store {
     pub async fn latest_round(&self, experiment_id: Uuid) -> Result<Option<Round>, StoreError> {
         with_pool!(self, p => {
             let row: Option<RoundRow> = sqlx::query_as(
-                "SELECT experiment_id, round, attempt, stage, stage_deadline, selected, \
-                 reported, dropped, test_accuracy, test_loss, train_loss, started_at, finished_at \
-                 FROM rounds WHERE experiment_id = $1 ORDER BY round DESC, attempt DESC LIMIT 1",
+                select_rounds!("WHERE experiment_id = $1 ORDER BY round DESC, attempt DESC LIMIT 1"),
             )
             .bind(experiment_id.to_string())
             .fetch_optional(p)
