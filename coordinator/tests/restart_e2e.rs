@@ -1,6 +1,8 @@
 //! A coordinator killed with SIGKILL in the middle of an experiment and started again on
 //! the same data directory finishes every round, and loses no acknowledged upload.
 
+mod common;
+
 use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -76,21 +78,6 @@ async fn admin(
     r.json().await.unwrap_or(serde_json::Value::Null)
 }
 
-fn blobs(n: usize, shift: f32) -> cohort_edge::data::Dataset {
-    let labels: Vec<u32> = (0..n).map(|i| (i % 2) as u32).collect();
-    let features = ndarray::Array2::from_shape_fn((n, 4), |(i, j)| {
-        let centre = if labels[i] == 0 { -1.5 } else { 1.5 };
-        centre + shift + ((i * 7 + j * 3) % 11) as f32 * 0.05
-    });
-    cohort_edge::data::Dataset {
-        features,
-        labels,
-        classes: vec!["0".into(), "1".into()],
-        feature_names: (0..4).map(|j| format!("x{j}")).collect(),
-        groups: None,
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigkill_during_a_round_loses_no_acknowledged_upload() {
     cohort_coordinator::server::install_crypto_provider();
@@ -138,7 +125,7 @@ async fn sigkill_during_a_round_loses_no_acknowledged_upload() {
             coordinator: base.clone(),
             ca_pem: Some(std::fs::read(&ca).unwrap()),
             enrol_token: Some(issued["token"].as_str().unwrap().to_string()),
-            data: blobs(200, i as f32 * 0.1),
+            data: common::blob_data(200, i as f32 * 0.1),
             state_dir: dir.path().join(format!("agent-{i}")),
             idle_exit: Some(Duration::from_secs(8)),
             seed: i,

@@ -7,6 +7,8 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+mod common;
+
 use axum::Router;
 use axum::routing::post;
 use cohort_coordinator::server::api::documented_admin_routes;
@@ -1298,22 +1300,6 @@ async fn bad_uploads_are_refused_and_record_nothing() {
     server.shut_down().await.unwrap();
 }
 
-/// Two linearly separable blobs with 4 features, as a client's local data.
-fn blob_data(n: usize, shift: f32) -> cohort_edge::data::Dataset {
-    let labels: Vec<u32> = (0..n).map(|i| (i % 2) as u32).collect();
-    let features = ndarray::Array2::from_shape_fn((n, 4), |(i, j)| {
-        let centre = if labels[i] == 0 { -1.5 } else { 1.5 };
-        centre + shift + ((i * 7 + j * 3) % 11) as f32 * 0.05
-    });
-    cohort_edge::data::Dataset {
-        features,
-        labels,
-        classes: vec!["0".into(), "1".into()],
-        feature_names: (0..4).map(|j| format!("x{j}")).collect(),
-        groups: None,
-    }
-}
-
 #[tokio::test]
 async fn edge_agents_enrol_train_and_upload_until_the_experiment_finishes() {
     let server = start().await;
@@ -1332,7 +1318,7 @@ async fn edge_agents_enrol_train_and_upload_until_the_experiment_finishes() {
             coordinator: server.base.clone(),
             ca_pem: Some(ca.clone()),
             enrol_token: Some(token),
-            data: blob_data(40, i as f32 * 0.2),
+            data: common::blob_data(40, i as f32 * 0.2),
             state_dir,
             idle_exit: Some(Duration::from_secs(3)),
             seed: i,
@@ -1371,7 +1357,7 @@ async fn edge_agents_enrol_train_and_upload_until_the_experiment_finishes() {
         coordinator: server.base.clone(),
         ca_pem: Some(ca),
         enrol_token: None,
-        data: blob_data(10, 0.0),
+        data: common::blob_data(10, 0.0),
         state_dir: server._dir.as_ref().unwrap().path().join("agent-0"),
         idle_exit: Some(Duration::from_millis(100)),
         seed: 9,

@@ -200,7 +200,7 @@ pub struct IssuedEnrolmentToken {
     pub expires_at: Option<i64>,
 }
 
-fn parse_id(text: &str, what: &str) -> Result<Uuid, ApiError> {
+pub(crate) fn parse_id(text: &str, what: &str) -> Result<Uuid, ApiError> {
     Uuid::parse_str(text).map_err(|_| ApiError::NotFound(format!("{what} {text}")))
 }
 
@@ -433,7 +433,12 @@ async fn revoke_client(
     Ok(StatusCode::NO_CONTENT)
 }
 
-async fn current_model(state: &AppState, id: &str) -> Result<(Experiment, i64, Vec<u8>), ApiError> {
+/// The experiment, the round of its current model and the model's bytes; shared by the
+/// admin and client downloads.
+pub(crate) async fn current_model(
+    state: &AppState,
+    id: &str,
+) -> Result<(Experiment, i64, Vec<u8>), ApiError> {
     let id = parse_id(id, "experiment")?;
     let exp = state.store.experiment(id).await?;
     let model = state
@@ -449,7 +454,8 @@ async fn current_model(state: &AppState, id: &str) -> Result<(Experiment, i64, V
     Ok((exp, model.round, bytes))
 }
 
-fn octets(
+/// An `application/octet-stream` answer carrying a model of `round`.
+pub(crate) fn octets(
     bytes: Vec<u8>,
     round: i64,
     filename: Option<String>,

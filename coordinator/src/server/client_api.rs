@@ -257,23 +257,8 @@ async fn model(
     _client: AuthenticatedClient,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<axum::response::Response, ApiError> {
-    let id = Uuid::parse_str(&id).map_err(|_| ApiError::NotFound(format!("experiment {id}")))?;
-    let model = state
-        .store
-        .latest_model(id)
-        .await?
-        .ok_or_else(|| ApiError::NotFound(format!("experiment {id} has no model yet")))?;
-    let blobs = state.blobs.clone();
-    let path = model.blob_path.clone();
-    let bytes = tokio::task::spawn_blocking(move || blobs.get(&path))
-        .await
-        .map_err(ApiError::internal)?
-        .map_err(ApiError::internal)?;
-    axum::response::Response::builder()
-        .header(header::CONTENT_TYPE, "application/octet-stream")
-        .header("x-cohort-round", model.round.to_string())
-        .body(axum::body::Body::from(bytes))
-        .map_err(ApiError::internal)
+    let (_, round, bytes) = super::admin::current_model(&state, &id).await?;
+    super::admin::octets(bytes, round, None)
 }
 
 /// Metadata of an upload, in the query string.
@@ -329,7 +314,7 @@ async fn upload(
             "train_loss must be finite",
         ));
     }
-    let id = Uuid::parse_str(&id).map_err(|_| ApiError::NotFound(format!("experiment {id}")))?;
+    let id = super::admin::parse_id(&id, "experiment")?;
     let exp = state.store.experiment(id).await?;
     let (_, model) = super::driver::experiment_model(&exp).map_err(ApiError::internal)?;
     cohort_aggregation::wire::decode(model.layout(), &body)
