@@ -975,35 +975,6 @@ async fn a_client_enrols_once_and_its_credential_is_checked() {
     server.shut_down().await.unwrap();
 }
 
-#[tokio::test]
-async fn bad_enrolments_are_refused_and_enrol_nobody() {
-    let server = start().await;
-    let token = server.issue_token("x").await;
-    let unknown = server
-        .enrol(serde_json::json!({"token": "not-a-token"}))
-        .await;
-    assert_eq!(unknown.status(), StatusCode::UNAUTHORIZED);
-    let extra = server
-        .enrol(serde_json::json!({"token": token, "admin": true}))
-        .await;
-    assert_eq!(extra.status(), StatusCode::UNPROCESSABLE_ENTITY);
-    let malformed = server
-        .client
-        .post(server.url("/api/v1/clients/enrol"))
-        .header(reqwest::header::CONTENT_TYPE, "application/json")
-        .body("{\"token\": ")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(malformed.status(), StatusCode::BAD_REQUEST);
-    assert_eq!(error_body(malformed).await.error.code, "malformed_json");
-    assert_eq!(server.client_count().await, 0);
-    // The token survived the bad attempts and still works once.
-    let ok = server.enrol(serde_json::json!({"token": token})).await;
-    assert_eq!(ok.status(), StatusCode::CREATED);
-    server.shut_down().await.unwrap();
-}
-
 /// An enrolled client's credential, in a test.
 async fn enrolled(server: &TestServer, label: &str) -> String {
     let token = server.issue_token(label).await;
@@ -1208,94 +1179,6 @@ async fn rounds_run_over_the_api_and_publish_the_weighted_mean() {
     assert!(
         jobs.iter()
             .all(|j| j["state"] == "done" && j["kind"] == "aggregate")
-    );
-    server.shut_down().await.unwrap();
-}
-
-#[tokio::test]
-async fn bad_uploads_are_refused_and_record_nothing() {
-    let server = start().await;
-    let a = enrolled(&server, "a").await;
-    let b = enrolled(&server, "b").await;
-    let outsider = enrolled(&server, "outsider").await;
-    server.checkin(&a, 0).await;
-    server.checkin(&b, 0).await;
-    let id = tiny_experiment(&server, 1, 2).await;
-    let ta = task_of(&server, &a).await;
-    // The outsider was never available, so it was not selected.
-    let mut nan = vec![0.0f32; 10];
-    nan[3] = f32::NAN;
-    let cases: Vec<(&str, Vec<u8>, StatusCode, &str)> = vec![
-        (
-            a.as_str(),
-            floats(&[0.0; 9]),
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid_update",
-        ),
-        (
-            a.as_str(),
-            floats(&nan),
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid_update",
-        ),
-        (
-            a.as_str(),
-            vec![0; 2000],
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "payload_too_large",
-        ),
-        (
-            outsider.as_str(),
-            floats(&[0.0; 10]),
-            StatusCode::CONFLICT,
-            "conflict",
-        ),
-        (
-            "nobody.secret",
-            floats(&[0.0; 10]),
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-        ),
-    ];
-    for (credential, body, status, code) in cases {
-        let r = server.upload(credential, &ta, body, 1).await;
-        assert_eq!(r.status(), status, "{code}");
-        assert_eq!(error_body(r).await.error.code, code);
-    }
-    let wrong_type = server
-        .client
-        .post(server.url(&format!(
-            "/api/v1/clients/experiments/{id}/rounds/1/attempts/1/update?num_samples=1"
-        )))
-        .bearer_auth(&a)
-        .json(&serde_json::json!([0.0]))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(wrong_type.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE);
-    let wrong_round = server
-        .client
-        .post(server.url(&format!(
-            "/api/v1/clients/experiments/{id}/rounds/7/attempts/1/update?num_samples=1"
-        )))
-        .bearer_auth(&a)
-        .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
-        .body(floats(&[0.0; 10]))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(wrong_round.status(), StatusCode::NOT_FOUND);
-    let rounds: Vec<serde_json::Value> = server
-        .admin(Method::GET, &format!("/experiments/{id}/rounds"), None)
-        .await
-        .json()
-        .await
-        .unwrap();
-    assert_eq!(rounds[0]["reported"], 0, "no refused upload was recorded");
-    // The real upload still goes through afterwards.
-    assert_eq!(
-        server.upload(&a, &ta, floats(&[1.0; 10]), 2).await.status(),
-        StatusCode::CREATED
     );
     server.shut_down().await.unwrap();
 }

@@ -110,6 +110,9 @@ conformance!(
     round_without_quorum_fails_and_runs_again_as_next_attempt,
     uploads_outside_collection_are_refused_and_change_nothing,
     a_round_opens_only_while_running_and_idle,
+    closing_into_aggregation_queues_exactly_one_job,
+    concurrent_closes_close_once_and_queue_one_job,
+    uploads_racing_the_close_are_either_refused_or_counted,
 );
 
 async fn experiments_round_trip_and_list_newest_first(store: &Store) {
@@ -508,7 +511,10 @@ async fn round_records_uploads_and_drops_clients_that_miss_the_deadline(store: &
         .record_upload(e.id, 1, 1, &upload(c[2], 30), t0 + 2)
         .await
         .unwrap();
-    let closed = store.close_collection(e.id, 1, 1, 2, t0 + 3).await.unwrap();
+    let closed = store
+        .close_collection(e.id, 1, 1, 2, 3, t0 + 3)
+        .await
+        .unwrap();
     assert_eq!(
         (closed.stage, closed.reported, closed.dropped),
         (RoundStage::Aggregating, 2, 1)
@@ -560,7 +566,7 @@ async fn round_without_quorum_fails_and_runs_again_as_next_attempt(store: &Store
         .await
         .unwrap();
     let failed = store
-        .close_collection(e.id, 1, 1, 2, t0 + 1_001)
+        .close_collection(e.id, 1, 1, 2, 3, t0 + 1_001)
         .await
         .unwrap();
     assert_eq!(failed.stage, RoundStage::Failed);
@@ -625,7 +631,7 @@ async fn uploads_outside_collection_are_refused_and_change_nothing(store: &Store
     assert_eq!(round.reported, 1);
     assert_eq!(store.uploads(e.id, 1, 1).await.unwrap().len(), 1);
     store
-        .close_collection(e.id, 1, 1, 1, t0 + 1_002)
+        .close_collection(e.id, 1, 1, 1, 3, t0 + 1_002)
         .await
         .unwrap();
     assert!(matches!(
@@ -635,7 +641,7 @@ async fn uploads_outside_collection_are_refused_and_change_nothing(store: &Store
         Err(StoreError::Conflict(_))
     ));
     assert!(matches!(
-        store.close_collection(e.id, 1, 1, 1, t0 + 1_003).await,
+        store.close_collection(e.id, 1, 1, 1, 3, t0 + 1_003).await,
         Err(StoreError::Conflict(_))
     ));
 }
@@ -704,4 +710,167 @@ async fn postgres_reopen_keeps_rows() {
             .unwrap()
     })
     .await;
+}
+
+async fn closing_into_aggregation_queues_exactly_one_job(store: &Store) {
+    let (e, c) = running_with_clients(store, 2).await;
+    let t0 = now_millis();
+    store
+        .open_round(e.id, 1, 1, &c, t0 + 1_000, t0)
+        .await
+        .unwrap();
+    store
+        .record_upload(e.id, 1, 1, &upload(c[0], 5), t0)
+        .await
+        .unwrap();
+    // Without quorum the attempt fails and nothing is queued.
+    store
+        .close_collection(e.id, 1, 1, 2, 3, t0 + 1_001)
+        .await
+        .unwrap();
+    assert!(store.jobs(e.id).await.unwrap().is_empty());
+    store
+        .open_round(e.id, 1, 2, &c, t0 + 5_000, t0 + 1_002)
+        .await
+        .unwrap();
+    store
+        .record_upload(e.id, 1, 2, &upload(c[1], 5), t0 + 1_003)
+        .await
+        .unwrap();
+    let closed = store
+        .close_collection(e.id, 1, 2, 1, 3, t0 + 1_004)
+        .await
+        .unwrap();
+    assert_eq!(closed.stage, RoundStage::Aggregating);
+    let jobs = store.jobs(e.id).await.unwrap();
+    assert_eq!(jobs.len(), 1, "{jobs:?}");
+    assert_eq!(
+        (
+            jobs[0].kind,
+            jobs[0].round,
+            jobs[0].state,
+            jobs[0].max_attempts
+        ),
+        (JobKind::Aggregate, 1, JobState::Queued, 3)
+    );
+    // A job needs an attempt: refused before anything changes.
+    let e2 = store
+        .create_experiment("second", &serde_json::json!({}))
+        .await
+        .unwrap();
+    store
+        .set_experiment_state(e2.id, ExperimentState::Running, "admin")
+        .await
+        .unwrap();
+    store
+        .open_round(e2.id, 1, 1, &c[..1], t0 + 1_000, t0)
+        .await
+        .unwrap();
+    assert!(matches!(
+        store.close_collection(e2.id, 1, 1, 0, 0, t0 + 1).await,
+        Err(StoreError::Conflict(_))
+    ));
+    assert_eq!(
+        store.round(e2.id, 1, 1).await.unwrap().stage,
+        RoundStage::Collecting
+    );
+}
+
+/// Retries a store call the way the driver does on the next tick when SQLite reports
+/// the file busy. (A macro: an async closure in a spawned task trips the compiler's
+/// `Send` inference.)
+macro_rules! retry_busy {
+    ($call:expr) => {
+        loop {
+            match $call.await {
+                Err(StoreError::Database(_)) => tokio::task::yield_now().await,
+                other => break other,
+            }
+        }
+    };
+}
+
+async fn concurrent_closes_close_once_and_queue_one_job(store: &Store) {
+    let (e, c) = running_with_clients(store, 2).await;
+    let t0 = now_millis();
+    store
+        .open_round(e.id, 1, 1, &c, t0 + 60_000, t0)
+        .await
+        .unwrap();
+    for client in &c {
+        store
+            .record_upload(e.id, 1, 1, &upload(*client, 5), t0)
+            .await
+            .unwrap();
+    }
+    // Coordinators closing the same round at once: one close wins.
+    let closers: Vec<_> = (0..6)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                retry_busy!(store.close_collection(e.id, 1, 1, 1, 3, now_millis()))
+            })
+        })
+        .collect();
+    let mut won = 0;
+    for closer in closers {
+        match closer.await.unwrap() {
+            Ok(round) => {
+                assert_eq!(round.stage, RoundStage::Aggregating);
+                won += 1;
+            }
+            Err(StoreError::Conflict(_)) => {}
+            Err(other) => panic!("close failed: {other}"),
+        }
+    }
+    assert_eq!(won, 1);
+    assert_eq!(store.jobs(e.id).await.unwrap().len(), 1);
+}
+
+async fn uploads_racing_the_close_are_either_refused_or_counted(store: &Store) {
+    let (e, c) = running_with_clients(store, 12).await;
+    let t0 = now_millis();
+    store
+        .open_round(e.id, 1, 1, &c, t0 + 60_000, t0)
+        .await
+        .unwrap();
+    let uploaders: Vec<_> = c
+        .iter()
+        .map(|&client| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let recorded: Result<_, StoreError> =
+                    retry_busy!(store.record_upload(e.id, 1, 1, &upload(client, 1), now_millis()));
+                recorded.is_ok()
+            })
+        })
+        .collect();
+    let closer = {
+        let store = store.clone();
+        tokio::spawn(
+            async move { retry_busy!(store.close_collection(e.id, 1, 1, 1, 3, now_millis())) },
+        )
+    };
+    let mut acknowledged = 0;
+    for u in uploaders {
+        acknowledged += i64::from(u.await.unwrap());
+    }
+    let closed = closer.await.unwrap();
+    // Whatever the interleaving: every acknowledged upload is counted and kept, and
+    // every selected client is either uploaded or dropped.
+    let round = store.round(e.id, 1, 1).await.unwrap();
+    assert_eq!(round.reported, acknowledged);
+    assert_eq!(
+        store.uploads(e.id, 1, 1).await.unwrap().len() as i64,
+        acknowledged
+    );
+    if closed.is_ok() {
+        assert_eq!(round.reported + round.dropped, 12, "{round:?}");
+        let parts = store.participations(e.id, 1, 1).await.unwrap();
+        let uploaded = parts
+            .iter()
+            .filter(|p| p.state == ParticipationState::Uploaded)
+            .count() as i64;
+        assert_eq!(uploaded, acknowledged);
+    }
 }

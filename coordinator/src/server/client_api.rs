@@ -53,8 +53,9 @@ pub struct ClientIdentity {
 }
 
 /// Extractor: the client whose credential the request carries. Missing or wrong
-/// credentials are 401; a revoked client is 403. Each success records when the client
-/// was last seen.
+/// credentials are 401; a revoked client is 403. It writes nothing: a handler records the
+/// client as seen only once the request has succeeded, so that a refused request leaves
+/// the database exactly as it was.
 #[derive(Debug, Clone)]
 pub struct AuthenticatedClient(pub Client);
 
@@ -83,8 +84,14 @@ impl FromRequestParts<AppState> for AuthenticatedClient {
         if client.revoked_at.is_some() {
             return Err(ApiError::Forbidden("this client has been revoked".into()));
         }
-        state.store.touch_client(client.id, now_millis()).await?;
         Ok(AuthenticatedClient(client))
+    }
+}
+
+impl AuthenticatedClient {
+    /// Records that the client was seen now (it counts as available for selection).
+    async fn seen(&self, state: &AppState) -> Result<(), ApiError> {
+        Ok(state.store.touch_client(self.0.id, now_millis()).await?)
     }
 }
 
@@ -120,11 +127,16 @@ async fn enrol(
     security(("client_credential" = [])),
     responses((status = 200, description = "The caller", body = ClientIdentity),
               (status = 401, body = ErrorBody), (status = 403, description = "Revoked", body = ErrorBody)))]
-async fn me(AuthenticatedClient(client): AuthenticatedClient) -> Json<ClientIdentity> {
-    Json(ClientIdentity {
+async fn me(
+    State(state): State<AppState>,
+    client: AuthenticatedClient,
+) -> Result<Json<ClientIdentity>, ApiError> {
+    client.seen(&state).await?;
+    let AuthenticatedClient(client) = client;
+    Ok(Json(ClientIdentity {
         client_id: client.id,
         label: client.label,
-    })
+    }))
 }
 
 /// The client routes, with absolute paths.
@@ -223,7 +235,7 @@ async fn task_for(state: &AppState, client: Uuid) -> Result<Option<Task>, ApiErr
               (status = 422, body = ErrorBody)))]
 async fn checkin(
     State(state): State<AppState>,
-    AuthenticatedClient(client): AuthenticatedClient,
+    authenticated: AuthenticatedClient,
     Json(req): Json<CheckIn>,
 ) -> Result<Json<CheckInReply>, ApiError> {
     if req.wait_seconds > MAX_CHECKIN_WAIT_SECONDS {
@@ -232,6 +244,8 @@ async fn checkin(
             format!("wait_seconds must be at most {MAX_CHECKIN_WAIT_SECONDS}"),
         ));
     }
+    authenticated.seen(&state).await?;
+    let AuthenticatedClient(client) = authenticated;
     let until = tokio::time::Instant::now() + std::time::Duration::from_secs(req.wait_seconds);
     loop {
         if let Some(task) = task_for(&state, client.id).await? {
@@ -254,10 +268,11 @@ async fn checkin(
               (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)))]
 async fn model(
     State(state): State<AppState>,
-    _client: AuthenticatedClient,
+    client: AuthenticatedClient,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<axum::response::Response, ApiError> {
     let (_, round, bytes) = super::admin::current_model(&state, &id).await?;
+    client.seen(&state).await?;
     super::admin::octets(bytes, round, None)
 }
 
@@ -350,10 +365,17 @@ async fn upload(
         )
         .await;
     match recorded {
-        Ok(upload) => Ok((
-            StatusCode::CREATED,
-            Json(serde_json::json!({"upload_id": upload.id})),
-        )),
+        Ok(upload) => {
+            // Best effort: the upload is committed, and a failed touch must not turn
+            // its acknowledgement into an error the client would retry.
+            if let Err(e) = state.store.touch_client(client.id, now_millis()).await {
+                tracing::warn!(error = %e, "could not record the client as seen");
+            }
+            Ok((
+                StatusCode::CREATED,
+                Json(serde_json::json!({"upload_id": upload.id})),
+            ))
+        }
         Err(e) => {
             let blobs = state.blobs.clone();
             let _ = tokio::task::spawn_blocking(move || blobs.remove(&path)).await;

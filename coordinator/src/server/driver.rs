@@ -215,16 +215,18 @@ async fn close(
     let quorum = spec.min_participants as i64;
     match state
         .store
-        .close_collection(exp.id, round.round, round.attempt, quorum, now)
+        .close_collection(
+            exp.id,
+            round.round,
+            round.attempt,
+            quorum,
+            JOB_ATTEMPTS,
+            now,
+        )
         .await
     {
-        Ok(closed) if closed.stage == RoundStage::Aggregating => {
-            state
-                .store
-                .enqueue_job(JobKind::Aggregate, exp.id, round.round, JOB_ATTEMPTS)
-                .await?;
-            Ok(())
-        }
+        // The aggregation job was queued with the close; a concurrent coordinator that
+        // closed first gets the conflict.
         Ok(_) | Err(StoreError::Conflict(_)) => Ok(()),
         Err(e) => Err(e.into()),
     }

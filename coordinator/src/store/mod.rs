@@ -147,6 +147,20 @@ pub struct Store {
     pool: Pool,
 }
 
+impl Store {
+    /// The row-lock clause for a `SELECT` that a transaction will act on. PostgreSQL runs
+    /// transactions side by side (READ COMMITTED), so a read-then-write must lock the row
+    /// it read, or two coordinators both act on the same stale state; SQLite's
+    /// `BEGIN IMMEDIATE` already makes the whole transaction exclusive and has no such
+    /// clause.
+    pub(crate) fn for_update(&self) -> &'static str {
+        match self.pool {
+            Pool::Sqlite(_) => "",
+            Pool::Postgres(_) => " FOR UPDATE",
+        }
+    }
+}
+
 /// Milliseconds since the Unix epoch, the time unit of every stored timestamp.
 pub fn now_millis() -> i64 {
     chrono::Utc::now().timestamp_millis()

@@ -240,13 +240,15 @@ impl Store {
         now: i64,
     ) -> Result<Round, StoreError> {
         let exp = experiment_id.to_string();
+        let lock = self.for_update();
         with_pool!(self, p => {
             let mut tx = p.begin_write().await?;
-            let state: Option<(String,)> =
-                sqlx::query_as("SELECT state FROM experiments WHERE id = $1")
-                    .bind(&exp)
-                    .fetch_optional(&mut *tx)
-                    .await?;
+            let state: Option<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT state FROM experiments WHERE id = $1{lock}"
+            )))
+            .bind(&exp)
+            .fetch_optional(&mut *tx)
+            .await?;
             match state {
                 None => return Err(StoreError::NotFound(format!("experiment {experiment_id}"))),
                 Some((s,)) if s != "running" => {
@@ -384,14 +386,15 @@ impl Store {
         now: i64,
     ) -> Result<Upload, StoreError> {
         let exp = experiment_id.to_string();
+        let lock = self.for_update();
         let client = upload.client_id.to_string();
         let id = Uuid::new_v4();
         with_pool!(self, p => {
             let mut tx = p.begin_write().await?;
-            let stage: Option<(String, Option<i64>)> = sqlx::query_as(
+            let stage: Option<(String, Option<i64>)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
                 "SELECT stage, stage_deadline FROM rounds \
-                 WHERE experiment_id = $1 AND round = $2 AND attempt = $3",
-            )
+                 WHERE experiment_id = $1 AND round = $2 AND attempt = $3{lock}"
+            )))
             .bind(&exp)
             .bind(round)
             .bind(attempt)
@@ -497,22 +500,32 @@ impl Store {
     }
 
     /// Closes collection: clients that did not upload are dropped, and the attempt moves
-    /// to aggregating with at least `quorum` uploads, or fails without.
+    /// to aggregating with at least `quorum` uploads, or fails without. Moving to
+    /// aggregating queues the round's aggregation job (with `job_attempts` attempts) in
+    /// the same transaction, so a coordinator that dies right after the close cannot
+    /// leave a round aggregating with no job to finish it.
     pub async fn close_collection(
         &self,
         experiment_id: Uuid,
         round: i64,
         attempt: i64,
         quorum: i64,
+        job_attempts: i64,
         now: i64,
     ) -> Result<Round, StoreError> {
+        if job_attempts < 1 {
+            return Err(StoreError::Conflict(format!(
+                "a job needs at least one attempt, got {job_attempts}"
+            )));
+        }
         let exp = experiment_id.to_string();
+        let lock = self.for_update();
         with_pool!(self, p => {
             let mut tx = p.begin_write().await?;
-            let row: Option<(String, i64)> = sqlx::query_as(
+            let row: Option<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
                 "SELECT stage, reported FROM rounds \
-                 WHERE experiment_id = $1 AND round = $2 AND attempt = $3",
-            )
+                 WHERE experiment_id = $1 AND round = $2 AND attempt = $3{lock}"
+            )))
             .bind(&exp)
             .bind(round)
             .bind(attempt)
@@ -549,6 +562,20 @@ impl Store {
             .bind(attempt)
             .execute(&mut *tx)
             .await?;
+            if next == "aggregating" {
+                sqlx::query(
+                    "INSERT INTO jobs (kind, experiment_id, round, state, attempts, max_attempts, \
+                     run_after, created_at, updated_at) \
+                     VALUES ($1, $2, $3, 'queued', 0, $4, $5, $5, $5)",
+                )
+                .bind(super::JobKind::Aggregate.as_str())
+                .bind(&exp)
+                .bind(round)
+                .bind(job_attempts)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+            }
             audit!(tx, now, "coordinator", "round.close", exp.as_str(), format!("round {round} attempt {attempt}: {next}, {reported} uploads, {dropped} dropped"));
             tx.commit().await?;
         });
