@@ -3,10 +3,9 @@
 //! 15 rounds of FedAvg with the MLP. On SQLite always, on PostgreSQL when
 //! `COHORT_TEST_POSTGRES_URL` is set (each run in a schema of its own).
 
-use std::process::Command;
-use std::str::FromStr;
+mod common;
 
-use sqlx::postgres::PgConnectOptions;
+use std::process::Command;
 
 fn run_demo(extra: &[&str]) -> f64 {
     let dir = tempfile::tempdir().unwrap();
@@ -39,27 +38,12 @@ fn ten_edge_processes_train_digits_to_ninety_percent_on_sqlite() {
 
 #[tokio::test]
 async fn ten_edge_processes_train_digits_to_ninety_percent_on_postgres() {
-    let Ok(url) = std::env::var("COHORT_TEST_POSTGRES_URL") else {
-        eprintln!("COHORT_TEST_POSTGRES_URL is not set: PostgreSQL run skipped");
+    let Some((pool, schema, scoped)) = common::postgres_schema("cohort_e2e").await else {
         return;
     };
-    let schema = format!("cohort_e2e_{}", uuid::Uuid::new_v4().simple());
-    let admin = PgConnectOptions::from_str(&url).unwrap();
-    let pool = sqlx::PgPool::connect_with(admin.clone()).await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA \"{schema}\"")))
-        .execute(&pool)
-        .await
-        .unwrap();
-    let sep = if url.contains('?') { '&' } else { '?' };
-    let scoped = format!("{url}{sep}options=-csearch_path%3D{schema}");
     let accuracy = tokio::task::spawn_blocking(move || run_demo(&["--database-url", &scoped]))
         .await
         .unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "DROP SCHEMA \"{schema}\" CASCADE"
-    )))
-    .execute(&pool)
-    .await
-    .unwrap();
+    common::drop_schema(&pool, &schema).await;
     assert!(accuracy >= 0.90, "final test accuracy {accuracy}");
 }

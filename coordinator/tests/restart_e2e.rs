@@ -3,80 +3,9 @@
 
 mod common;
 
-use std::net::TcpListener;
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const ADMIN: &str = "restart-test-admin-token-0123456789abcdef";
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn spawn_serve(data_dir: &Path, port: u16) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_cohort"))
-        .args(["serve", "--dev-tls", "--listen"])
-        .arg(format!("127.0.0.1:{port}"))
-        .arg("--data-dir")
-        .arg(data_dir)
-        .env("COHORT_ADMIN_TOKEN", ADMIN)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("cohort serve starts")
-}
-
-fn client(ca: &Path) -> reqwest::Client {
-    let ca = reqwest::Certificate::from_pem(&std::fs::read(ca).unwrap()).unwrap();
-    reqwest::Client::builder()
-        .tls_certs_only([ca])
-        .timeout(Duration::from_secs(10))
-        .build()
-        .unwrap()
-}
-
-async fn wait_healthy(base: &str, ca: &Path) -> reqwest::Client {
-    let start = Instant::now();
-    loop {
-        if ca.exists() {
-            let http = client(ca);
-            if let Ok(r) = http.get(format!("{base}/api/v1/health")).send().await
-                && r.status().is_success()
-            {
-                return http;
-            }
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "server did not come up"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-async fn admin(
-    http: &reqwest::Client,
-    base: &str,
-    method: reqwest::Method,
-    path: &str,
-    body: Option<serde_json::Value>,
-) -> serde_json::Value {
-    let mut req = http
-        .request(method, format!("{base}/api/v1/admin{path}"))
-        .bearer_auth(ADMIN);
-    if let Some(body) = body {
-        req = req.json(&body);
-    }
-    let r = req.send().await.unwrap();
-    assert!(r.status().is_success(), "{path}: {}", r.status());
-    r.json().await.unwrap_or(serde_json::Value::Null)
-}
+use common::{admin, free_port, spawn_serve, wait_healthy};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigkill_during_a_round_loses_no_acknowledged_upload() {
@@ -86,7 +15,7 @@ async fn sigkill_during_a_round_loses_no_acknowledged_upload() {
     let ca = data_dir.join("tls/ca.pem");
     let port = free_port();
     let base = format!("https://127.0.0.1:{port}");
-    let mut server = spawn_serve(&data_dir, port);
+    let mut server = spawn_serve(&data_dir, port, None);
     let http = wait_healthy(&base, &ca).await;
 
     let rounds = 8;
@@ -156,7 +85,7 @@ async fn sigkill_during_a_round_loses_no_acknowledged_upload() {
     server.kill().unwrap(); // SIGKILL on Unix
     server.wait().unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let mut server = spawn_serve(&data_dir, port);
+    let mut server = spawn_serve(&data_dir, port, None);
     let http = wait_healthy(&base, &ca).await;
 
     let mut reports = Vec::new();

@@ -5,7 +5,7 @@
 use serde::Serialize;
 use uuid::Uuid;
 
-use super::{Pool, Store, StoreError, now_millis, parse_uuid, with_pool};
+use super::{BeginWrite, Pool, Store, StoreError, audit, now_millis, parse_uuid, with_pool};
 
 /// What a job does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -215,23 +215,28 @@ impl Store {
         })
     }
 
-    /// Marks a job done. Fails with a conflict if `worker` no longer holds it (its lease
-    /// ran out and another worker took over), so a slow worker cannot finish twice.
+    /// Marks a job done, and writes who ran it to the audit log. Fails with a conflict if
+    /// `worker` no longer holds it (its lease ran out and another worker took over), so a
+    /// slow worker cannot finish twice.
     pub async fn complete_job(&self, id: i64, worker: &str) -> Result<(), StoreError> {
         let now = now_millis();
         with_pool!(self, p => {
-            let done = sqlx::query(
+            let mut tx = p.begin_write().await?;
+            let done: Option<(String, String, i64)> = sqlx::query_as(
                 "UPDATE jobs SET state = 'done', locked_by = NULL, locked_until = NULL, updated_at = $1 \
-                 WHERE id = $2 AND state = 'running' AND locked_by = $3",
+                 WHERE id = $2 AND state = 'running' AND locked_by = $3 \
+                 RETURNING kind, experiment_id, round",
             )
             .bind(now)
             .bind(id)
             .bind(worker)
-            .execute(p)
+            .fetch_optional(&mut *tx)
             .await?;
-            if done.rows_affected() != 1 {
+            let Some((kind, experiment, round)) = done else {
                 return Err(StoreError::Conflict(format!("job {id} is not held by {worker}")));
-            }
+            };
+            audit!(tx, now, worker, "job.done", experiment.as_str(), format!("job {id}: {kind} of round {round}"));
+            tx.commit().await?;
         });
         Ok(())
     }

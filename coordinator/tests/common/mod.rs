@@ -1,4 +1,120 @@
 //! Helpers shared by the integration tests.
+// Each test crate includes this module and uses only part of it.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The admin token the process tests give `cohort serve`.
+pub const ADMIN: &str = "process-test-admin-token-0123456789abcdef";
+
+/// A port that was free a moment ago.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Starts the real `cohort serve` binary with dev TLS on `port`, quietly.
+pub fn spawn_serve(data_dir: &Path, port: u16, database_url: Option<&str>) -> Child {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_cohort"));
+    command
+        .args(["serve", "--dev-tls", "--listen"])
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--data-dir")
+        .arg(data_dir)
+        .env("COHORT_ADMIN_TOKEN", ADMIN)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    if let Some(url) = database_url {
+        command.arg("--database-url").arg(url);
+    }
+    command.spawn().expect("cohort serve starts")
+}
+
+/// A client that trusts only the CA in `ca`.
+pub fn client(ca: &Path) -> reqwest::Client {
+    let ca = reqwest::Certificate::from_pem(&std::fs::read(ca).unwrap()).unwrap();
+    reqwest::Client::builder()
+        .tls_certs_only([ca])
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap()
+}
+
+/// Waits until the server at `base` answers its health check over TLS.
+pub async fn wait_healthy(base: &str, ca: &Path) -> reqwest::Client {
+    let start = Instant::now();
+    loop {
+        if ca.exists() {
+            let http = client(ca);
+            if let Ok(r) = http.get(format!("{base}/api/v1/health")).send().await
+                && r.status().is_success()
+            {
+                return http;
+            }
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "server did not come up"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// An admin request that must succeed; its JSON body (`null` when empty).
+pub async fn admin(
+    http: &reqwest::Client,
+    base: &str,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> serde_json::Value {
+    let mut req = http
+        .request(method, format!("{base}/api/v1/admin{path}"))
+        .bearer_auth(ADMIN);
+    if let Some(body) = body {
+        req = req.json(&body);
+    }
+    let r = req.send().await.unwrap();
+    assert!(r.status().is_success(), "{path}: {}", r.status());
+    r.json().await.unwrap_or(serde_json::Value::Null)
+}
+
+/// A fresh schema on the PostgreSQL of `COHORT_TEST_POSTGRES_URL`: the admin pool, the
+/// schema name and a database URL scoped to it, or `None` when the variable is unset.
+pub async fn postgres_schema(prefix: &str) -> Option<(sqlx::PgPool, String, String)> {
+    let Ok(url) = std::env::var("COHORT_TEST_POSTGRES_URL") else {
+        eprintln!("COHORT_TEST_POSTGRES_URL is not set: PostgreSQL test skipped");
+        return None;
+    };
+    let schema = format!("{prefix}_{}", uuid::Uuid::new_v4().simple());
+    let options = <sqlx::postgres::PgConnectOptions as std::str::FromStr>::from_str(&url)
+        .expect("COHORT_TEST_POSTGRES_URL parses");
+    let pool = sqlx::PgPool::connect_with(options).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA \"{schema}\"")))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let scoped = format!("{url}{sep}options=-csearch_path%3D{schema}");
+    Some((pool, schema, scoped))
+}
+
+/// Drops a schema made by [`postgres_schema`].
+pub async fn drop_schema(pool: &sqlx::PgPool, schema: &str) {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"
+    )))
+    .execute(pool)
+    .await
+    .unwrap();
+}
 
 /// Two linearly separable blobs with 4 features, as a client's local data.
 pub fn blob_data(n: usize, shift: f32) -> cohort_edge::data::Dataset {
