@@ -80,6 +80,29 @@ impl BlobStore {
         })
     }
 
+    /// Starts writing a blob at `relative` piece by piece, for bodies too large to hold
+    /// in memory. Nothing is visible at `relative` until [`BlobWriter::commit`]; a writer
+    /// dropped before that removes its temporary file.
+    pub fn writer(&self, relative: &str) -> io::Result<BlobWriter> {
+        let target = self.resolve(relative)?;
+        let dir = target
+            .parent()
+            .ok_or_else(|| invalid(format!("blob path `{relative}` has no directory")))?
+            .to_path_buf();
+        fs::create_dir_all(&dir)?;
+        let tmp = target.with_extension(format!("tmp-{}", uuid::Uuid::new_v4().simple()));
+        let file = File::create(&tmp)?;
+        Ok(BlobWriter {
+            relative: relative.to_string(),
+            target,
+            dir,
+            tmp,
+            file: Some(file),
+            digest: digest::Context::new(&digest::SHA256),
+            bytes: 0,
+        })
+    }
+
     /// Reads the blob at `relative`.
     pub fn get(&self, relative: &str) -> io::Result<Vec<u8>> {
         fs::read(self.resolve(relative)?)
@@ -104,6 +127,74 @@ impl BlobStore {
     }
 }
 
+/// A blob being written; see [`BlobStore::writer`].
+pub struct BlobWriter {
+    relative: String,
+    target: PathBuf,
+    dir: PathBuf,
+    tmp: PathBuf,
+    file: Option<File>,
+    digest: digest::Context,
+    bytes: u64,
+}
+
+impl std::fmt::Debug for BlobWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlobWriter")
+            .field("path", &self.relative)
+            .field("bytes", &self.bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl BlobWriter {
+    /// Appends `chunk`.
+    pub fn write(&mut self, chunk: &[u8]) -> io::Result<()> {
+        let file = self
+            .file
+            .as_mut()
+            .ok_or_else(|| io::Error::other("blob writer already committed"))?;
+        file.write_all(chunk)?;
+        self.digest.update(chunk);
+        self.bytes += chunk.len() as u64;
+        Ok(())
+    }
+
+    /// Bytes written so far.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Flushes the blob to disk and moves it into place, as durably as
+    /// [`BlobStore::put`].
+    pub fn commit(mut self) -> io::Result<BlobInfo> {
+        let file = self
+            .file
+            .take()
+            .ok_or_else(|| io::Error::other("blob writer already committed"))?;
+        file.sync_all()?;
+        drop(file);
+        fs::rename(&self.tmp, &self.target)?;
+        File::open(&self.dir)?.sync_all()?;
+        let mut sha256 = [0u8; 32];
+        sha256.copy_from_slice(self.digest.clone().finish().as_ref());
+        Ok(BlobInfo {
+            path: std::mem::take(&mut self.relative),
+            bytes: self.bytes,
+            sha256,
+        })
+    }
+}
+
+impl Drop for BlobWriter {
+    fn drop(&mut self) {
+        // Still holding the file means it was never committed: leave no orphan behind.
+        if self.file.take().is_some() {
+            let _ = fs::remove_file(&self.tmp);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -124,6 +215,31 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, vec!["c.bin"]);
+    }
+
+    #[test]
+    fn a_blob_written_in_pieces_matches_one_put_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlobStore::open(dir.path()).unwrap();
+        let whole = store.put("a/whole", b"hello, world").unwrap();
+        let mut w = store.writer("a/pieces").unwrap();
+        for piece in [&b"hel"[..], b"", b"lo, w", b"orld"] {
+            w.write(piece).unwrap();
+        }
+        assert!(store.get("a/pieces").is_err(), "not visible before commit");
+        let pieces = w.commit().unwrap();
+        assert_eq!((pieces.bytes, pieces.sha256), (whole.bytes, whole.sha256));
+        assert_eq!(store.get("a/pieces").unwrap(), b"hello, world");
+    }
+
+    #[test]
+    fn a_dropped_writer_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlobStore::open(dir.path()).unwrap();
+        let mut w = store.writer("u/x.bin").unwrap();
+        w.write(b"partial").unwrap();
+        drop(w);
+        assert_eq!(fs::read_dir(dir.path().join("u")).unwrap().count(), 0);
     }
 
     #[test]

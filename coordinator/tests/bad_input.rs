@@ -504,6 +504,8 @@ on_both_backends!(
     non_finite_update_is_422,
     update_not_sent_as_octets_is_415,
     body_over_the_limit_is_413,
+    chunked_body_over_the_limit_is_413,
+    chunked_update_with_a_non_finite_value_is_422,
     upload_from_a_client_not_selected_is_409,
     upload_for_a_round_that_does_not_exist_is_404,
     upload_after_collection_closed_is_409,
@@ -624,6 +626,47 @@ async fn body_over_the_limit_is_413(h: &Harness) {
         h.enrol(&big),
         StatusCode::PAYLOAD_TOO_LARGE,
         "payload_too_large",
+    )
+    .await;
+    h.upload_ok(&round.a, &round.task).await;
+}
+
+/// A body sent chunked (no `Content-Length`), in pieces of `piece` bytes, so the server
+/// can only find out what it holds by reading it.
+fn chunked(bytes: Vec<u8>, piece: usize) -> reqwest::Body {
+    let pieces: Vec<Result<Vec<u8>, std::io::Error>> =
+        bytes.chunks(piece).map(|c| Ok(c.to_vec())).collect();
+    reqwest::Body::wrap_stream(futures_util::stream::iter(pieces))
+}
+
+async fn chunked_body_over_the_limit_is_413(h: &Harness) {
+    let round = h.collecting(2, 30).await;
+    h.refused(
+        h.upload(Some(&round.a), &round.task, Vec::new())
+            .body(chunked(vec![0; BODY_LIMIT * 3], 7)),
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "payload_too_large",
+    )
+    .await;
+    // The same update, chunked and cut mid-float, is accepted when it is right.
+    let r = h
+        .upload(Some(&round.a), &round.task, Vec::new())
+        .body(chunked(floats(&[1.0; 10]), 3))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+}
+
+async fn chunked_update_with_a_non_finite_value_is_422(h: &Harness) {
+    let round = h.collecting(2, 30).await;
+    let mut values = [0.25f32; 10];
+    values[9] = f32::NAN;
+    h.refused(
+        h.upload(Some(&round.a), &round.task, Vec::new())
+            .body(chunked(floats(&values), 5)),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_update",
     )
     .await;
     h.upload_ok(&round.a, &round.task).await;

@@ -304,7 +304,7 @@ async fn upload(
     axum::extract::Path((id, round, attempt)): axum::extract::Path<(String, i64, i64)>,
     query: Result<axum::extract::Query<UploadQuery>, axum::extract::rejection::QueryRejection>,
     headers: axum::http::HeaderMap,
-    body: axum::body::Bytes,
+    body: axum::body::Body,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
     let axum::extract::Query(query) =
         query.map_err(|e| ApiError::unprocessable("invalid_query", e.body_text()))?;
@@ -332,8 +332,6 @@ async fn upload(
     let id = super::admin::parse_id(&id, "experiment")?;
     let exp = state.store.experiment(id).await?;
     let (_, model) = super::driver::experiment_model(&exp).map_err(ApiError::internal)?;
-    cohort_aggregation::wire::decode(model.layout(), &body)
-        .map_err(|e| ApiError::unprocessable("invalid_update", e.to_string()))?;
     // Each upload gets a blob of its own name, so a refused replay can never overwrite
     // the bytes of an acknowledged upload.
     let path = format!(
@@ -341,12 +339,8 @@ async fn upload(
         client.id,
         Uuid::new_v4().simple()
     );
-    let blobs = state.blobs.clone();
-    let p = path.clone();
-    let info = tokio::task::spawn_blocking(move || blobs.put(&p, &body))
-        .await
-        .map_err(ApiError::internal)?
-        .map_err(ApiError::internal)?;
+    let info = receive_update(&state, &headers, body, model.layout().len(), &path).await?;
+    let path = info.path.clone();
     let recorded = state
         .store
         .record_upload(
@@ -382,4 +376,95 @@ async fn upload(
             Err(e.into())
         }
     }
+}
+
+/// Bytes of an upload gathered before each write to disk: what one upload in flight holds
+/// in memory, whatever the model's size.
+const UPLOAD_WRITE_CHUNK: usize = 64 * 1024;
+
+/// Streams an upload's body to a blob while checking it against a model of `parameters`
+/// (whole `f32`s, the right count, all finite) and the body limit, so that memory per
+/// upload stays at one chunk however large the model is. The blob is durable when this
+/// returns; on any error nothing is left on disk.
+async fn receive_update(
+    state: &AppState,
+    headers: &axum::http::HeaderMap,
+    body: axum::body::Body,
+    parameters: usize,
+    path: &str,
+) -> Result<crate::blobs::BlobInfo, ApiError> {
+    use http_body_util::BodyExt;
+
+    let limit = state.settings.max_body_bytes;
+    let too_large = || {
+        ApiError::PayloadTooLarge(format!(
+            "the body is larger than the limit of {limit} bytes"
+        ))
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    let blobs = state.blobs.clone();
+    let p = path.to_string();
+    let mut writer = tokio::task::spawn_blocking(move || blobs.writer(&p))
+        .await
+        .map_err(ApiError::internal)?
+        .map_err(ApiError::internal)?;
+    let mut check = cohort_aggregation::wire::StreamCheck::new(parameters);
+    let mut refused = None;
+    let mut received = 0usize;
+    let mut pending: Vec<u8> = Vec::with_capacity(UPLOAD_WRITE_CHUNK);
+    let mut body = body;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| {
+            ApiError::bad_request("unreadable_body", format!("reading the body failed: {e}"))
+        })?;
+        let Ok(chunk) = frame.into_data() else {
+            continue; // trailers carry nothing we use
+        };
+        received += chunk.len();
+        if received > limit {
+            return Err(too_large());
+        }
+        // A wrong body is read to its end (up to the limit) before it is refused, so
+        // the answer is the same however the client's bytes were split.
+        if let Err(e) = check.feed(&chunk) {
+            refused.get_or_insert(e);
+            continue;
+        }
+        if refused.is_some() {
+            continue;
+        }
+        pending.extend_from_slice(&chunk);
+        if pending.len() >= UPLOAD_WRITE_CHUNK {
+            // The buffer travels to the blocking pool and back, so it is reused.
+            let buf = std::mem::take(&mut pending);
+            let (w, buf) =
+                tokio::task::spawn_blocking(move || writer.write(&buf).map(|()| (writer, buf)))
+                    .await
+                    .map_err(ApiError::internal)?
+                    .map_err(ApiError::internal)?;
+            writer = w;
+            pending = buf;
+            pending.clear();
+        }
+    }
+    let invalid = |e: cohort_aggregation::wire::WireError| {
+        ApiError::unprocessable("invalid_update", e.to_string())
+    };
+    if let Some(e) = refused {
+        return Err(invalid(e));
+    }
+    check.finish().map_err(invalid)?;
+    tokio::task::spawn_blocking(move || {
+        writer.write(&pending)?;
+        writer.commit()
+    })
+    .await
+    .map_err(ApiError::internal)?
+    .map_err(ApiError::internal)
 }
