@@ -292,6 +292,12 @@ impl Prepared {
     }
 }
 
+/// The most a connection buffers of what it reads. hyper's default (about 400 KB) lets
+/// every connection in the middle of an upload hold a whole 100,000-parameter update;
+/// with this cap an upload in flight holds one buffer plus the chunk on its way to disk,
+/// so memory grows with connections, not with model size.
+pub const CONNECTION_READ_BUFFER: usize = 64 * 1024;
+
 /// Serves `router` on `listener`, over TLS with `tls` or as plain HTTP without, until
 /// `shutdown` completes; then stops accepting and lets in-flight requests finish for up
 /// to [`SHUTDOWN_GRACE`].
@@ -316,18 +322,36 @@ pub async fn serve(
                 RustlsConfig::from_config(config),
             )
             .map_err(ServeError::Serve)?;
-            server
-                .http_builder()
+            let builder = server.http_builder();
+            builder
                 .http1()
-                .header_read_timeout(HEADER_READ_TIMEOUT);
+                .header_read_timeout(HEADER_READ_TIMEOUT)
+                .max_buf_size(CONNECTION_READ_BUFFER);
+            // Edge clients speak HTTP/2 when TLS offers it. hyper's HTTP/2 windows (1 MB
+            // per stream) would let each client push its whole update before the handler
+            // reads it; windows of one buffer keep a stream in flight to that.
+            builder
+                .http2()
+                .adaptive_window(false)
+                .initial_stream_window_size(CONNECTION_READ_BUFFER as u32)
+                .initial_connection_window_size(2 * CONNECTION_READ_BUFFER as u32);
             server.handle(handle).serve(service).await
         }
         None => {
             let mut server = axum_server::from_tcp(listener).map_err(ServeError::Serve)?;
-            server
-                .http_builder()
+            let builder = server.http_builder();
+            builder
                 .http1()
-                .header_read_timeout(HEADER_READ_TIMEOUT);
+                .header_read_timeout(HEADER_READ_TIMEOUT)
+                .max_buf_size(CONNECTION_READ_BUFFER);
+            // Edge clients speak HTTP/2 when TLS offers it. hyper's HTTP/2 windows (1 MB
+            // per stream) would let each client push its whole update before the handler
+            // reads it; windows of one buffer keep a stream in flight to that.
+            builder
+                .http2()
+                .adaptive_window(false)
+                .initial_stream_window_size(CONNECTION_READ_BUFFER as u32)
+                .initial_connection_window_size(2 * CONNECTION_READ_BUFFER as u32);
             server.handle(handle).serve(service).await
         }
     };
