@@ -62,6 +62,66 @@ fn write_csv(path: &Path, d: &Dataset) -> std::io::Result<()> {
     std::fs::write(path, out)
 }
 
+/// Settings of `cohort partition`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PartitionArgs {
+    /// Number of client partitions
+    #[arg(long, default_value_t = 3)]
+    pub clients: usize,
+    /// iid | dirichlet:ALPHA | shards:K | quantity:SIGMA
+    #[arg(long, default_value = "dirichlet:0.5")]
+    pub partition: PartitionScheme,
+    /// Seed of the split and the partition
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Directory for client-<i>.csv and test.csv
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
+}
+
+/// Writes the shipped digits data as `client-<i>.csv` partitions (of the training 80%)
+/// and `test.csv` (the held-out 20%) in `dir`, in the CSV form `cohort-edge --data`
+/// reads: the features standardised with the training part's statistics, then a `label`
+/// column. Returns the client files and the test set.
+pub fn write_digits_partitions(
+    dir: &Path,
+    clients: usize,
+    scheme: &PartitionScheme,
+    seed: u64,
+) -> Result<(Vec<PathBuf>, Dataset), String> {
+    if clients == 0 || clients > 10_000 {
+        return Err("the number of clients must be between 1 and 10000".into());
+    }
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create `{}`: {e}", dir.display()))?;
+    let digits = data::digits();
+    let (mut train, mut test) =
+        data::stratified_split(&digits, 0.2, seed).map_err(|e| e.to_string())?;
+    let scaler = Standardizer::fit(&train.features);
+    scaler
+        .transform(&mut train.features)
+        .map_err(|e| e.to_string())?;
+    scaler
+        .transform(&mut test.features)
+        .map_err(|e| e.to_string())?;
+    let parts = partition(
+        &train.labels,
+        train.num_classes(),
+        None,
+        clients,
+        scheme,
+        seed,
+    )
+    .map_err(|e| e.to_string())?;
+    let mut csvs = Vec::new();
+    for (i, idx) in parts.iter().enumerate() {
+        let path = dir.join(format!("client-{i}.csv"));
+        write_csv(&path, &train.subset(idx)).map_err(|e| e.to_string())?;
+        csvs.push(path);
+    }
+    write_csv(&dir.join("test.csv"), &test).map_err(|e| e.to_string())?;
+    Ok((csvs, test))
+}
+
 /// Runs the demo to the end; progress goes to stderr.
 pub fn run(args: &DemoArgs) -> Result<DemoOutcome, String> {
     if args.clients == 0 || args.clients > 200 {
@@ -87,33 +147,12 @@ async fn run_async(args: &DemoArgs) -> Result<DemoOutcome, String> {
     std::fs::create_dir_all(&clients_dir)
         .map_err(|e| format!("cannot create `{}`: {e}", clients_dir.display()))?;
 
-    // The clients' private data: a stratified split of digits, standardised with the
-    // training part's statistics, dealt out with Dirichlet(0.5) label skew.
-    let digits = data::digits();
-    let (mut train, mut test) =
-        data::stratified_split(&digits, 0.2, args.seed).map_err(|e| e.to_string())?;
-    let scaler = Standardizer::fit(&train.features);
-    scaler
-        .transform(&mut train.features)
-        .map_err(|e| e.to_string())?;
-    scaler
-        .transform(&mut test.features)
-        .map_err(|e| e.to_string())?;
-    let parts = partition(
-        &train.labels,
-        train.num_classes(),
-        None,
+    let (csvs, test) = write_digits_partitions(
+        &clients_dir,
         args.clients,
         &PartitionScheme::Dirichlet { alpha: 0.5 },
         args.seed,
-    )
-    .map_err(|e| e.to_string())?;
-    let mut csvs = Vec::new();
-    for (i, idx) in parts.iter().enumerate() {
-        let path = clients_dir.join(format!("client-{i}.csv"));
-        write_csv(&path, &train.subset(idx)).map_err(|e| e.to_string())?;
-        csvs.push(path);
-    }
+    )?;
 
     let settings = ServeSettings::from_sources(
         None,
@@ -143,8 +182,8 @@ async fn run_async(args: &DemoArgs) -> Result<DemoOutcome, String> {
     let quorum = (args.clients * 8 / 10).max(1);
     let spec = ExperimentSpec {
         name: "demo: digits, MLP, Dirichlet(0.5)".into(),
-        features: train.num_features(),
-        classes: train.num_classes(),
+        features: test.num_features(),
+        classes: test.num_classes(),
         model: ModelKind::Mlp { hidden: vec![64] },
         strategy: cohort_aggregation::Strategy::FedAvg,
         rounds: args.rounds,

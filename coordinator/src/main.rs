@@ -33,6 +33,9 @@ enum Command {
     /// Show the whole system: a coordinator (SQLite, dev TLS) and N cohort-edge processes
     /// on partitions of the digits data run one experiment to the end.
     Demo(cohort_coordinator::demo::DemoArgs),
+    /// Write the shipped digits data as per-client CSV partitions and a test CSV, for
+    /// cohort-edge trials on real processes or machines (docker-compose.yml uses it).
+    Partition(cohort_coordinator::demo::PartitionArgs),
     /// The edge client (as `cohort-edge`), so that `cohort demo` can start it from this
     /// binary.
     #[command(hide = true)]
@@ -165,6 +168,7 @@ fn main() -> ExitCode {
         Command::Simulate(args) => run_simulate(args),
         Command::Serve(args) => run_serve(args),
         Command::Demo(args) => run_demo(&args),
+        Command::Partition(args) => run_partition(&args),
         Command::Edge(args) => cohort_edge::cli::run(args),
     }
 }
@@ -272,6 +276,31 @@ fn run_simulate(args: SimulateArgs) -> ExitCode {
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+fn run_partition(args: &cohort_coordinator::demo::PartitionArgs) -> ExitCode {
+    match cohort_coordinator::demo::write_digits_partitions(
+        &args.out,
+        args.clients,
+        &args.partition,
+        args.seed,
+    ) {
+        Ok((csvs, test)) => {
+            for path in &csvs {
+                println!("{}", path.display());
+            }
+            println!(
+                "test set: {} rows in {}",
+                test.len(),
+                args.out.join("test.csv").display()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
         }
     }
 }
