@@ -378,6 +378,10 @@ async fn upload(
     }
 }
 
+/// How far past the body limit an oversized upload is read (and dropped) before the 413
+/// is sent.
+const OVERSIZE_DRAIN_BYTES: usize = 1024 * 1024;
+
 /// Bytes of an upload gathered before each write to disk: what one upload in flight holds
 /// in memory, whatever the model's size.
 const UPLOAD_WRITE_CHUNK: usize = 64 * 1024;
@@ -417,6 +421,7 @@ async fn receive_update(
     let mut check = cohort_aggregation::wire::StreamCheck::new(parameters);
     let mut refused = None;
     let mut received = 0usize;
+    let mut refused_for_size = false;
     let mut pending: Vec<u8> = Vec::with_capacity(UPLOAD_WRITE_CHUNK);
     let mut body = body;
     while let Some(frame) = body.frame().await {
@@ -428,7 +433,14 @@ async fn receive_update(
         };
         received += chunk.len();
         if received > limit {
-            return Err(too_large());
+            // Answering while the client is still sending makes many clients see a
+            // broken pipe instead of the 413; read (and drop) a little more first, so
+            // that a body somewhat over the limit gets its answer.
+            if received > limit.saturating_add(OVERSIZE_DRAIN_BYTES) {
+                return Err(too_large());
+            }
+            refused_for_size = true;
+            continue;
         }
         // A wrong body is read to its end (up to the limit) before it is refused, so
         // the answer is the same however the client's bytes were split.
@@ -452,6 +464,9 @@ async fn receive_update(
             pending = buf;
             pending.clear();
         }
+    }
+    if refused_for_size {
+        return Err(too_large());
     }
     let invalid = |e: cohort_aggregation::wire::WireError| {
         ApiError::unprocessable("invalid_update", e.to_string())

@@ -327,14 +327,15 @@ pub async fn serve(
                 .http1()
                 .header_read_timeout(HEADER_READ_TIMEOUT)
                 .max_buf_size(CONNECTION_READ_BUFFER);
-            // Edge clients speak HTTP/2 when TLS offers it. hyper's HTTP/2 windows (1 MB
-            // per stream) would let each client push its whole update before the handler
-            // reads it; windows of one buffer keep a stream in flight to that.
+            // Edge clients speak HTTP/2 when TLS offers it. hyper's HTTP/2 stream window
+            // (1 MB) would let each client push its whole update before the handler reads
+            // it; a fixed window of one buffer keeps a stream in flight to that. (The
+            // connection window stays at its default: shrinking it too made early answers
+            // such as a 413 reach clients as broken pipes.)
             builder
                 .http2()
                 .adaptive_window(false)
-                .initial_stream_window_size(CONNECTION_READ_BUFFER as u32)
-                .initial_connection_window_size(2 * CONNECTION_READ_BUFFER as u32);
+                .initial_stream_window_size(CONNECTION_READ_BUFFER as u32);
             server.handle(handle).serve(service).await
         }
         None => {
@@ -344,14 +345,15 @@ pub async fn serve(
                 .http1()
                 .header_read_timeout(HEADER_READ_TIMEOUT)
                 .max_buf_size(CONNECTION_READ_BUFFER);
-            // Edge clients speak HTTP/2 when TLS offers it. hyper's HTTP/2 windows (1 MB
-            // per stream) would let each client push its whole update before the handler
-            // reads it; windows of one buffer keep a stream in flight to that.
+            // Edge clients speak HTTP/2 when TLS offers it. hyper's HTTP/2 stream window
+            // (1 MB) would let each client push its whole update before the handler reads
+            // it; a fixed window of one buffer keeps a stream in flight to that. (The
+            // connection window stays at its default: shrinking it too made early answers
+            // such as a 413 reach clients as broken pipes.)
             builder
                 .http2()
                 .adaptive_window(false)
-                .initial_stream_window_size(CONNECTION_READ_BUFFER as u32)
-                .initial_connection_window_size(2 * CONNECTION_READ_BUFFER as u32);
+                .initial_stream_window_size(CONNECTION_READ_BUFFER as u32);
             server.handle(handle).serve(service).await
         }
     };
