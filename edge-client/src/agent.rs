@@ -182,6 +182,11 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
                 report
                     .acknowledged
                     .push((task.experiment_id, task.round, task.attempt));
+                // The site's own record of what the coordinator confirmed it holds.
+                note(&format!(
+                    "acknowledged experiment={} round={} attempt={}",
+                    task.experiment_id, task.round, task.attempt
+                ));
             }
             // The round moved on (closed, deadline passed): wait for the next one.
             Err(AgentError::Protocol(ProtocolError::Refused {
