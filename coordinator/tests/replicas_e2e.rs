@@ -7,7 +7,7 @@ mod common;
 
 use std::collections::HashMap;
 use std::str::FromStr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cohort_coordinator::store::{JobState, ParticipationState, RoundStage, Store};
 use common::{admin, free_port, spawn_serve, wait_healthy};
@@ -79,25 +79,7 @@ async fn two_coordinators_on_one_postgres_never_run_the_same_job() {
         };
         agents.push(tokio::spawn(cohort_edge::agent::run_agent(config)));
     }
-    let start = Instant::now();
-    loop {
-        let exp = admin(
-            &http,
-            &bases[0],
-            Method::GET,
-            &format!("/experiments/{id}"),
-            None,
-        )
-        .await;
-        if exp["state"] == "finished" {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(180),
-            "experiment did not finish: {exp}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    common::wait_finished(&http, &bases[0], &id, Duration::from_secs(180)).await;
     for agent in agents {
         tokio::time::timeout(Duration::from_secs(60), agent)
             .await

@@ -117,15 +117,7 @@ async fn sigkill_during_a_round_loses_no_acknowledged_upload() {
     // the current one has some, not all, of its uploads.
     let start = Instant::now();
     loop {
-        let rs = admin(
-            &http,
-            &base,
-            Method::GET,
-            &format!("/experiments/{id}/rounds"),
-            None,
-        )
-        .await;
-        let rounds = rs.as_array().unwrap();
+        let rounds = common::rounds(&http, &base, &id).await;
         let in_progress = rounds.last().is_some_and(|r| {
             r["stage"] == "collecting"
                 && r["reported"].as_i64().unwrap() > 0
@@ -146,25 +138,7 @@ async fn sigkill_during_a_round_loses_no_acknowledged_upload() {
     let mut server = spawn_serve(&data_dir, port, None);
     let http = wait_healthy(&base, &ca).await;
 
-    let start = Instant::now();
-    loop {
-        let exp = admin(
-            &http,
-            &base,
-            Method::GET,
-            &format!("/experiments/{id}"),
-            None,
-        )
-        .await;
-        if exp["state"] == "finished" {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(300),
-            "experiment did not finish: {exp}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    common::wait_finished(&http, &base, &id, Duration::from_secs(300)).await;
     let mut acked = Vec::new();
     for (mut child, log) in edges {
         let status = child.wait().unwrap();
@@ -172,17 +146,8 @@ async fn sigkill_during_a_round_loses_no_acknowledged_upload() {
         assert!(status.success(), "edge client failed: {text}");
         acked.push(acknowledged(&text));
     }
-    let rs = admin(
-        &http,
-        &base,
-        Method::GET,
-        &format!("/experiments/{id}/rounds"),
-        None,
-    )
-    .await;
+    let rs = common::rounds(&http, &base, &id).await;
     let published: HashSet<i64> = rs
-        .as_array()
-        .unwrap()
         .iter()
         .filter(|r| r["stage"] == "published")
         .map(|r| r["round"].as_i64().unwrap())
@@ -190,7 +155,7 @@ async fn sigkill_during_a_round_loses_no_acknowledged_upload() {
     assert_eq!(
         published.len(),
         ROUNDS as usize,
-        "every round completed: {rs}"
+        "every round completed: {rs:?}"
     );
     // The published model still learned.
     let model = http

@@ -298,6 +298,25 @@ impl Prepared {
 /// so memory grows with connections, not with model size.
 pub const CONNECTION_READ_BUFFER: usize = 64 * 1024;
 
+/// Connection settings for both the TLS and the plain listener.
+fn limit_connections(
+    builder: &mut hyper_util::server::conn::auto::Builder<hyper_util::rt::TokioExecutor>,
+) {
+    builder
+        .http1()
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .max_buf_size(CONNECTION_READ_BUFFER);
+    // Edge clients speak HTTP/2 when TLS offers it. hyper's HTTP/2 stream window (1 MB)
+    // would let each client push its whole update before the handler reads it; a fixed
+    // window of one buffer keeps a stream in flight to that. (The connection window stays
+    // at its default: shrinking it too made early answers such as a 413 reach clients as
+    // broken pipes.)
+    builder
+        .http2()
+        .adaptive_window(false)
+        .initial_stream_window_size(CONNECTION_READ_BUFFER as u32);
+}
+
 /// Serves `router` on `listener`, over TLS with `tls` or as plain HTTP without, until
 /// `shutdown` completes; then stops accepting and lets in-flight requests finish for up
 /// to [`SHUTDOWN_GRACE`].
@@ -322,38 +341,12 @@ pub async fn serve(
                 RustlsConfig::from_config(config),
             )
             .map_err(ServeError::Serve)?;
-            let builder = server.http_builder();
-            builder
-                .http1()
-                .header_read_timeout(HEADER_READ_TIMEOUT)
-                .max_buf_size(CONNECTION_READ_BUFFER);
-            // Edge clients speak HTTP/2 when TLS offers it. hyper's HTTP/2 stream window
-            // (1 MB) would let each client push its whole update before the handler reads
-            // it; a fixed window of one buffer keeps a stream in flight to that. (The
-            // connection window stays at its default: shrinking it too made early answers
-            // such as a 413 reach clients as broken pipes.)
-            builder
-                .http2()
-                .adaptive_window(false)
-                .initial_stream_window_size(CONNECTION_READ_BUFFER as u32);
+            limit_connections(server.http_builder());
             server.handle(handle).serve(service).await
         }
         None => {
             let mut server = axum_server::from_tcp(listener).map_err(ServeError::Serve)?;
-            let builder = server.http_builder();
-            builder
-                .http1()
-                .header_read_timeout(HEADER_READ_TIMEOUT)
-                .max_buf_size(CONNECTION_READ_BUFFER);
-            // Edge clients speak HTTP/2 when TLS offers it. hyper's HTTP/2 stream window
-            // (1 MB) would let each client push its whole update before the handler reads
-            // it; a fixed window of one buffer keeps a stream in flight to that. (The
-            // connection window stays at its default: shrinking it too made early answers
-            // such as a 413 reach clients as broken pipes.)
-            builder
-                .http2()
-                .adaptive_window(false)
-                .initial_stream_window_size(CONNECTION_READ_BUFFER as u32);
+            limit_connections(server.http_builder());
             server.handle(handle).serve(service).await
         }
     };

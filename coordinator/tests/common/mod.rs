@@ -86,6 +86,27 @@ pub async fn admin(
     r.json().await.unwrap_or(serde_json::Value::Null)
 }
 
+/// Waits until experiment `id` has finished, failing after `limit`.
+pub async fn wait_finished(http: &reqwest::Client, base: &str, id: &str, limit: Duration) {
+    let start = Instant::now();
+    loop {
+        let path = format!("/experiments/{id}");
+        let exp = admin(http, base, reqwest::Method::GET, &path, None).await;
+        if exp["state"] == "finished" {
+            return;
+        }
+        assert!(start.elapsed() < limit, "experiment did not finish: {exp}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The rounds of experiment `id`, as the admin API lists them.
+pub async fn rounds(http: &reqwest::Client, base: &str, id: &str) -> Vec<serde_json::Value> {
+    let path = format!("/experiments/{id}/rounds");
+    let rs = admin(http, base, reqwest::Method::GET, &path, None).await;
+    rs.as_array().expect("rounds are a list").clone()
+}
+
 /// A fresh schema on the PostgreSQL of `COHORT_TEST_POSTGRES_URL`: the admin pool, the
 /// schema name and a database URL scoped to it, or `None` when the variable is unset.
 pub async fn postgres_schema(prefix: &str) -> Option<(sqlx::PgPool, String, String)> {
