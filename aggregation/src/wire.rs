@@ -85,11 +85,6 @@ impl StreamCheck {
         }
     }
 
-    /// Bytes fed so far.
-    pub fn seen_bytes(&self) -> usize {
-        self.seen_bytes
-    }
-
     /// Feeds the next chunk. Returns the first error once one is certain (a non-finite
     /// value, or more bytes than the layout holds); the caller may stop reading then.
     pub fn feed(&mut self, mut chunk: &[u8]) -> Result<(), WireError> {

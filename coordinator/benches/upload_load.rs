@@ -29,7 +29,7 @@
 //! figures are for coordinator and clients sharing its cores.
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -38,7 +38,11 @@ use futures_util::StreamExt;
 use reqwest::Method;
 use tokio::sync::Semaphore;
 
-const ADMIN: &str = "load-bench-admin-token-0123456789abcdef0123";
+// The integration tests' helpers for starting `cohort serve`.
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use common::{ADMIN, free_port, spawn_serve};
 
 fn arg(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
@@ -91,31 +95,6 @@ fn durable_write_rate(dir: &Path, bytes: usize, count: usize) -> f64 {
     rate
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn spawn_serve(data_dir: &Path, port: u16, url: &str) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_cohort"))
-        .args(["serve", "--dev-tls", "--listen"])
-        .arg(format!("127.0.0.1:{port}"))
-        .arg("--data-dir")
-        .arg(data_dir)
-        .arg("--database-url")
-        .arg(url)
-        .env("COHORT_ADMIN_TOKEN", ADMIN)
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("cohort serve starts")
-}
-
 fn tls_client(ca: &[u8]) -> reqwest::Client {
     reqwest::Client::builder()
         .tls_certs_only([reqwest::Certificate::from_pem(ca).unwrap()])
@@ -152,34 +131,19 @@ impl Coordinator {
     }
 }
 
-// The child is handed to the caller, which kills and waits for it; on a failed start the
-// bench panics and the child dies with it.
-#[allow(clippy::zombie_processes)]
 async fn start_coordinator(data_dir: &Path, url: &str) -> Coordinator {
     let port = free_port();
     let base = format!("https://127.0.0.1:{port}");
-    let child = spawn_serve(data_dir, port, url);
+    let child = spawn_serve(data_dir, port, Some(url));
     let ca_path = data_dir.join("tls/ca.pem");
-    let start = Instant::now();
-    loop {
-        if let Ok(ca) = std::fs::read(&ca_path) {
-            let http = tls_client(&ca);
-            if let Ok(r) = http.get(format!("{base}/api/v1/health")).send().await
-                && r.status().is_success()
-            {
-                return Coordinator {
-                    base,
-                    http,
-                    ca,
-                    child,
-                };
-            }
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "coordinator did not come up"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    common::wait_healthy(&base, &ca_path).await;
+    // The uploads of a big run take longer than the helpers' client waits.
+    let ca = std::fs::read(&ca_path).unwrap();
+    Coordinator {
+        base,
+        http: tls_client(&ca),
+        ca,
+        child,
     }
 }
 

@@ -419,9 +419,7 @@ async fn receive_update(
         .map_err(ApiError::internal)?
         .map_err(ApiError::internal)?;
     let mut check = cohort_aggregation::wire::StreamCheck::new(parameters);
-    let mut refused = None;
     let mut received = 0usize;
-    let mut refused_for_size = false;
     let mut pending: Vec<u8> = Vec::with_capacity(UPLOAD_WRITE_CHUNK);
     let mut body = body;
     while let Some(frame) = body.frame().await {
@@ -439,16 +437,12 @@ async fn receive_update(
             if received > limit.saturating_add(OVERSIZE_DRAIN_BYTES) {
                 return Err(too_large());
             }
-            refused_for_size = true;
             continue;
         }
         // A wrong body is read to its end (up to the limit) before it is refused, so
-        // the answer is the same however the client's bytes were split.
-        if let Err(e) = check.feed(&chunk) {
-            refused.get_or_insert(e);
-            continue;
-        }
-        if refused.is_some() {
+        // the answer is the same however the client's bytes were split; the checker
+        // keeps its first error for `finish`.
+        if check.feed(&chunk).is_err() {
             continue;
         }
         pending.extend_from_slice(&chunk);
@@ -465,16 +459,12 @@ async fn receive_update(
             pending.clear();
         }
     }
-    if refused_for_size {
+    if received > limit {
         return Err(too_large());
     }
-    let invalid = |e: cohort_aggregation::wire::WireError| {
-        ApiError::unprocessable("invalid_update", e.to_string())
-    };
-    if let Some(e) = refused {
-        return Err(invalid(e));
-    }
-    check.finish().map_err(invalid)?;
+    check
+        .finish()
+        .map_err(|e| ApiError::unprocessable("invalid_update", e.to_string()))?;
     tokio::task::spawn_blocking(move || {
         writer.write(&pending)?;
         writer.commit()

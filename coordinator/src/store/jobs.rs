@@ -148,6 +148,12 @@ const CLAIM_SQLITE: &str = "UPDATE jobs SET state = 'running', attempts = attemp
      RETURNING id, kind, experiment_id, round, state, attempts, max_attempts, \
                run_after, locked_by, locked_until, last_error";
 
+/// Queues a job (kind, experiment, round, max attempts, now), claimable at once; shared by
+/// [`Store::enqueue_job`] and the transactions that queue a job with another change.
+pub(super) const ENQUEUE_JOB_SQL: &str = "INSERT INTO jobs (kind, experiment_id, round, state, \
+     attempts, max_attempts, run_after, created_at, updated_at) \
+     VALUES ($1, $2, $3, 'queued', 0, $4, $5, $5, $5)";
+
 impl Store {
     /// Queues a job, claimable at once.
     pub async fn enqueue_job(
@@ -165,9 +171,7 @@ impl Store {
         let now = now_millis();
         with_pool!(self, p => {
             let (id,): (i64,) = sqlx::query_as(
-                "INSERT INTO jobs (kind, experiment_id, round, state, attempts, max_attempts, \
-                 run_after, created_at, updated_at) \
-                 VALUES ($1, $2, $3, 'queued', 0, $4, $5, $5, $5) RETURNING id",
+                sqlx::AssertSqlSafe(format!("{ENQUEUE_JOB_SQL} RETURNING id")),
             )
             .bind(kind.as_str())
             .bind(experiment_id.to_string())

@@ -563,11 +563,7 @@ impl Store {
             .execute(&mut *tx)
             .await?;
             if next == "aggregating" {
-                sqlx::query(
-                    "INSERT INTO jobs (kind, experiment_id, round, state, attempts, max_attempts, \
-                     run_after, created_at, updated_at) \
-                     VALUES ($1, $2, $3, 'queued', 0, $4, $5, $5, $5)",
-                )
+                sqlx::query(super::jobs::ENQUEUE_JOB_SQL)
                 .bind(super::JobKind::Aggregate.as_str())
                 .bind(&exp)
                 .bind(round)
