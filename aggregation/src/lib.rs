@@ -9,9 +9,11 @@
 //!   model (plain averaging, FedAdam, FedYogi, FedAdagrad).
 //! - [`Strategy`]: the named federated strategies a user picks from.
 //! - [`wire`]: the little-endian `f32` body in which vectors travel.
+//! - [`secagg`]: secure aggregation (SecAgg+): the server learns only the sum.
 
 mod fedavg;
 mod model_vector;
+pub mod secagg;
 mod server_optimizer;
 mod strategy;
 pub mod wire;

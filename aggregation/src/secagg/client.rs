@@ -1,0 +1,399 @@
+//! The client side of a secure round, as a state machine: each method checks the
+//! server's message completely before it changes anything, and a refused message leaves
+//! the client where it was.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::crypto::{self, KEY_BYTES, KeyPair};
+use super::graph::NeighbourGraph;
+use super::messages::{
+    AdvertiseKeys, EncryptedShare, ForwardedShares, KeyDirectory, RevealedShare, RoundConfig,
+    SHARE_CIPHERTEXT_BYTES, SHARE_PLAINTEXT_BYTES, ShareKeys, UnmaskRequest, UnmaskShares,
+};
+use super::prg::{self, Mask, MaskSign};
+use super::quantize::{EXTRA_WORDS, Quantizer};
+use super::shamir::{self, SHARE_BYTES, Share};
+use super::{SecAggError, Stage, check_ascending};
+
+/// One client's part in one secure round.
+pub struct ClientSession {
+    config: RoundConfig,
+    quantizer: Quantizer,
+    me: u32,
+    cipher: KeyPair,
+    mask: KeyPair,
+    state: ClientState,
+}
+
+impl std::fmt::Debug for ClientSession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientSession")
+            .field("me", &self.me)
+            .field("stage", &self.stage())
+            .finish_non_exhaustive()
+    }
+}
+
+enum ClientState {
+    /// Keys advertised; waiting for the directory.
+    Advertised,
+    /// Shares sent; waiting for the neighbours' shares.
+    Shared {
+        directory: BTreeMap<u32, AdvertiseKeys>,
+        neighbours: Vec<u32>,
+        self_seed: [u8; KEY_BYTES],
+    },
+    /// Masked input sent; holding the neighbours' shares until the unmask request.
+    Masked {
+        /// All neighbours in the graph over `U1`.
+        neighbours: Vec<u32>,
+        /// Neighbours in `U2` and the (seed, key) shares each gave this client.
+        held: BTreeMap<u32, (Share, Share)>,
+    },
+    /// Shares revealed; the session answers nothing more.
+    Done,
+}
+
+impl ClientSession {
+    /// Joins a round as client `me` (in `1..=config.parties`): makes the two key pairs and
+    /// returns the stage 1 message.
+    pub fn new<R: rand_core::CryptoRng + ?Sized>(
+        config: RoundConfig,
+        me: u32,
+        rng: &mut R,
+    ) -> Result<(Self, AdvertiseKeys), SecAggError> {
+        let quantizer = config.validate()?;
+        if me == 0 || me > config.parties {
+            return Err(SecAggError::UnknownClient(me));
+        }
+        let cipher = KeyPair::generate(rng);
+        let mask = KeyPair::generate(rng);
+        let advertised = AdvertiseKeys {
+            cipher_pk: cipher.public(),
+            mask_pk: mask.public(),
+        };
+        Ok((
+            Self {
+                config,
+                quantizer,
+                me,
+                cipher,
+                mask,
+                state: ClientState::Advertised,
+            },
+            advertised,
+        ))
+    }
+
+    /// This client's index.
+    pub fn index(&self) -> u32 {
+        self.me
+    }
+
+    /// The round's settings.
+    pub fn config(&self) -> &RoundConfig {
+        &self.config
+    }
+
+    /// The stage whose server message the client waits for next (`None` when done).
+    pub fn stage(&self) -> Option<Stage> {
+        match self.state {
+            ClientState::Advertised => Some(Stage::Share),
+            ClientState::Shared { .. } => Some(Stage::Masked),
+            ClientState::Masked { .. } => Some(Stage::Unmask),
+            ClientState::Done => None,
+        }
+    }
+
+    fn wrong_stage(&self, expected: Stage) -> SecAggError {
+        SecAggError::WrongStage {
+            expected,
+            actual: self.stage(),
+        }
+    }
+
+    /// Stage 2: checks the key directory (`U1`), secret-shares the self-mask seed and the
+    /// mask key among this client's neighbours, and encrypts each neighbour's pair.
+    pub fn share_keys<R: rand_core::CryptoRng + ?Sized>(
+        &mut self,
+        directory: &KeyDirectory,
+        rng: &mut R,
+    ) -> Result<ShareKeys, SecAggError> {
+        if !matches!(self.state, ClientState::Advertised) {
+            return Err(self.wrong_stage(Stage::Share));
+        }
+        let indices: Vec<u32> = directory.entries.iter().map(|e| e.index).collect();
+        check_ascending(&indices, self.config.parties)?;
+        let mine = directory
+            .entries
+            .iter()
+            .find(|e| e.index == self.me)
+            .ok_or(SecAggError::NotInRound(self.me))?;
+        if mine.keys.cipher_pk != self.cipher.public() || mine.keys.mask_pk != self.mask.public() {
+            return Err(SecAggError::BadMessage(
+                "the directory does not hold this client's own keys".into(),
+            ));
+        }
+        let graph = NeighbourGraph::new(&indices, &self.config.session, self.config.neighbours)?;
+        let neighbours = graph.neighbours(self.me).expect("a member");
+        let t = self.config.threshold;
+        if neighbours.len() < t {
+            return Err(SecAggError::TooFewNeighbours {
+                client: self.me,
+                have: neighbours.len(),
+                need: t,
+            });
+        }
+        let directory: BTreeMap<u32, AdvertiseKeys> = directory
+            .entries
+            .iter()
+            .map(|e| (e.index, e.keys.clone()))
+            .collect();
+        // Agree with every neighbour first: a weak key anywhere refuses the directory
+        // before any secret is drawn.
+        let mut keys = Vec::with_capacity(neighbours.len());
+        for &v in &neighbours {
+            let shared = self.cipher.agree(&directory[&v].cipher_pk)?;
+            self.mask.agree(&directory[&v].mask_pk)?;
+            keys.push(crypto::share_key(&shared, &self.config.session, self.me, v));
+        }
+        let mut self_seed = [0u8; KEY_BYTES];
+        rng.fill_bytes(&mut self_seed);
+        let seed_shares = shamir::split(&self_seed, t, &neighbours, rng)?;
+        let key_shares = shamir::split(&self.mask.secret_bytes(), t, &neighbours, rng)?;
+        let shares = neighbours
+            .iter()
+            .zip(&keys)
+            .zip(seed_shares.iter().zip(&key_shares))
+            .map(|((&v, key), (s, k))| {
+                let mut plain = Vec::with_capacity(SHARE_PLAINTEXT_BYTES);
+                plain.extend_from_slice(&self.me.to_le_bytes());
+                plain.extend_from_slice(&v.to_le_bytes());
+                plain.extend_from_slice(&s.to_bytes());
+                plain.extend_from_slice(&k.to_bytes());
+                EncryptedShare {
+                    to: v,
+                    ciphertext: crypto::seal(key, &self.config.session, self.me, v, &plain),
+                }
+            })
+            .collect();
+        let message = ShareKeys {
+            seed_commitment: crypto::seed_commitment(&self.config.session, self.me, &self_seed),
+            shares,
+        };
+        self.state = ClientState::Shared {
+            directory,
+            neighbours,
+            self_seed,
+        };
+        Ok(message)
+    }
+
+    /// Stage 3: decrypts the neighbours' shares (`U2`), quantises the update (clipped,
+    /// weighted by `weight` samples, with the training `loss`) and returns it masked: plus
+    /// the self mask, plus or minus the pairwise mask of every neighbour in `U2`. This
+    /// vector of `d + 2` words is all that leaves the client.
+    pub fn mask<R: rand_core::CryptoRng + ?Sized>(
+        &mut self,
+        forwarded: &ForwardedShares,
+        update: &[f32],
+        weight: u64,
+        loss: f64,
+        rng: &mut R,
+    ) -> Result<Vec<u32>, SecAggError> {
+        if !matches!(self.state, ClientState::Shared { .. }) {
+            return Err(self.wrong_stage(Stage::Masked));
+        }
+        if update.len() != self.config.dimension {
+            return Err(SecAggError::WrongLength {
+                expected: self.config.dimension,
+                found: update.len(),
+            });
+        }
+        let held = self.open_shares(forwarded)?;
+        let words = self.quantizer.encode(update, weight, loss, rng)?;
+        self.apply_masks(held, words)
+    }
+
+    /// Stage 3 for a vector the caller quantised itself with [`Quantizer::encode`] (the
+    /// round's quantiser is [`quantizer`](Self::quantizer)): `d + 2` words, each within
+    /// the quantiser's range. For tests and benchmarks that need the exact input.
+    pub fn mask_quantized(
+        &mut self,
+        forwarded: &ForwardedShares,
+        quantized: Vec<u32>,
+    ) -> Result<Vec<u32>, SecAggError> {
+        if !matches!(self.state, ClientState::Shared { .. }) {
+            return Err(self.wrong_stage(Stage::Masked));
+        }
+        let expected = self.config.dimension + EXTRA_WORDS;
+        if quantized.len() != expected {
+            return Err(SecAggError::WrongLength {
+                expected,
+                found: quantized.len(),
+            });
+        }
+        let held = self.open_shares(forwarded)?;
+        self.apply_masks(held, quantized)
+    }
+
+    /// The round's quantiser.
+    pub fn quantizer(&self) -> &Quantizer {
+        &self.quantizer
+    }
+
+    /// Decrypts and checks the forwarded shares; `U2`'s neighbours must number at least t.
+    fn open_shares(
+        &self,
+        forwarded: &ForwardedShares,
+    ) -> Result<BTreeMap<u32, (Share, Share)>, SecAggError> {
+        let ClientState::Shared {
+            directory,
+            neighbours,
+            ..
+        } = &self.state
+        else {
+            return Err(self.wrong_stage(Stage::Masked));
+        };
+        let session = &self.config.session;
+        let mut held = BTreeMap::new();
+        for f in &forwarded.shares {
+            if !neighbours.contains(&f.from) {
+                return Err(SecAggError::NotNeighbour {
+                    from: f.from,
+                    to: self.me,
+                });
+            }
+            if held.contains_key(&f.from) {
+                return Err(SecAggError::Duplicate(f.from));
+            }
+            if f.ciphertext.len() != SHARE_CIPHERTEXT_BYTES {
+                return Err(SecAggError::WrongLength {
+                    expected: SHARE_CIPHERTEXT_BYTES,
+                    found: f.ciphertext.len(),
+                });
+            }
+            let shared = self.cipher.agree(&directory[&f.from].cipher_pk)?;
+            let key = crypto::share_key(&shared, session, f.from, self.me);
+            let plain = crypto::open(&key, session, f.from, self.me, &f.ciphertext)?;
+            let from = u32::from_le_bytes(plain[..4].try_into().expect("4 bytes"));
+            let to = u32::from_le_bytes(plain[4..8].try_into().expect("4 bytes"));
+            if from != f.from || to != self.me {
+                return Err(SecAggError::BadMessage(format!(
+                    "share from {} names sender {from} and recipient {to}",
+                    f.from
+                )));
+            }
+            let seed_share = Share::from_bytes(&plain[8..8 + SHARE_BYTES])?;
+            let key_share = Share::from_bytes(&plain[8 + SHARE_BYTES..])?;
+            if seed_share.holder != self.me || key_share.holder != self.me {
+                return Err(SecAggError::BadMessage(format!(
+                    "share from {} is for another holder",
+                    f.from
+                )));
+            }
+            held.insert(f.from, (seed_share, key_share));
+        }
+        let t = self.config.threshold;
+        if held.len() < t {
+            // Fewer than t neighbours will be asked for this client's shares: its masks
+            // could never be removed, so it stops here rather than upload.
+            return Err(SecAggError::TooFewNeighbours {
+                client: self.me,
+                have: held.len(),
+                need: t,
+            });
+        }
+        Ok(held)
+    }
+
+    fn apply_masks(
+        &mut self,
+        held: BTreeMap<u32, (Share, Share)>,
+        mut words: Vec<u32>,
+    ) -> Result<Vec<u32>, SecAggError> {
+        let ClientState::Shared {
+            directory,
+            neighbours,
+            self_seed,
+        } = &self.state
+        else {
+            return Err(self.wrong_stage(Stage::Masked));
+        };
+        let session = &self.config.session;
+        let mut seeds = Vec::with_capacity(held.len());
+        for &v in held.keys() {
+            let shared = self.mask.agree(&directory[&v].mask_pk)?;
+            let seed = crypto::pairwise_mask_seed(&shared, session, self.me, v);
+            let sign = if self.me < v {
+                MaskSign::Add
+            } else {
+                MaskSign::Subtract
+            };
+            seeds.push((seed, sign));
+        }
+        let mut masks = Vec::with_capacity(seeds.len() + 1);
+        masks.push(Mask {
+            seed: self_seed,
+            sign: MaskSign::Add,
+        });
+        masks.extend(seeds.iter().map(|(seed, sign)| Mask { seed, sign: *sign }));
+        prg::apply_masks_parallel(&masks, 0, &mut words)?;
+        let neighbours = neighbours.clone();
+        self.state = ClientState::Masked { neighbours, held };
+        Ok(words)
+    }
+
+    /// Stage 4: checks the survivor list (`U3`) and reveals, for each neighbour in `U2`,
+    /// its seed share if it survived and its key share if it dropped. Answers once: a
+    /// second request (which could name other survivors) is refused, so the server can
+    /// never get both shares of one neighbour from this client.
+    pub fn unmask(&mut self, request: &UnmaskRequest) -> Result<UnmaskShares, SecAggError> {
+        let ClientState::Masked { neighbours, held } = &self.state else {
+            return Err(self.wrong_stage(Stage::Unmask));
+        };
+        check_ascending(&request.survivors, self.config.parties)?;
+        let survivors: BTreeSet<u32> = request.survivors.iter().copied().collect();
+        if !survivors.contains(&self.me) {
+            return Err(SecAggError::NotInRound(self.me));
+        }
+        let t = self.config.threshold;
+        if survivors.len() < t {
+            return Err(SecAggError::TooFewParticipants {
+                stage: Stage::Masked,
+                have: survivors.len(),
+                need: t,
+            });
+        }
+        // A surviving neighbour must have shared keys with this client (be in `U2`);
+        // anything else means the server's lists disagree.
+        if let Some(&v) = survivors
+            .iter()
+            .find(|v| neighbours.contains(v) && !held.contains_key(v))
+        {
+            return Err(SecAggError::BadMessage(format!(
+                "survivor {v} never shared keys with client {}",
+                self.me
+            )));
+        }
+        let mut reply = UnmaskShares {
+            seed_shares: Vec::new(),
+            key_shares: Vec::new(),
+        };
+        for (&owner, (seed_share, key_share)) in held {
+            if survivors.contains(&owner) {
+                reply.seed_shares.push(RevealedShare {
+                    owner,
+                    share: seed_share.to_bytes().to_vec(),
+                });
+            } else {
+                reply.key_shares.push(RevealedShare {
+                    owner,
+                    share: key_share.to_bytes().to_vec(),
+                });
+            }
+        }
+        self.state = ClientState::Done;
+        Ok(reply)
+    }
+}

@@ -1,0 +1,285 @@
+//! The protocol's cryptography: X25519 key pairs, HKDF-SHA256 derivations bound to the
+//! round, ChaCha20-Poly1305 for the shares that travel through the coordinator, and the
+//! commitment to a self-mask seed.
+//!
+//! Every derived key is bound to the round's 32-byte session id (the HKDF salt) and to
+//! the client indices it serves (the HKDF info), so keys from one round, one pair or one
+//! direction are useless for any other.
+
+use ring::{aead, digest, hkdf};
+use x25519_dalek::{PublicKey, StaticSecret};
+
+/// Bytes of an X25519 public or private key, of seeds and of derived keys.
+pub const KEY_BYTES: usize = 32;
+
+/// Why a key agreement or decryption failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum CryptoError {
+    /// The peer's public key is a low-order point: the shared secret would be all zeros,
+    /// known to anyone.
+    #[error("public key is a low-order point")]
+    WeakPublicKey,
+    /// The ciphertext was not produced under this key for this sender and recipient, or
+    /// was altered.
+    #[error("ciphertext does not authenticate")]
+    Unauthenticated,
+}
+
+/// An X25519 key pair. The private half can be exported, because SecAgg Shamir-shares
+/// the mask key so that the server can rebuild a dropped client's pairwise masks.
+pub struct KeyPair {
+    secret: StaticSecret,
+    public: [u8; KEY_BYTES],
+}
+
+impl std::fmt::Debug for KeyPair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeyPair")
+            .field("public", &hex(&self.public))
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl KeyPair {
+    /// A fresh key pair from a cryptographic RNG.
+    pub fn generate<R: rand_core::CryptoRng + ?Sized>(rng: &mut R) -> Self {
+        let mut bytes = [0u8; KEY_BYTES];
+        rng.fill_bytes(&mut bytes);
+        Self::from_secret_bytes(bytes)
+    }
+
+    /// The key pair of a private key (clamped by X25519 itself).
+    pub fn from_secret_bytes(bytes: [u8; KEY_BYTES]) -> Self {
+        let secret = StaticSecret::from(bytes);
+        let public = PublicKey::from(&secret).to_bytes();
+        Self { secret, public }
+    }
+
+    /// The private key's bytes, to be secret-shared.
+    pub fn secret_bytes(&self) -> [u8; KEY_BYTES] {
+        self.secret.to_bytes()
+    }
+
+    /// The public key.
+    pub fn public(&self) -> [u8; KEY_BYTES] {
+        self.public
+    }
+
+    /// The X25519 shared secret with `peer`, refusing a low-order peer key.
+    pub fn agree(&self, peer: &[u8; KEY_BYTES]) -> Result<[u8; KEY_BYTES], CryptoError> {
+        let shared = self.secret.diffie_hellman(&PublicKey::from(*peer));
+        if !shared.was_contributory() {
+            return Err(CryptoError::WeakPublicKey);
+        }
+        Ok(shared.to_bytes())
+    }
+}
+
+struct Len32;
+
+impl hkdf::KeyType for Len32 {
+    fn len(&self) -> usize {
+        KEY_BYTES
+    }
+}
+
+fn hkdf32(ikm: &[u8], salt: &[u8; KEY_BYTES], info: &[&[u8]]) -> [u8; KEY_BYTES] {
+    let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, salt).extract(ikm);
+    let mut out = [0u8; KEY_BYTES];
+    prk.expand(info, Len32)
+        .and_then(|okm| okm.fill(&mut out))
+        .expect("32 bytes is far below HKDF-SHA256's output limit");
+    out
+}
+
+/// The ChaCha20 key of the pairwise mask between clients `a` and `b`: the same for both
+/// (the indices enter in ascending order), different for every pair and round.
+pub fn pairwise_mask_seed(
+    shared: &[u8; KEY_BYTES],
+    session: &[u8; KEY_BYTES],
+    a: u32,
+    b: u32,
+) -> [u8; KEY_BYTES] {
+    let (lo, hi) = if a < b { (a, b) } else { (b, a) };
+    hkdf32(
+        shared,
+        session,
+        &[
+            b"cohort secagg pairwise mask v1",
+            &lo.to_le_bytes(),
+            &hi.to_le_bytes(),
+        ],
+    )
+}
+
+/// The AEAD key for shares sent by `from` to `to`. Directional, so that the two shares a
+/// pair exchanges never use one key (and nonce) twice.
+pub fn share_key(
+    shared: &[u8; KEY_BYTES],
+    session: &[u8; KEY_BYTES],
+    from: u32,
+    to: u32,
+) -> [u8; KEY_BYTES] {
+    hkdf32(
+        shared,
+        session,
+        &[
+            b"cohort secagg share encryption v1",
+            &from.to_le_bytes(),
+            &to.to_le_bytes(),
+        ],
+    )
+}
+
+/// A key for some public purpose derived from the session id alone (the neighbour
+/// graph's shuffle, for example): every party computes the same.
+pub fn public_derivation(session: &[u8; KEY_BYTES], label: &[u8]) -> [u8; KEY_BYTES] {
+    hkdf32(
+        session,
+        &[0u8; KEY_BYTES],
+        &[b"cohort secagg public v1", label],
+    )
+}
+
+fn aad(session: &[u8; KEY_BYTES], from: u32, to: u32) -> [u8; KEY_BYTES + 8] {
+    let mut out = [0u8; KEY_BYTES + 8];
+    out[..KEY_BYTES].copy_from_slice(session);
+    out[KEY_BYTES..KEY_BYTES + 4].copy_from_slice(&from.to_le_bytes());
+    out[KEY_BYTES + 4..].copy_from_slice(&to.to_le_bytes());
+    out
+}
+
+fn aead_key(key: &[u8; KEY_BYTES]) -> aead::LessSafeKey {
+    aead::LessSafeKey::new(
+        aead::UnboundKey::new(&aead::CHACHA20_POLY1305, key).expect("a 32-byte key"),
+    )
+}
+
+/// Bytes ChaCha20-Poly1305 adds to a plaintext.
+pub const TAG_BYTES: usize = 16;
+
+/// Encrypts `plaintext` from `from` to `to`. The key is used for this one message, so
+/// the all-zero nonce is never repeated under it.
+pub fn seal(
+    key: &[u8; KEY_BYTES],
+    session: &[u8; KEY_BYTES],
+    from: u32,
+    to: u32,
+    plaintext: &[u8],
+) -> Vec<u8> {
+    let mut buf = plaintext.to_vec();
+    aead_key(key)
+        .seal_in_place_append_tag(
+            aead::Nonce::assume_unique_for_key([0; 12]),
+            aead::Aad::from(aad(session, from, to)),
+            &mut buf,
+        )
+        .expect("plaintexts of a few hundred bytes are far below the AEAD limit");
+    buf
+}
+
+/// Decrypts what [`seal`] made for the same key, session, sender and recipient.
+pub fn open(
+    key: &[u8; KEY_BYTES],
+    session: &[u8; KEY_BYTES],
+    from: u32,
+    to: u32,
+    ciphertext: &[u8],
+) -> Result<Vec<u8>, CryptoError> {
+    let mut buf = ciphertext.to_vec();
+    let plain = aead_key(key)
+        .open_in_place(
+            aead::Nonce::assume_unique_for_key([0; 12]),
+            aead::Aad::from(aad(session, from, to)),
+            &mut buf,
+        )
+        .map_err(|_| CryptoError::Unauthenticated)?;
+    let len = plain.len();
+    buf.truncate(len);
+    Ok(buf)
+}
+
+/// A binding commitment to client `owner`'s self-mask seed. It hides the seed (which is
+/// 256 random bits) and lets the server check the seed it rebuilds from shares.
+pub fn seed_commitment(
+    session: &[u8; KEY_BYTES],
+    owner: u32,
+    seed: &[u8; KEY_BYTES],
+) -> [u8; KEY_BYTES] {
+    let mut ctx = digest::Context::new(&digest::SHA256);
+    ctx.update(b"cohort secagg self-mask commitment v1");
+    ctx.update(session);
+    ctx.update(&owner.to_le_bytes());
+    ctx.update(seed);
+    ctx.finish()
+        .as_ref()
+        .try_into()
+        .expect("SHA-256 gives 32 bytes")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand_chacha::ChaCha20Rng;
+    use rand_core::SeedableRng;
+
+    #[test]
+    fn both_sides_derive_the_same_pairwise_seed_and_only_they() {
+        let mut rng = ChaCha20Rng::seed_from_u64(1);
+        let (a, b, c) = (
+            KeyPair::generate(&mut rng),
+            KeyPair::generate(&mut rng),
+            KeyPair::generate(&mut rng),
+        );
+        let s = [5; 32];
+        let ab = pairwise_mask_seed(&a.agree(&b.public()).unwrap(), &s, 1, 2);
+        let ba = pairwise_mask_seed(&b.agree(&a.public()).unwrap(), &s, 2, 1);
+        assert_eq!(ab, ba);
+        let ac = pairwise_mask_seed(&a.agree(&c.public()).unwrap(), &s, 1, 3);
+        assert_ne!(ab, ac);
+        let other_round = pairwise_mask_seed(&a.agree(&b.public()).unwrap(), &[6; 32], 1, 2);
+        assert_ne!(ab, other_round);
+        // A private key rebuilt from its bytes agrees on the same secrets.
+        let a2 = KeyPair::from_secret_bytes(a.secret_bytes());
+        assert_eq!(a2.public(), a.public());
+        assert_eq!(a2.agree(&b.public()), a.agree(&b.public()));
+    }
+
+    #[test]
+    fn low_order_public_keys_are_refused() {
+        let a = KeyPair::generate(&mut ChaCha20Rng::seed_from_u64(2));
+        assert_eq!(a.agree(&[0; 32]), Err(CryptoError::WeakPublicKey));
+        let mut one = [0u8; 32];
+        one[0] = 1;
+        assert_eq!(a.agree(&one), Err(CryptoError::WeakPublicKey));
+    }
+
+    #[test]
+    fn sealed_shares_open_only_for_their_sender_recipient_and_round() {
+        let key = [9; 32];
+        let s = [1; 32];
+        let ct = seal(&key, &s, 3, 4, b"share bytes");
+        assert_eq!(ct.len(), 11 + TAG_BYTES);
+        assert_eq!(open(&key, &s, 3, 4, &ct).unwrap(), b"share bytes");
+        assert!(open(&key, &s, 4, 3, &ct).is_err());
+        assert!(open(&key, &[2; 32], 3, 4, &ct).is_err());
+        assert!(open(&[8; 32], &s, 3, 4, &ct).is_err());
+        let mut flipped = ct.clone();
+        flipped[0] ^= 1;
+        assert!(open(&key, &s, 3, 4, &flipped).is_err());
+        assert!(open(&key, &s, 3, 4, &ct[..5]).is_err());
+        assert_ne!(share_key(&key, &s, 3, 4), share_key(&key, &s, 4, 3));
+    }
+
+    #[test]
+    fn commitments_bind_owner_seed_and_round() {
+        let c = seed_commitment(&[1; 32], 7, &[2; 32]);
+        assert_ne!(c, seed_commitment(&[1; 32], 8, &[2; 32]));
+        assert_ne!(c, seed_commitment(&[1; 32], 7, &[3; 32]));
+        assert_ne!(c, seed_commitment(&[0; 32], 7, &[2; 32]));
+    }
+}

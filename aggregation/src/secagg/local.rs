@@ -1,0 +1,279 @@
+//! An in-process transport: one secure round with every client in this process, for
+//! simulation, benchmarks and tests. Messages go through the very same state machines
+//! (and the same JSON encoding for the byte counts) as over HTTP.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use rand_chacha::ChaCha20Rng;
+use rand_core::SeedableRng;
+use rayon::prelude::*;
+
+use super::messages::{KeyDirectory, RoundConfig, UnmaskRequest};
+use super::{ClientSession, SecAggError, ServerSession, Stage, Unmasked};
+
+/// What one client contributes when it reaches stage 3.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ClientInput {
+    /// A float update, its weight (sample count) and training loss, quantised by the
+    /// client.
+    Update {
+        /// The update, `d` values.
+        values: Vec<f32>,
+        /// Sample count.
+        weight: u64,
+        /// Mean training loss.
+        loss: f64,
+    },
+    /// A vector already quantised with the round's quantiser (`d + 2` words).
+    Quantized(Vec<u32>),
+}
+
+/// Seconds spent by each party in each stage.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Timings {
+    /// Per client: key generation (stage 1).
+    pub client_advertise: Vec<f64>,
+    /// Per client: secret sharing and encryption (stage 2).
+    pub client_share: Vec<f64>,
+    /// Per client: decryption, quantisation and masking (stage 3), without obtaining
+    /// the input.
+    pub client_mask: Vec<f64>,
+    /// Per client: revealing shares (stage 4).
+    pub client_unmask: Vec<f64>,
+    /// Server: accepting keys and building the graph.
+    pub server_advertise: f64,
+    /// Server: accepting and routing shares.
+    pub server_share: f64,
+    /// Server: folding the masked inputs.
+    pub server_collect: f64,
+    /// Server: accepting revealed shares, rebuilding secrets, removing masks, decoding.
+    pub server_unmask: f64,
+    /// The whole round, wall clock.
+    pub round: f64,
+}
+
+/// What a local round produced.
+#[derive(Debug)]
+pub struct LocalRound {
+    /// The unmasked result, or why the round failed.
+    pub result: Result<Unmasked, SecAggError>,
+    /// Where the time went.
+    pub timings: Timings,
+    /// Bytes each client sent, by index: its messages' JSON and its masked input's
+    /// bytes, as they travel over HTTP.
+    pub bytes_sent: BTreeMap<u32, usize>,
+    /// Clients that refused to go on, and why (for example too few neighbours left).
+    pub aborted: BTreeMap<u32, SecAggError>,
+}
+
+fn json_len<T: serde::Serialize>(value: &T) -> usize {
+    serde_json::to_vec(value).map_or(0, |v| v.len())
+}
+
+fn timed<T>(f: impl FnOnce() -> T) -> (T, f64) {
+    let start = Instant::now();
+    let out = f();
+    (out, start.elapsed().as_secs_f64())
+}
+
+/// Runs one round among clients `1..=config.parties`. A client in `drop_at` stops
+/// answering at that stage (it sends nothing from that stage on). Randomness for client
+/// `i` comes from a ChaCha20 stream of `seed` and `i`, so a round is reproducible
+/// whatever the thread timing. `input(i)` is called once per client that reaches stage
+/// 3; with `parallel`, clients work concurrently in each stage.
+pub fn run_round<F>(
+    config: &RoundConfig,
+    seed: [u8; 32],
+    drop_at: &BTreeMap<u32, Stage>,
+    parallel: bool,
+    input: F,
+) -> LocalRound
+where
+    F: Fn(u32) -> ClientInput + Sync,
+{
+    let started = Instant::now();
+    let mut timings = Timings::default();
+    let mut bytes: BTreeMap<u32, usize> = BTreeMap::new();
+    let mut aborted = BTreeMap::new();
+    let present = |u: u32, stage: Stage| drop_at.get(&u).is_none_or(|&d| d > stage);
+    let rng_for = |u: u32| {
+        let mut s = seed;
+        for (b, x) in s.iter_mut().zip(u.to_le_bytes()) {
+            *b ^= x;
+        }
+        s[31] ^= 0xa5;
+        ChaCha20Rng::from_seed(s)
+    };
+    let finish = |result, timings: Timings, bytes, aborted| LocalRound {
+        result,
+        timings,
+        bytes_sent: bytes,
+        aborted,
+    };
+    let mut server = match ServerSession::new(config.clone()) {
+        Ok(s) => s,
+        Err(e) => return finish(Err(e), timings, bytes, aborted),
+    };
+
+    // Stage 1.
+    let indices: Vec<u32> = (1..=config.parties).collect();
+    let advertise = |&u: &u32| {
+        let mut rng = rng_for(u);
+        let (made, secs) = timed(|| ClientSession::new(config.clone(), u, &mut rng));
+        (u, made, rng, secs)
+    };
+    let joined: Vec<_> = if parallel {
+        indices.par_iter().map(advertise).collect()
+    } else {
+        indices.iter().map(advertise).collect()
+    };
+    let mut clients: BTreeMap<u32, (ClientSession, ChaCha20Rng)> = BTreeMap::new();
+    let mut server_time = 0.0;
+    for (u, made, rng, secs) in joined {
+        timings.client_advertise.push(secs);
+        let (session, keys) = match made {
+            Ok(m) => m,
+            Err(e) => return finish(Err(e), timings, bytes, aborted),
+        };
+        if !present(u, Stage::Advertise) {
+            continue;
+        }
+        *bytes.entry(u).or_default() += json_len(&keys);
+        let (r, secs) = timed(|| server.receive_keys(u, &keys));
+        server_time += secs;
+        if let Err(e) = r {
+            return finish(Err(e), timings, bytes, aborted);
+        }
+        clients.insert(u, (session, rng));
+    }
+    let (directory, secs) = timed(|| server.close_advertise());
+    timings.server_advertise = server_time + secs;
+    let directory: KeyDirectory = match directory {
+        Ok(d) => d,
+        Err(e) => return finish(Err(e), timings, bytes, aborted),
+    };
+
+    // Stage 2.
+    clients.retain(|&u, _| present(u, Stage::Share));
+    let share = |(&u, (session, rng)): (&u32, &mut (ClientSession, ChaCha20Rng))| {
+        let (r, secs) = timed(|| session.share_keys(&directory, rng));
+        (u, r, secs)
+    };
+    let shared: Vec<_> = if parallel {
+        clients.par_iter_mut().map(share).collect()
+    } else {
+        clients.iter_mut().map(share).collect()
+    };
+    let mut server_time = 0.0;
+    for (u, r, secs) in shared {
+        timings.client_share.push(secs);
+        match r {
+            Ok(message) => {
+                *bytes.entry(u).or_default() += json_len(&message);
+                let (r, secs) = timed(|| server.receive_shares(u, &message));
+                server_time += secs;
+                if let Err(e) = r {
+                    return finish(Err(e), timings, bytes, aborted);
+                }
+            }
+            Err(e) => {
+                aborted.insert(u, e);
+                clients.remove(&u);
+            }
+        }
+    }
+    let (closed, secs) = timed(|| server.close_sharing());
+    timings.server_share = server_time + secs;
+    if let Err(e) = closed {
+        return finish(Err(e), timings, bytes, aborted);
+    }
+
+    // Stage 3: inputs are folded as they come, so only one masked vector per worker is
+    // alive at a time.
+    clients.retain(|&u, _| present(u, Stage::Masked));
+    let server_cell = std::sync::Mutex::new((&mut server, 0.0f64));
+    let mask = |(&u, (session, rng)): (&u32, &mut (ClientSession, ChaCha20Rng))| {
+        let forwarded = server_cell
+            .lock()
+            .expect("no panics while held")
+            .0
+            .forwarded_for(u);
+        let forwarded = match forwarded {
+            Ok(f) => f,
+            Err(e) => return (u, Err(e), 0.0, 0),
+        };
+        let value = input(u);
+        let (masked, secs) = timed(|| match value {
+            ClientInput::Update {
+                values,
+                weight,
+                loss,
+            } => session.mask(&forwarded, &values, weight, loss, rng),
+            ClientInput::Quantized(words) => session.mask_quantized(&forwarded, words),
+        });
+        match masked {
+            Ok(words) => {
+                let sent = words.len() * 4;
+                let mut guard = server_cell.lock().expect("no panics while held");
+                let (r, s) = timed(|| guard.0.receive_masked(u, &words));
+                guard.1 += s;
+                (u, r, secs, sent)
+            }
+            Err(e) => (u, Err(e), secs, 0),
+        }
+    };
+    let masked: Vec<_> = if parallel {
+        clients.par_iter_mut().map(mask).collect()
+    } else {
+        clients.iter_mut().map(mask).collect()
+    };
+    let (_, collect_time) = server_cell.into_inner().expect("no panics while held");
+    for (u, r, secs, sent) in masked {
+        timings.client_mask.push(secs);
+        *bytes.entry(u).or_default() += sent;
+        if let Err(e) = r {
+            aborted.insert(u, e);
+            clients.remove(&u);
+        }
+    }
+    let (request, secs) = timed(|| server.close_collection());
+    timings.server_collect = collect_time + secs;
+    let request: UnmaskRequest = match request {
+        Ok(r) => r,
+        Err(e) => return finish(Err(e), timings, bytes, aborted),
+    };
+
+    // Stage 4.
+    clients.retain(|&u, _| present(u, Stage::Unmask));
+    let unmask = |(&u, (session, _)): (&u32, &mut (ClientSession, ChaCha20Rng))| {
+        let (r, secs) = timed(|| session.unmask(&request));
+        (u, r, secs)
+    };
+    let revealed: Vec<_> = if parallel {
+        clients.par_iter_mut().map(unmask).collect()
+    } else {
+        clients.iter_mut().map(unmask).collect()
+    };
+    let mut server_time = 0.0;
+    for (u, r, secs) in revealed {
+        timings.client_unmask.push(secs);
+        match r {
+            Ok(reply) => {
+                *bytes.entry(u).or_default() += json_len(&reply);
+                let (r, secs) = timed(|| server.receive_unmask(u, &reply));
+                server_time += secs;
+                if let Err(e) = r {
+                    return finish(Err(e), timings, bytes, aborted);
+                }
+            }
+            Err(e) => {
+                aborted.insert(u, e);
+            }
+        }
+    }
+    let (result, secs) = timed(|| server.finish());
+    timings.server_unmask = server_time + secs;
+    timings.round = started.elapsed().as_secs_f64();
+    finish(result, timings, bytes, aborted)
+}

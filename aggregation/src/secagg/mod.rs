@@ -1,0 +1,281 @@
+//! Secure aggregation: the coordinator learns the sum of the clients' updates and
+//! nothing about any single one (SecAgg, Bonawitz et al. 2017, with the sparse neighbour
+//! graph of SecAgg+, Bell et al. 2020).
+//!
+//! The protocol is two pure state machines, [`ClientSession`] and [`ServerSession`],
+//! exchanging the typed messages of [`messages`]; moving the messages is the caller's
+//! job (HTTP for `cohort serve`, function calls for `cohort simulate`). A round has four
+//! stages, each with its own set of clients still present:
+//!
+//! 1. **Advertise keys** (`U1`): each client sends two X25519 public keys, one for
+//!    encrypting shares and one for pairwise masks.
+//! 2. **Share keys** (`U2`): the server publishes `U1`'s keys; every party derives the
+//!    same random `k`-regular neighbour graph from the round's public session id
+//!    ([`graph`]). Each client draws a self-mask seed `b`, Shamir-shares `b` and its mask
+//!    private key among its `k` neighbours with threshold `t` ([`shamir`]), and sends
+//!    each neighbour its pair of shares under ChaCha20-Poly1305 with a key from X25519
+//!    and HKDF-SHA256 ([`crypto`]), through the server.
+//! 3. **Masked input** (`U3`): each client quantises its update into `Z_2^32`
+//!    ([`quantize`]) and adds the self mask `PRG(b)` and, for every neighbour `v` in
+//!    `U2`, `+PRG(s_uv)` or `-PRG(s_uv)` (by index order), where `s_uv` comes from the
+//!    pair's X25519 agreement; PRG is ChaCha20 ([`prg`]). The server adds the vectors.
+//! 4. **Unmask**: the server names `U3`; each surviving client reveals, for each
+//!    neighbour in `U2`, the share of its seed if it is in `U3` and of its mask key if it
+//!    is not, never both. The server rebuilds the seeds of `U3` and the keys of
+//!    `U2 \ U3`, removes their masks, and decodes the weighted mean.
+//!
+//! Double masking is what makes a late client safe: if its input arrives after the
+//! server declared it dropped, the server holds its pairwise masks but never its self
+//! mask.
+//!
+//! # Security parameters
+//!
+//! | parameter | value | literature |
+//! |---|---|---|
+//! | self-mask seed, pairwise seeds, AEAD keys | 256 bits | Flower: 32-bit PRG seed; Bonawitz: 128+ bits |
+//! | key agreement | X25519 (128-bit security) | Bonawitz: ECDH; Flower: P-384 |
+//! | mask PRG | ChaCha20, RFC 8439 | Flower: MT19937 |
+//! | share encryption | ChaCha20-Poly1305, one key per direction and round | Flower: Fernet |
+//! | secret sharing | Shamir over GF(2^61 - 1), perfect secrecy per limb | Flower: GF(2^128) |
+//! | threshold | `t > k / 2` of each neighbourhood, enforced | Bell et al.: `t > k/2` |
+//! | neighbours | `k` configurable, `O(log n)` by default ([`default_neighbours`]) | Bell et al.: `O(log n)` |
+//!
+//! The threshold above half a neighbourhood means the server cannot collect `t` seed
+//! shares and `t` key shares of one client from disjoint sets of honest neighbours, so
+//! it cannot unmask any individual input. This is the honest-but-curious server model
+//! with honest clients; the active-adversary consistency round of Bonawitz et al. and
+//! signatures on keys are not implemented (clients are authenticated by the transport).
+
+pub mod client;
+pub mod crypto;
+pub mod graph;
+pub mod local;
+pub mod messages;
+pub mod prg;
+pub mod quantize;
+pub mod server;
+pub mod shamir;
+
+#[cfg(test)]
+mod tests;
+
+use std::fmt;
+
+pub use client::ClientSession;
+pub use graph::{NeighbourGraph, effective_degree};
+pub use messages::{
+    AdvertiseKeys, DirectoryEntry, EncryptedShare, ForwardedShare, ForwardedShares, KeyDirectory,
+    RevealedShare, RoundConfig, ShareKeys, UnmaskRequest, UnmaskShares,
+};
+pub use quantize::{Decoded, EXTRA_WORDS, QuantizationParams, Quantizer};
+pub use server::{Dropouts, ServerSession, ServerStage, Unmasked};
+
+/// The four stages of a secure round, named as `--dropout-stage` spells them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Stage {
+    /// Stage 1: advertise public keys.
+    Advertise,
+    /// Stage 2: share keys.
+    Share,
+    /// Stage 3: masked input collection.
+    Masked,
+    /// Stage 4: unmasking.
+    Unmask,
+}
+
+impl Stage {
+    /// Every stage, in order.
+    pub const ALL: [Stage; 4] = [Stage::Advertise, Stage::Share, Stage::Masked, Stage::Unmask];
+
+    /// `advertise`, `share`, `masked` or `unmask`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stage::Advertise => "advertise",
+            Stage::Share => "share",
+            Stage::Masked => "masked",
+            Stage::Unmask => "unmask",
+        }
+    }
+}
+
+impl fmt::Display for Stage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Stage {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Stage::ALL
+            .into_iter()
+            .find(|st| st.as_str() == s.trim())
+            .ok_or_else(|| {
+                format!("unknown stage `{s}`: expected advertise, share, masked or unmask")
+            })
+    }
+}
+
+/// Why a secure-aggregation step was refused or a round failed. A refused message
+/// changes nothing; a failed round accepts nothing more.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SecAggError {
+    /// A round setting is out of range.
+    #[error("invalid secure aggregation setting: {0}")]
+    InvalidConfig(String),
+    /// A message for another stage.
+    #[error("expected a {expected} message, the round is at {}", actual.map_or("its end".to_string(), |s| s.to_string()))]
+    WrongStage {
+        /// The stage the message belongs to.
+        expected: Stage,
+        /// Where the round is (`None`: finished).
+        actual: Option<Stage>,
+    },
+    /// A client index outside `1..=n`.
+    #[error("client {0} is not one of the round's clients")]
+    UnknownClient(u32),
+    /// A client that is not (or no longer) in the round at this stage.
+    #[error("client {0} is not in the round at this stage")]
+    NotInRound(u32),
+    /// A second message from one client, or a client named twice.
+    #[error("client {0} appears twice")]
+    Duplicate(u32),
+    /// A share for, or from, a client outside the neighbourhood.
+    #[error("clients {from} and {to} are not neighbours")]
+    NotNeighbour {
+        /// The sender (or owner).
+        from: u32,
+        /// The recipient (or holder).
+        to: u32,
+    },
+    /// A vector or ciphertext of the wrong length.
+    #[error("expected {expected} items, got {found}")]
+    WrongLength {
+        /// The right length.
+        expected: usize,
+        /// The length given.
+        found: usize,
+    },
+    /// A list that must be strictly ascending is not.
+    #[error("client lists must be strictly ascending")]
+    Unsorted,
+    /// A message that is well-formed but inconsistent with the round.
+    #[error("{0}")]
+    BadMessage(String),
+    /// Too few clients remain after a stage for the threshold: the round fails before
+    /// anything more is revealed.
+    #[error("only {have} clients after the {stage} stage, {need} needed")]
+    TooFewParticipants {
+        /// The stage that closed.
+        stage: Stage,
+        /// Clients remaining.
+        have: usize,
+        /// Clients needed.
+        need: usize,
+    },
+    /// A client with fewer than `t` neighbours left: its secrets could not be rebuilt.
+    #[error("client {client} has {have} neighbours left, {need} needed")]
+    TooFewNeighbours {
+        /// The client.
+        client: u32,
+        /// Neighbours left.
+        have: usize,
+        /// The threshold.
+        need: usize,
+    },
+    /// Fewer than `t` shares of a secret arrived: the sum cannot be unmasked.
+    #[error("only {have} shares of client {client}'s secret, {need} needed")]
+    CannotRecover {
+        /// Whose secret.
+        client: u32,
+        /// Shares received.
+        have: usize,
+        /// The threshold.
+        need: usize,
+    },
+    /// The shares of a secret combine to something that fails its check (a commitment
+    /// or public key): a client sent a wrong share.
+    #[error("the shares of client {client}'s secret are inconsistent")]
+    ReconstructionFailed {
+        /// Whose secret.
+        client: u32,
+    },
+    /// The round failed earlier with this error.
+    #[error("the round failed: {0}")]
+    RoundFailed(Box<SecAggError>),
+    /// Key agreement or decryption failed.
+    #[error(transparent)]
+    Crypto(#[from] crypto::CryptoError),
+    /// Secret sharing failed.
+    #[error(transparent)]
+    Shamir(#[from] shamir::ShamirError),
+    /// The neighbour graph could not be built.
+    #[error(transparent)]
+    Graph(#[from] graph::GraphError),
+    /// Quantisation or decoding failed.
+    #[error(transparent)]
+    Quantize(#[from] quantize::QuantizeError),
+    /// The mask generator refused (a vector too long for one keystream).
+    #[error(transparent)]
+    Prg(#[from] prg::PrgError),
+}
+
+/// Largest model a secure round takes: `2^28` parameters, as for plain models.
+pub const MAX_DIMENSION: usize = 1 << 28;
+
+/// The default neighbours for `n` clients, as in SecAgg+ practice: `2 * ceil(log2 n)`
+/// (14 for 100 clients, 18 for 500), or every other client when that is fewer.
+pub fn default_neighbours(n: usize) -> usize {
+    let log = usize::BITS - n.saturating_sub(1).leading_zeros();
+    (2 * log as usize).min(n.saturating_sub(1)).max(1)
+}
+
+/// The default threshold for `k` neighbours among `n` clients: just over half the
+/// effective neighbourhood, `floor(k' / 2) + 1`.
+pub fn default_threshold(n: usize, k: usize) -> usize {
+    effective_degree(n, k) / 2 + 1
+}
+
+impl RoundConfig {
+    /// Checks every setting and returns the round's quantiser.
+    pub fn validate(&self) -> Result<Quantizer, SecAggError> {
+        let bad = |m: String| Err(SecAggError::InvalidConfig(m));
+        if self.parties < 2 {
+            return bad(format!(
+                "secure aggregation needs at least 2 clients, got {}",
+                self.parties
+            ));
+        }
+        if self.neighbours == 0 {
+            return bad("neighbours must be at least 1".into());
+        }
+        let k = effective_degree(self.parties as usize, self.neighbours);
+        if self.threshold == 0 || 2 * self.threshold <= k || self.threshold > k {
+            return bad(format!(
+                "threshold must be more than half of the {k} neighbours and at most {k} \
+                 (between {} and {k}), got {}",
+                k / 2 + 1,
+                self.threshold
+            ));
+        }
+        if self.dimension == 0 || self.dimension > MAX_DIMENSION {
+            return bad(format!(
+                "dimension must be between 1 and {MAX_DIMENSION}, got {}",
+                self.dimension
+            ));
+        }
+        Ok(Quantizer::new(self.quantization, self.parties)?)
+    }
+}
+
+/// Checks that `list` is strictly ascending with every index in `1..=parties`.
+pub(crate) fn check_ascending(list: &[u32], parties: u32) -> Result<(), SecAggError> {
+    if list.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(SecAggError::Unsorted);
+    }
+    if let Some(&u) = list.iter().find(|&&u| u == 0 || u > parties) {
+        return Err(SecAggError::UnknownClient(u));
+    }
+    Ok(())
+}

@@ -1,0 +1,415 @@
+//! Fixed-point quantisation of a weighted update into `Z_2^32`, sized so that the sum of
+//! every client's vector cannot wrap.
+//!
+//! A client with update `x` (length `d`), sample count `w` and training loss `l` sends
+//! `d + 2` words:
+//!
+//! - words `0..d`: `s = (w' / W) * clip(x, -c, c)` in `[-c, c]`, stochastically rounded
+//!   to one of `L = 2^b - 1` levels: `q = round((s + c) / delta)`, `delta = 2c / L`;
+//! - word `d`: the weight `w' = min(w, W)` as an integer;
+//! - word `d + 1`: the loss term `(w' / W) * clamp(l, 0, l_max)` on `L` levels over
+//!   `[0, l_max]`.
+//!
+//! `W` (the weight cap), `c` (the clip) and `l_max` are public settings; `b` is the
+//! largest bit width with `n * L <= 2^32 - 1` for the round's `n` selected clients, so no
+//! word of the sum can wrap. Scaling by `w' / W` before rounding is what makes the mean
+//! weighted without giving the weight a value's bits; the weight travels masked too.
+//!
+//! The server learns `Q = sum q`, `S = sum w'` and the survivors' count `m`, and returns
+//! `mean = (Q * delta - m * c) * W / S`.
+//!
+//! **Error bound.** Stochastic rounding moves each `s` by less than `delta`, so each
+//! coordinate of the mean is within `m * delta * W / S` of the exact sample-weighted mean
+//! of the clipped updates (and the rounding is unbiased, so the expected error is 0).
+//! [`Quantizer::error_bound`] computes it for a round.
+
+/// Words appended to the `d` model words: the weight and the loss term.
+pub const EXTRA_WORDS: usize = 2;
+
+/// Public quantisation settings of a secure round.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct QuantizationParams {
+    /// Each update coordinate is clipped to `[-clip, clip]`.
+    pub clip: f32,
+    /// Sample counts above this count as this (the weight cap `W`).
+    pub max_weight: u32,
+    /// Training losses are clamped to `[0, loss_clip]` for the mean training loss.
+    pub loss_clip: f32,
+}
+
+impl Default for QuantizationParams {
+    fn default() -> Self {
+        Self {
+            clip: 4.0,
+            max_weight: 1000,
+            loss_clip: 64.0,
+        }
+    }
+}
+
+/// Why an input could not be quantised or a sum decoded.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum QuantizeError {
+    /// A setting out of range.
+    #[error("invalid quantisation setting: {0}")]
+    InvalidParams(String),
+    /// An update coordinate or the loss is NaN or infinite.
+    #[error("input value {index} is not finite")]
+    NonFinite {
+        /// The offending coordinate (`d` for the loss).
+        index: usize,
+    },
+    /// The weight is zero.
+    #[error("a client's weight (sample count) must be at least 1")]
+    ZeroWeight,
+    /// A vector of the wrong length.
+    #[error("expected {expected} words, got {found}")]
+    WrongLength {
+        /// `d + 2`.
+        expected: usize,
+        /// What was given.
+        found: usize,
+    },
+    /// A word of the unmasked sum is larger than `m` clients can produce: some input was
+    /// out of range or a mask was not removed, so the sum is not trustworthy.
+    #[error("word {index} of the sum is out of range for {survivors} clients")]
+    OutOfRange {
+        /// The offending word.
+        index: usize,
+        /// Clients in the sum.
+        survivors: usize,
+    },
+    /// The sum holds no weight: there is no mean.
+    #[error("the sum holds no weight")]
+    NoWeight,
+}
+
+/// The quantiser of one round: public settings plus the bit width for `n` clients.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Quantizer {
+    params: QuantizationParams,
+    bits: u32,
+    levels: u32,
+    parties: u32,
+}
+
+/// The quantised vector of one client, with the facts needed to check it.
+pub type Quantized = Vec<u32>;
+
+/// What the server learns from an unmasked sum.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decoded {
+    /// The sample-weighted mean update (of the clipped updates, within the error bound).
+    pub mean: Vec<f32>,
+    /// Sum of the (capped) weights.
+    pub total_weight: u64,
+    /// Sample-weighted mean training loss (clamped to `[0, loss_clip]`).
+    pub mean_loss: f64,
+    /// The bound on every coordinate's error, see [`Quantizer::error_bound`].
+    pub error_bound: f64,
+}
+
+impl Quantizer {
+    /// The quantiser for a round of `parties` selected clients.
+    pub fn new(params: QuantizationParams, parties: u32) -> Result<Self, QuantizeError> {
+        let bad = |m: String| Err(QuantizeError::InvalidParams(m));
+        if !(params.clip.is_finite() && params.clip > 0.0 && params.clip <= 1e6) {
+            return bad(format!("clip must be in (0, 1e6], got {}", params.clip));
+        }
+        if !(params.loss_clip.is_finite() && params.loss_clip > 0.0 && params.loss_clip <= 1e6) {
+            return bad(format!(
+                "loss_clip must be in (0, 1e6], got {}",
+                params.loss_clip
+            ));
+        }
+        if params.max_weight == 0 {
+            return bad("max_weight must be at least 1".into());
+        }
+        if parties == 0 {
+            return bad("a round needs at least one client".into());
+        }
+        if u64::from(parties) * u64::from(params.max_weight) > u64::from(u32::MAX) {
+            return bad(format!(
+                "{parties} clients with weights up to {} could overflow the 32-bit weight sum",
+                params.max_weight
+            ));
+        }
+        let per_client = u32::MAX / parties; // the largest L with n * L <= 2^32 - 1
+        let bits = 32 - (per_client.saturating_add(1)).leading_zeros() - 1;
+        let bits = if per_client == u32::MAX { 32 } else { bits };
+        let levels = if bits == 32 {
+            u32::MAX
+        } else {
+            (1u32 << bits) - 1
+        };
+        if bits < 8 {
+            return bad(format!(
+                "{parties} clients leave only {bits} bits per value in 32-bit words"
+            ));
+        }
+        Ok(Self {
+            params,
+            bits,
+            levels,
+            parties,
+        })
+    }
+
+    /// The public settings.
+    pub fn params(&self) -> &QuantizationParams {
+        &self.params
+    }
+
+    /// Bits per value: the largest `b` with `n * (2^b - 1) < 2^32`.
+    pub fn bits(&self) -> u32 {
+        self.bits
+    }
+
+    /// The quantisation step `delta = 2c / (2^b - 1)`.
+    pub fn step(&self) -> f64 {
+        2.0 * f64::from(self.params.clip) / f64::from(self.levels)
+    }
+
+    /// The bound on every coordinate of the decoded mean: `m * delta * W / S` for `m`
+    /// survivors with capped weights summing to `S`.
+    pub fn error_bound(&self, survivors: usize, total_weight: u64) -> f64 {
+        if total_weight == 0 {
+            return f64::INFINITY;
+        }
+        survivors as f64 * self.step() * f64::from(self.params.max_weight) / total_weight as f64
+    }
+
+    /// Quantises one client's update (clipping it), weight and loss into `d + 2` words,
+    /// with stochastic rounding drawn from `rng`.
+    pub fn encode<R: rand_core::Rng + ?Sized>(
+        &self,
+        update: &[f32],
+        weight: u64,
+        loss: f64,
+        rng: &mut R,
+    ) -> Result<Quantized, QuantizeError> {
+        if weight == 0 {
+            return Err(QuantizeError::ZeroWeight);
+        }
+        if let Some(index) = update.iter().position(|v| !v.is_finite()) {
+            return Err(QuantizeError::NonFinite { index });
+        }
+        if !loss.is_finite() {
+            return Err(QuantizeError::NonFinite {
+                index: update.len(),
+            });
+        }
+        let w = weight.min(u64::from(self.params.max_weight)) as u32;
+        let scale = f64::from(w) / f64::from(self.params.max_weight);
+        let clip = f64::from(self.params.clip);
+        let levels = f64::from(self.levels);
+        let inv_step = levels / (2.0 * clip);
+        let mut out = Vec::with_capacity(update.len() + EXTRA_WORDS);
+        for &v in update {
+            let s = scale * f64::from(v).clamp(-clip, clip);
+            out.push(self.round(((s + clip) * inv_step).clamp(0.0, levels), rng));
+        }
+        out.push(w);
+        let loss_clip = f64::from(self.params.loss_clip);
+        let l = scale * loss.clamp(0.0, loss_clip);
+        out.push(self.round((l * levels / loss_clip).clamp(0.0, levels), rng));
+        Ok(out)
+    }
+
+    /// Stochastic rounding of `z` in `[0, L]`: up with probability `frac(z)`.
+    fn round<R: rand_core::Rng + ?Sized>(&self, z: f64, rng: &mut R) -> u32 {
+        let floor = z.floor();
+        let frac = z - floor;
+        let up = (f64::from(rng.next_u32()) + 0.5) * (1.0 / 4_294_967_296.0) < frac;
+        (floor as u32)
+            .saturating_add(u32::from(up))
+            .min(self.levels)
+    }
+
+    /// Decodes the unmasked sum of `survivors` clients' vectors.
+    pub fn decode(&self, sum: &[u32], survivors: usize) -> Result<Decoded, QuantizeError> {
+        if sum.len() < EXTRA_WORDS {
+            return Err(QuantizeError::WrongLength {
+                expected: EXTRA_WORDS,
+                found: sum.len(),
+            });
+        }
+        if survivors == 0 || survivors > self.parties as usize {
+            return Err(QuantizeError::InvalidParams(format!(
+                "{survivors} survivors in a round of {}",
+                self.parties
+            )));
+        }
+        let d = sum.len() - EXTRA_WORDS;
+        let max_word = survivors as u64 * u64::from(self.levels);
+        if let Some(index) = sum.iter().enumerate().position(|(i, &q)| {
+            let limit = if i == d {
+                survivors as u64 * u64::from(self.params.max_weight)
+            } else {
+                max_word
+            };
+            u64::from(q) > limit
+        }) {
+            return Err(QuantizeError::OutOfRange { index, survivors });
+        }
+        let total_weight = u64::from(sum[d]);
+        if total_weight == 0 {
+            return Err(QuantizeError::NoWeight);
+        }
+        let step = self.step();
+        let clip = f64::from(self.params.clip);
+        let factor = f64::from(self.params.max_weight) / total_weight as f64;
+        let offset = survivors as f64 * clip;
+        let mean = sum[..d]
+            .iter()
+            .map(|&q| ((f64::from(q) * step - offset) * factor) as f32)
+            .collect();
+        let loss_step = f64::from(self.params.loss_clip) / f64::from(self.levels);
+        Ok(Decoded {
+            mean,
+            total_weight,
+            mean_loss: f64::from(sum[d + 1]) * loss_step * factor,
+            error_bound: self.error_bound(survivors, total_weight),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use rand_chacha::ChaCha20Rng;
+    use rand_core::SeedableRng;
+
+    fn q(parties: u32) -> Quantizer {
+        Quantizer::new(QuantizationParams::default(), parties).unwrap()
+    }
+
+    #[test]
+    fn bit_width_leaves_room_for_every_client() {
+        for n in [1u32, 2, 3, 100, 500, 1000, 4_000_000] {
+            let quant = Quantizer::new(
+                QuantizationParams {
+                    max_weight: 1,
+                    ..QuantizationParams::default()
+                },
+                n,
+            )
+            .unwrap();
+            let l = u64::from(quant.levels);
+            assert!(u64::from(n) * l <= u64::from(u32::MAX), "n={n}");
+            // and it is the largest such width
+            if quant.bits < 32 {
+                assert!(
+                    u64::from(n) * ((l + 1) * 2 - 1) > u64::from(u32::MAX),
+                    "n={n}"
+                );
+            }
+        }
+        assert_eq!(q(1).bits(), 32);
+        assert_eq!(q(2).bits(), 31);
+        assert_eq!(q(100).bits(), 25);
+        assert_eq!(q(500).bits(), 23);
+    }
+
+    #[test]
+    fn bad_settings_and_inputs_are_errors() {
+        let p = QuantizationParams::default();
+        for bad in [
+            QuantizationParams { clip: 0.0, ..p },
+            QuantizationParams {
+                clip: f32::NAN,
+                ..p
+            },
+            QuantizationParams { max_weight: 0, ..p },
+            QuantizationParams {
+                loss_clip: -1.0,
+                ..p
+            },
+        ] {
+            assert!(Quantizer::new(bad, 10).is_err());
+        }
+        assert!(Quantizer::new(p, 0).is_err());
+        assert!(
+            Quantizer::new(p, 5_000_000).is_err(),
+            "weight sum could wrap"
+        );
+        let quant = q(10);
+        let mut rng = ChaCha20Rng::seed_from_u64(0);
+        assert_eq!(
+            quant.encode(&[1.0, f32::NAN], 1, 0.0, &mut rng),
+            Err(QuantizeError::NonFinite { index: 1 })
+        );
+        assert_eq!(
+            quant.encode(&[1.0], 0, 0.0, &mut rng),
+            Err(QuantizeError::ZeroWeight)
+        );
+        assert!(quant.decode(&[0], 1).is_err());
+        assert!(quant.decode(&[0, 0, 0], 1).is_err(), "no weight");
+        assert!(matches!(
+            quant.decode(&[u32::MAX, 1, 0], 1),
+            Err(QuantizeError::OutOfRange { index: 0, .. })
+        ));
+    }
+
+    proptest! {
+        #[test]
+        fn decoded_mean_is_within_the_bound_of_the_weighted_mean(
+            clients in prop::collection::vec(
+                (prop::collection::vec(-5.0f32..5.0, 6), 1u64..2000, 0.0f64..10.0), 1..40),
+            seed in any::<u64>(),
+        ) {
+            let n = clients.len() as u32;
+            let quant = q(n);
+            let mut rng = ChaCha20Rng::seed_from_u64(seed);
+            let mut sum = vec![0u32; 6 + EXTRA_WORDS];
+            for (x, w, l) in &clients {
+                let v = quant.encode(x, *w, *l, &mut rng).unwrap();
+                for (s, q) in sum.iter_mut().zip(&v) {
+                    *s = s.checked_add(*q).expect("the sum never wraps");
+                }
+            }
+            let dec = quant.decode(&sum, clients.len()).unwrap();
+            let c = f64::from(quant.params().clip);
+            let cap = u64::from(quant.params().max_weight);
+            let total: u64 = clients.iter().map(|(_, w, _)| (*w).min(cap)).sum();
+            prop_assert_eq!(dec.total_weight, total);
+            for j in 0..6 {
+                let exact: f64 = clients
+                    .iter()
+                    .map(|(x, w, _)| (*w).min(cap) as f64 * f64::from(x[j]).clamp(-c, c))
+                    .sum::<f64>()
+                    / total as f64;
+                // f32 output adds at most half an ulp of a value below c.
+                let slack = f64::from(f32::EPSILON) * c;
+                prop_assert!(
+                    (f64::from(dec.mean[j]) - exact).abs() <= dec.error_bound + slack,
+                    "coordinate {}: {} vs {} (bound {})", j, dec.mean[j], exact, dec.error_bound
+                );
+            }
+            let loss: f64 = clients.iter().map(|(_, w, l)| (*w).min(cap) as f64 * l).sum::<f64>() / total as f64;
+            let loss_bound = clients.len() as f64 * f64::from(quant.params().loss_clip)
+                / f64::from(quant.levels) * cap as f64 / total as f64;
+            prop_assert!((dec.mean_loss - loss).abs() <= loss_bound + 1e-9);
+        }
+    }
+
+    #[test]
+    fn rounding_is_unbiased() {
+        let quant = q(1000);
+        let mut rng = ChaCha20Rng::seed_from_u64(3);
+        let x = 0.123_456_7f32;
+        let reps = 20_000;
+        let mut sum = 0f64;
+        for _ in 0..reps {
+            let v = quant.encode(&[x], 1000, 0.0, &mut rng).unwrap();
+            sum += f64::from(v[0]) * quant.step() - 4.0;
+        }
+        let mean = sum / f64::from(reps);
+        // The standard error of the mean of rounding noise is below step / sqrt(reps).
+        assert!(
+            (mean - f64::from(x)).abs() < 5.0 * quant.step() / f64::from(reps).sqrt(),
+            "{mean} vs {x}"
+        );
+    }
+}

@@ -1,0 +1,613 @@
+//! The server side of a secure round, as a state machine. It routes messages, folds
+//! masked inputs into a running sum as they arrive, and at the end rebuilds just the
+//! secrets it is owed: the self-mask seeds of the survivors and the mask keys of the
+//! clients that dropped after sharing. It never holds an unmasked input.
+//!
+//! Every `receive_*` checks its message completely and changes nothing when it refuses
+//! it. A `close_*` that finds too few clients ends the round in the failed stage, before
+//! anything more is revealed.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use rayon::prelude::*;
+
+use super::crypto::{self, KEY_BYTES, KeyPair};
+use super::graph::{NeighbourGraph, effective_degree};
+use super::messages::{
+    AdvertiseKeys, DirectoryEntry, ForwardedShare, ForwardedShares, KeyDirectory, RoundConfig,
+    SHARE_CIPHERTEXT_BYTES, ShareKeys, UnmaskRequest, UnmaskShares,
+};
+use super::prg::{self, Mask, MaskSign};
+use super::quantize::{Decoded, EXTRA_WORDS, Quantizer};
+use super::shamir::{Interpolator, Share};
+use super::{SecAggError, Stage};
+
+/// Where the server is in a round.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ServerStage {
+    /// Collecting public keys.
+    Advertise,
+    /// Collecting encrypted shares.
+    Share,
+    /// Collecting masked inputs.
+    Masked,
+    /// Collecting revealed shares.
+    Unmask,
+    /// The sum is unmasked.
+    Finished,
+    /// The round failed; nothing more is accepted.
+    Failed(SecAggError),
+}
+
+/// Who dropped out at which stage: selected clients missing from each stage's set.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Dropouts {
+    /// Selected, never advertised keys.
+    pub advertise: Vec<u32>,
+    /// Advertised, never sent shares.
+    pub share: Vec<u32>,
+    /// Sent shares, never sent a masked input.
+    pub masked: Vec<u32>,
+    /// Sent a masked input, never answered the unmask request (its input still counts).
+    pub unmask: Vec<u32>,
+}
+
+/// The result of a round: what the server learns, and nothing more.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Unmasked {
+    /// The unmasked sum of the survivors' quantised vectors (`d + 2` words).
+    pub sum: Vec<u32>,
+    /// The decoded weighted mean, total weight, mean loss and error bound.
+    pub decoded: Decoded,
+    /// The clients whose inputs are in the sum (`U3`).
+    pub survivors: Vec<u32>,
+    /// Who dropped where.
+    pub dropouts: Dropouts,
+}
+
+/// The server's part in one secure round.
+pub struct ServerSession {
+    config: RoundConfig,
+    quantizer: Quantizer,
+    stage: ServerStage,
+    keys: BTreeMap<u32, AdvertiseKeys>,
+    graph: Option<NeighbourGraph>,
+    shared: BTreeMap<u32, ShareKeys>,
+    masked: BTreeSet<u32>,
+    sum: Vec<u32>,
+    revealed: BTreeMap<u32, Revealed>,
+}
+
+impl std::fmt::Debug for ServerSession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerSession")
+            .field("stage", &self.stage)
+            .field("advertised", &self.keys.len())
+            .field("shared", &self.shared.len())
+            .field("masked", &self.masked.len())
+            .field("revealed", &self.revealed.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// One client's stage 4 answer, parsed.
+struct Revealed {
+    seeds: BTreeMap<u32, Share>,
+    keys: BTreeMap<u32, Share>,
+}
+
+impl ServerSession {
+    /// A round with the given public settings, collecting keys.
+    pub fn new(config: RoundConfig) -> Result<Self, SecAggError> {
+        let quantizer = config.validate()?;
+        Ok(Self {
+            config,
+            quantizer,
+            stage: ServerStage::Advertise,
+            keys: BTreeMap::new(),
+            graph: None,
+            shared: BTreeMap::new(),
+            masked: BTreeSet::new(),
+            sum: Vec::new(),
+            revealed: BTreeMap::new(),
+        })
+    }
+
+    /// The round's settings.
+    pub fn config(&self) -> &RoundConfig {
+        &self.config
+    }
+
+    /// The stage.
+    pub fn stage(&self) -> &ServerStage {
+        &self.stage
+    }
+
+    /// The round's quantiser (for its error bound).
+    pub fn quantizer(&self) -> &Quantizer {
+        &self.quantizer
+    }
+
+    fn expect(&self, stage: Stage) -> Result<(), SecAggError> {
+        let now = match self.stage {
+            ServerStage::Advertise => Some(Stage::Advertise),
+            ServerStage::Share => Some(Stage::Share),
+            ServerStage::Masked => Some(Stage::Masked),
+            ServerStage::Unmask => Some(Stage::Unmask),
+            ServerStage::Finished => None,
+            ServerStage::Failed(ref e) => {
+                return Err(SecAggError::RoundFailed(Box::new(e.clone())));
+            }
+        };
+        if now == Some(stage) {
+            Ok(())
+        } else {
+            Err(SecAggError::WrongStage {
+                expected: stage,
+                actual: now,
+            })
+        }
+    }
+
+    fn fail(&mut self, error: SecAggError) -> SecAggError {
+        self.stage = ServerStage::Failed(error.clone());
+        error
+    }
+
+    fn graph(&self) -> &NeighbourGraph {
+        self.graph.as_ref().expect("built when advertising closed")
+    }
+
+    /// `U1`: clients whose keys were accepted.
+    pub fn advertised(&self) -> impl Iterator<Item = u32> + '_ {
+        self.keys.keys().copied()
+    }
+
+    /// `U2`: clients whose shares were accepted.
+    pub fn shared(&self) -> impl Iterator<Item = u32> + '_ {
+        self.shared.keys().copied()
+    }
+
+    /// `U3`: clients whose masked inputs are in the sum.
+    pub fn masked(&self) -> impl Iterator<Item = u32> + '_ {
+        self.masked.iter().copied()
+    }
+
+    /// Clients whose stage 4 answers were accepted.
+    pub fn unmasked(&self) -> impl Iterator<Item = u32> + '_ {
+        self.revealed.keys().copied()
+    }
+
+    /// Stage 1: accepts client `from`'s public keys.
+    pub fn receive_keys(&mut self, from: u32, keys: &AdvertiseKeys) -> Result<(), SecAggError> {
+        self.expect(Stage::Advertise)?;
+        if from == 0 || from > self.config.parties {
+            return Err(SecAggError::UnknownClient(from));
+        }
+        if self.keys.contains_key(&from) {
+            return Err(SecAggError::Duplicate(from));
+        }
+        // A low-order key would make every neighbour's agreement fail (or be public);
+        // refuse it here, where it costs the sender alone.
+        let probe = KeyPair::from_secret_bytes([0x5a; KEY_BYTES]);
+        probe.agree(&keys.cipher_pk)?;
+        probe.agree(&keys.mask_pk)?;
+        self.keys.insert(from, keys.clone());
+        Ok(())
+    }
+
+    /// Ends stage 1: builds the neighbour graph over `U1` and returns the key directory,
+    /// or fails the round when the graph cannot give every client `t` neighbours.
+    pub fn close_advertise(&mut self) -> Result<KeyDirectory, SecAggError> {
+        self.expect(Stage::Advertise)?;
+        let members: Vec<u32> = self.keys.keys().copied().collect();
+        let t = self.config.threshold;
+        if members.len() < 2 || effective_degree(members.len(), self.config.neighbours) < t {
+            return Err(self.fail(SecAggError::TooFewParticipants {
+                stage: Stage::Advertise,
+                have: members.len(),
+                need: t + 1,
+            }));
+        }
+        let graph = NeighbourGraph::new(&members, &self.config.session, self.config.neighbours)?;
+        self.graph = Some(graph);
+        self.stage = ServerStage::Share;
+        Ok(self.directory().expect("just built"))
+    }
+
+    /// The key directory (`U1`), once stage 1 has closed.
+    pub fn directory(&self) -> Option<KeyDirectory> {
+        self.graph.as_ref()?;
+        Some(KeyDirectory {
+            entries: self
+                .keys
+                .iter()
+                .map(|(&index, keys)| DirectoryEntry {
+                    index,
+                    keys: keys.clone(),
+                })
+                .collect(),
+        })
+    }
+
+    /// The neighbours of `u` in the round's graph (after stage 1).
+    pub fn neighbours(&self, u: u32) -> Option<Vec<u32>> {
+        self.graph.as_ref()?.neighbours(u)
+    }
+
+    /// Stage 2: accepts client `from`'s encrypted shares: exactly one per neighbour, each
+    /// of the right size.
+    pub fn receive_shares(&mut self, from: u32, shares: &ShareKeys) -> Result<(), SecAggError> {
+        self.expect(Stage::Share)?;
+        if !self.keys.contains_key(&from) {
+            return Err(SecAggError::NotInRound(from));
+        }
+        if self.shared.contains_key(&from) {
+            return Err(SecAggError::Duplicate(from));
+        }
+        let neighbours = self.graph().neighbours(from).expect("a member of U1");
+        let recipients: Vec<u32> = shares.shares.iter().map(|s| s.to).collect();
+        if recipients != neighbours {
+            if let Some(&to) = recipients.iter().find(|to| !neighbours.contains(to)) {
+                return Err(SecAggError::NotNeighbour { from, to });
+            }
+            return Err(SecAggError::BadMessage(format!(
+                "client {from} must send exactly one share to each of its {} neighbours, \
+                 in ascending order",
+                neighbours.len()
+            )));
+        }
+        if let Some(s) = shares
+            .shares
+            .iter()
+            .find(|s| s.ciphertext.len() != SHARE_CIPHERTEXT_BYTES)
+        {
+            return Err(SecAggError::WrongLength {
+                expected: SHARE_CIPHERTEXT_BYTES,
+                found: s.ciphertext.len(),
+            });
+        }
+        self.shared.insert(from, shares.clone());
+        Ok(())
+    }
+
+    /// Ends stage 2, or fails the round with fewer than `t` clients in `U2`.
+    pub fn close_sharing(&mut self) -> Result<(), SecAggError> {
+        self.expect(Stage::Share)?;
+        let t = self.config.threshold;
+        if self.shared.len() < t {
+            return Err(self.fail(SecAggError::TooFewParticipants {
+                stage: Stage::Share,
+                have: self.shared.len(),
+                need: t,
+            }));
+        }
+        self.stage = ServerStage::Masked;
+        Ok(())
+    }
+
+    /// The shares for client `to` from its neighbours in `U2`, once stage 2 has closed.
+    pub fn forwarded_for(&self, to: u32) -> Result<ForwardedShares, SecAggError> {
+        if matches!(self.stage, ServerStage::Advertise | ServerStage::Share) {
+            return Err(SecAggError::WrongStage {
+                expected: Stage::Masked,
+                actual: Some(if self.graph.is_some() {
+                    Stage::Share
+                } else {
+                    Stage::Advertise
+                }),
+            });
+        }
+        if !self.shared.contains_key(&to) {
+            return Err(SecAggError::NotInRound(to));
+        }
+        let neighbours = self.graph().neighbours(to).expect("a member of U1");
+        let shares = neighbours
+            .iter()
+            .filter_map(|from| {
+                let message = self.shared.get(from)?;
+                let share = message.shares.iter().find(|s| s.to == to)?;
+                Some(ForwardedShare {
+                    from: *from,
+                    ciphertext: share.ciphertext.clone(),
+                })
+            })
+            .collect();
+        Ok(ForwardedShares { shares })
+    }
+
+    /// Words of a masked input: `d + 2`.
+    pub fn input_words(&self) -> usize {
+        self.config.dimension + EXTRA_WORDS
+    }
+
+    /// Stage 3: folds client `from`'s masked input into the running sum (mod 2^32).
+    pub fn receive_masked(&mut self, from: u32, masked: &[u32]) -> Result<(), SecAggError> {
+        self.expect(Stage::Masked)?;
+        if !self.shared.contains_key(&from) {
+            return Err(SecAggError::NotInRound(from));
+        }
+        if self.masked.contains(&from) {
+            return Err(SecAggError::Duplicate(from));
+        }
+        if masked.len() != self.input_words() {
+            return Err(SecAggError::WrongLength {
+                expected: self.input_words(),
+                found: masked.len(),
+            });
+        }
+        if self.sum.is_empty() {
+            self.sum = masked.to_vec();
+        } else {
+            for (s, &m) in self.sum.iter_mut().zip(masked) {
+                *s = s.wrapping_add(m);
+            }
+        }
+        self.masked.insert(from);
+        Ok(())
+    }
+
+    /// Ends stage 3 and returns the survivors (`U3`) to send to them, or fails the round
+    /// with fewer than `t`: then no share is ever asked for, and nothing is revealed.
+    pub fn close_collection(&mut self) -> Result<UnmaskRequest, SecAggError> {
+        self.expect(Stage::Masked)?;
+        let t = self.config.threshold;
+        if self.masked.len() < t {
+            return Err(self.fail(SecAggError::TooFewParticipants {
+                stage: Stage::Masked,
+                have: self.masked.len(),
+                need: t,
+            }));
+        }
+        self.stage = ServerStage::Unmask;
+        Ok(self.unmask_request().expect("just closed"))
+    }
+
+    /// The survivors (`U3`), once stage 3 has closed.
+    pub fn unmask_request(&self) -> Option<UnmaskRequest> {
+        match self.stage {
+            ServerStage::Unmask | ServerStage::Finished => Some(UnmaskRequest {
+                survivors: self.masked.iter().copied().collect(),
+            }),
+            _ => None,
+        }
+    }
+
+    /// Stage 4: accepts client `from`'s revealed shares: seed shares only of surviving
+    /// neighbours, key shares only of neighbours that dropped after sharing, each share
+    /// held by `from`.
+    pub fn receive_unmask(&mut self, from: u32, reply: &UnmaskShares) -> Result<(), SecAggError> {
+        self.expect(Stage::Unmask)?;
+        if !self.masked.contains(&from) {
+            return Err(SecAggError::NotInRound(from));
+        }
+        if self.revealed.contains_key(&from) {
+            return Err(SecAggError::Duplicate(from));
+        }
+        let graph = self.graph();
+        let parse = |owner: u32, bytes: &[u8], survived: bool| -> Result<Share, SecAggError> {
+            let in_u2 = self.shared.contains_key(&owner);
+            if !graph.are_neighbours(from, owner) || !in_u2 {
+                return Err(SecAggError::NotNeighbour {
+                    from: owner,
+                    to: from,
+                });
+            }
+            if self.masked.contains(&owner) != survived {
+                return Err(SecAggError::BadMessage(format!(
+                    "client {from} revealed the wrong kind of share of client {owner}"
+                )));
+            }
+            let share = Share::from_bytes(bytes)?;
+            if share.holder != from {
+                return Err(SecAggError::BadMessage(format!(
+                    "client {from} sent a share held by client {}",
+                    share.holder
+                )));
+            }
+            Ok(share)
+        };
+        let mut seeds = BTreeMap::new();
+        for r in &reply.seed_shares {
+            let share = parse(r.owner, &r.share, true)?;
+            if seeds.insert(r.owner, share).is_some() {
+                return Err(SecAggError::Duplicate(r.owner));
+            }
+        }
+        let mut keys = BTreeMap::new();
+        for r in &reply.key_shares {
+            let share = parse(r.owner, &r.share, false)?;
+            if keys.insert(r.owner, share).is_some() {
+                return Err(SecAggError::Duplicate(r.owner));
+            }
+        }
+        self.revealed.insert(from, Revealed { seeds, keys });
+        Ok(())
+    }
+
+    /// Secrets that do not have `t` shares yet: `(owner, true)` for a survivor's seed,
+    /// `(owner, false)` for a dropped client's key. Empty means [`finish`](Self::finish)
+    /// can unmask.
+    pub fn missing_secrets(&self) -> Vec<(u32, bool)> {
+        let t = self.config.threshold;
+        let mut counts: BTreeMap<(u32, bool), usize> = BTreeMap::new();
+        for r in self.revealed.values() {
+            for &o in r.seeds.keys() {
+                *counts.entry((o, true)).or_default() += 1;
+            }
+            for &o in r.keys.keys() {
+                *counts.entry((o, false)).or_default() += 1;
+            }
+        }
+        self.shared
+            .keys()
+            .map(|&u| (u, self.masked.contains(&u)))
+            .filter(|k| counts.get(k).copied().unwrap_or(0) < t)
+            .collect()
+    }
+
+    /// Who dropped at which stage, as far as the round has got.
+    pub fn dropouts(&self) -> Dropouts {
+        let missing = |all: &mut dyn Iterator<Item = u32>, have: &dyn Fn(u32) -> bool| {
+            all.filter(|&u| !have(u)).collect::<Vec<u32>>()
+        };
+        let after_advertise = self.graph.is_some();
+        let after_share =
+            !matches!(self.stage, ServerStage::Advertise | ServerStage::Share) && after_advertise;
+        let after_masked = matches!(self.stage, ServerStage::Unmask | ServerStage::Finished);
+        Dropouts {
+            advertise: if after_advertise {
+                missing(&mut (1..=self.config.parties), &|u| {
+                    self.keys.contains_key(&u)
+                })
+            } else {
+                Vec::new()
+            },
+            share: if after_share {
+                missing(&mut self.keys.keys().copied(), &|u| {
+                    self.shared.contains_key(&u)
+                })
+            } else {
+                Vec::new()
+            },
+            masked: if after_masked {
+                missing(&mut self.shared.keys().copied(), &|u| {
+                    self.masked.contains(&u)
+                })
+            } else {
+                Vec::new()
+            },
+            unmask: if matches!(self.stage, ServerStage::Finished) {
+                missing(&mut self.masked.iter().copied(), &|u| {
+                    self.revealed.contains_key(&u)
+                })
+            } else {
+                Vec::new()
+            },
+        }
+    }
+
+    /// Rebuilds the survivors' seeds and the dropped clients' mask keys from `t` shares
+    /// each, checks them against the seed commitments and advertised keys, removes every
+    /// mask from the sum and decodes the weighted mean. A secret without `t` shares, or
+    /// one that fails its check, fails the round.
+    pub fn finish(&mut self) -> Result<Unmasked, SecAggError> {
+        self.expect(Stage::Unmask)?;
+        match self.unmask_sum() {
+            Ok(sum) => {
+                let survivors: Vec<u32> = self.masked.iter().copied().collect();
+                let decoded = match self.quantizer.decode(&sum, survivors.len()) {
+                    Ok(d) => d,
+                    Err(e) => return Err(self.fail(e.into())),
+                };
+                self.stage = ServerStage::Finished;
+                Ok(Unmasked {
+                    sum,
+                    decoded,
+                    survivors,
+                    dropouts: self.dropouts(),
+                })
+            }
+            Err(e) => Err(self.fail(e)),
+        }
+    }
+
+    fn unmask_sum(&self) -> Result<Vec<u32>, SecAggError> {
+        let t = self.config.threshold;
+        let session = &self.config.session;
+        let mut interpolators: HashMap<Vec<u32>, Interpolator> = HashMap::new();
+        let mut rebuild = |owner: u32, survived: bool| -> Result<[u8; KEY_BYTES], SecAggError> {
+            // The first t holders (by index) that revealed a share of this secret.
+            let shares: Vec<&Share> = self
+                .revealed
+                .values()
+                .filter_map(|r| {
+                    if survived {
+                        r.seeds.get(&owner)
+                    } else {
+                        r.keys.get(&owner)
+                    }
+                })
+                .take(t)
+                .collect();
+            if shares.len() < t {
+                return Err(SecAggError::CannotRecover {
+                    client: owner,
+                    have: shares.len(),
+                    need: t,
+                });
+            }
+            let holders: Vec<u32> = shares.iter().map(|s| s.holder).collect();
+            let interpolator = match interpolators.get(&holders) {
+                Some(i) => i,
+                None => interpolators
+                    .entry(holders.clone())
+                    .or_insert(Interpolator::new(&holders)?),
+            };
+            interpolator
+                .combine(&shares)
+                .map_err(|_| SecAggError::ReconstructionFailed { client: owner })
+        };
+        let mut self_seeds = Vec::with_capacity(self.masked.len());
+        for &u in &self.masked {
+            let seed = rebuild(u, true)?;
+            if crypto::seed_commitment(session, u, &seed) != self.shared[&u].seed_commitment {
+                return Err(SecAggError::ReconstructionFailed { client: u });
+            }
+            self_seeds.push(seed);
+        }
+        let mut dropped_keys = Vec::new();
+        for &u in self.shared.keys().filter(|u| !self.masked.contains(u)) {
+            let key = KeyPair::from_secret_bytes(rebuild(u, false)?);
+            if key.public() != self.keys[&u].mask_pk {
+                return Err(SecAggError::ReconstructionFailed { client: u });
+            }
+            dropped_keys.push((u, key));
+        }
+        // The pairwise masks between each dropped client and its surviving neighbours,
+        // which those neighbours added with the opposite sign to the one removed here.
+        let graph = self.graph();
+        let pairs: Vec<(u32, u32)> = dropped_keys
+            .iter()
+            .enumerate()
+            .flat_map(|(i, &(u, _))| {
+                graph
+                    .neighbours(u)
+                    .expect("a member")
+                    .into_iter()
+                    .filter(|v| self.masked.contains(v))
+                    .map(move |v| (i as u32, v))
+            })
+            .collect();
+        let pair_seeds: Vec<([u8; KEY_BYTES], MaskSign)> = pairs
+            .par_iter()
+            .map(|&(i, v)| {
+                let (u, key) = &dropped_keys[i as usize];
+                let shared = key.agree(&self.keys[&v].mask_pk)?;
+                let seed = crypto::pairwise_mask_seed(&shared, session, *u, v);
+                // v added +PRG when v < u, -PRG otherwise; undo it.
+                let sign = if v < *u {
+                    MaskSign::Subtract
+                } else {
+                    MaskSign::Add
+                };
+                Ok((seed, sign))
+            })
+            .collect::<Result<_, SecAggError>>()?;
+        let mut masks: Vec<Mask<'_>> = self_seeds
+            .iter()
+            .map(|seed| Mask {
+                seed,
+                sign: MaskSign::Subtract,
+            })
+            .collect();
+        masks.extend(
+            pair_seeds
+                .iter()
+                .map(|(seed, sign)| Mask { seed, sign: *sign }),
+        );
+        let mut sum = self.sum.clone();
+        prg::apply_masks_parallel(&masks, 0, &mut sum)?;
+        Ok(sum)
+    }
+}

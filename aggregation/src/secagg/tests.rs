@@ -1,0 +1,772 @@
+//! Whole-protocol tests: random rounds with dropouts at every stage against a plain
+//! oracle, the failure cases, refused messages, and the masked vector's uniformity.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use proptest::prelude::*;
+use rand_chacha::ChaCha20Rng;
+use rand_core::SeedableRng;
+
+use super::local::{ClientInput, run_round};
+use super::*;
+
+fn config(parties: u32, neighbours: usize, threshold: usize, dimension: usize) -> RoundConfig {
+    RoundConfig {
+        session: [7; 32],
+        parties,
+        threshold,
+        neighbours,
+        dimension,
+        quantization: QuantizationParams::default(),
+    }
+}
+
+/// Deterministic pseudo-random update values in [-3, 3] for client `u`.
+fn update_of(u: u32, d: usize, salt: u64) -> Vec<f32> {
+    let mut s = (u64::from(u) << 20) ^ salt ^ 0x9e37_79b9_7f4a_7c15;
+    (0..d)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % 6001) as f32 / 1000.0 - 3.0
+        })
+        .collect()
+}
+
+fn weight_of(u: u32) -> u64 {
+    1 + u64::from(u * 37 % 500)
+}
+
+/// The oracle: whether the round can succeed, from the sets alone.
+fn should_succeed(cfg: &RoundConfig, drop_at: &BTreeMap<u32, Stage>) -> bool {
+    let t = cfg.threshold;
+    let present = |u: u32, stage: Stage| drop_at.get(&u).is_none_or(|&d| d > stage);
+    let u1: Vec<u32> = (1..=cfg.parties)
+        .filter(|&u| present(u, Stage::Advertise))
+        .collect();
+    if u1.len() < 2 || effective_degree(u1.len(), cfg.neighbours) < t {
+        return false;
+    }
+    let graph = NeighbourGraph::new(&u1, &cfg.session, cfg.neighbours).unwrap();
+    let u2: BTreeSet<u32> = u1
+        .iter()
+        .copied()
+        .filter(|&u| present(u, Stage::Share))
+        .collect();
+    if u2.len() < t {
+        return false;
+    }
+    // A client with fewer than t neighbours in U2 refuses to mask.
+    let u3: BTreeSet<u32> = u2
+        .iter()
+        .copied()
+        .filter(|&u| present(u, Stage::Masked))
+        .filter(|&u| {
+            graph
+                .neighbours(u)
+                .unwrap()
+                .iter()
+                .filter(|v| u2.contains(v))
+                .count()
+                >= t
+        })
+        .collect();
+    if u3.len() < t {
+        return false;
+    }
+    let responders: BTreeSet<u32> = u3
+        .iter()
+        .copied()
+        .filter(|&u| present(u, Stage::Unmask))
+        .collect();
+    u2.iter().all(|&u| {
+        graph
+            .neighbours(u)
+            .unwrap()
+            .iter()
+            .filter(|v| responders.contains(v))
+            .count()
+            >= t
+    })
+}
+
+fn stage_strategy() -> impl Strategy<Value = Option<Stage>> {
+    prop_oneof![
+        12 => Just(None),
+        1 => Just(Some(Stage::Advertise)),
+        1 => Just(Some(Stage::Share)),
+        1 => Just(Some(Stage::Masked)),
+        1 => Just(Some(Stage::Unmask)),
+    ]
+}
+
+/// n, k, t, d and a dropout stage per client; full graphs only for small n.
+fn round_strategy() -> impl Strategy<Value = (u32, usize, usize, usize, Vec<Option<Stage>>)> {
+    (3u32..=200)
+        .prop_flat_map(|n| {
+            let kmax = if n <= 40 { n as usize - 1 } else { 24 };
+            (Just(n), 1usize..=kmax)
+        })
+        .prop_flat_map(|(n, k)| {
+            let keff = effective_degree(n as usize, k);
+            (
+                Just(n),
+                Just(k),
+                (keff / 2 + 1)..=keff,
+                1usize..24,
+                prop::collection::vec(stage_strategy(), n as usize),
+            )
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
+
+    /// The heart of the protocol: whoever drops wherever, the unmasked sum is exactly
+    /// the survivors' quantised inputs, the mean is FedAvg within the documented bound,
+    /// and a round that cannot be completed fails with an error, not a wrong sum.
+    #[test]
+    fn unmasked_sum_is_exactly_the_survivors_sum(
+        (n, k, t, d, stages) in round_strategy(),
+        salt in any::<u64>(),
+    ) {
+        let cfg = config(n, k, t, d);
+        let drop_at: BTreeMap<u32, Stage> = stages
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.map(|s| (i as u32 + 1, s)))
+            .collect();
+        let quantizer = cfg.validate().unwrap();
+        let quantized: BTreeMap<u32, Vec<u32>> = (1..=n)
+            .map(|u| {
+                let mut rng = ChaCha20Rng::seed_from_u64(salt ^ u64::from(u));
+                let q = quantizer
+                    .encode(&update_of(u, d, salt), weight_of(u), f64::from(u % 5), &mut rng)
+                    .unwrap();
+                (u, q)
+            })
+            .collect();
+        let round = run_round(&cfg, [salt as u8; 32], &drop_at, true, |u| {
+            ClientInput::Quantized(quantized[&u].clone())
+        });
+        let expected = should_succeed(&cfg, &drop_at);
+        match round.result {
+            Ok(out) => {
+                prop_assert!(expected, "the oracle says this round cannot succeed");
+                let mut plain = vec![0u32; d + EXTRA_WORDS];
+                for u in &out.survivors {
+                    for (p, q) in plain.iter_mut().zip(&quantized[u]) {
+                        *p = p.checked_add(*q).expect("no wrap");
+                    }
+                }
+                prop_assert_eq!(&out.sum, &plain);
+                // FedAvg of the survivors, within the bound.
+                let clip = f64::from(cfg.quantization.clip);
+                let cap = u64::from(cfg.quantization.max_weight);
+                let total: u64 = out.survivors.iter().map(|&u| weight_of(u).min(cap)).sum();
+                prop_assert_eq!(out.decoded.total_weight, total);
+                for j in 0..d {
+                    let fedavg: f64 = out
+                        .survivors
+                        .iter()
+                        .map(|&u| {
+                            weight_of(u).min(cap) as f64
+                                * f64::from(update_of(u, d, salt)[j]).clamp(-clip, clip)
+                        })
+                        .sum::<f64>()
+                        / total as f64;
+                    let got = f64::from(out.decoded.mean[j]);
+                    prop_assert!(
+                        (got - fedavg).abs() <= out.decoded.error_bound + 1e-6,
+                        "coordinate {}: {} vs {} (bound {})", j, got, fedavg, out.decoded.error_bound
+                    );
+                }
+                // Dropouts are reported at the stage they happened.
+                for (&u, &stage) in &drop_at {
+                    let listed = match stage {
+                        Stage::Advertise => &out.dropouts.advertise,
+                        Stage::Share => &out.dropouts.share,
+                        Stage::Masked => &out.dropouts.masked,
+                        Stage::Unmask => &out.dropouts.unmask,
+                    };
+                    prop_assert!(listed.contains(&u), "{} dropped at {}", u, stage);
+                }
+            }
+            Err(e) => {
+                prop_assert!(!expected, "the round should have succeeded: {}", e);
+                prop_assert!(
+                    matches!(
+                        e,
+                        SecAggError::TooFewParticipants { .. } | SecAggError::CannotRecover { .. }
+                    ),
+                    "a clean failure, got {}", e
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_round_with_every_kind_of_dropout_recovers() {
+    let cfg = config(30, 8, 5, 16);
+    let drop_at: BTreeMap<u32, Stage> = [
+        (3, Stage::Advertise),
+        (7, Stage::Share),
+        (11, Stage::Masked),
+        (19, Stage::Unmask),
+    ]
+    .into();
+    let round = run_round(&cfg, [1; 32], &drop_at, false, |u| ClientInput::Update {
+        values: update_of(u, 16, 9),
+        weight: weight_of(u),
+        loss: 0.5,
+    });
+    let out = round.result.unwrap();
+    assert_eq!(out.survivors.len(), 27, "19 still counts: it uploaded");
+    assert!(out.survivors.contains(&19));
+    assert_eq!(out.dropouts.advertise, vec![3]);
+    assert_eq!(out.dropouts.share, vec![7]);
+    assert_eq!(out.dropouts.masked, vec![11]);
+    assert_eq!(out.dropouts.unmask, vec![19]);
+    assert!((out.decoded.mean_loss - 0.5).abs() < 1e-3);
+    // Every client sent a masked vector of d + 2 words plus small messages.
+    let b = round.bytes_sent[&1];
+    assert!(b > 18 * 4 && b < 18 * 4 + 4000, "{b}");
+}
+
+#[test]
+fn fewer_than_t_survivors_fail_cleanly_and_reveal_nothing() {
+    // 6 clients, full graph, t = 4; three drop before masking.
+    let cfg = config(6, 5, 4, 4);
+    let mut server = ServerSession::new(cfg.clone()).unwrap();
+    let mut rng = ChaCha20Rng::seed_from_u64(5);
+    let mut clients = BTreeMap::new();
+    for u in 1..=6 {
+        let (c, keys) = ClientSession::new(cfg.clone(), u, &mut rng).unwrap();
+        server.receive_keys(u, &keys).unwrap();
+        clients.insert(u, c);
+    }
+    let dir = server.close_advertise().unwrap();
+    for (&u, c) in clients.iter_mut() {
+        let m = c.share_keys(&dir, &mut rng).unwrap();
+        server.receive_shares(u, &m).unwrap();
+    }
+    server.close_sharing().unwrap();
+    for u in 1..=3 {
+        let f = server.forwarded_for(u).unwrap();
+        let masked = clients
+            .get_mut(&u)
+            .unwrap()
+            .mask(&f, &[0.5; 4], 10, 0.1, &mut rng)
+            .unwrap();
+        server.receive_masked(u, &masked).unwrap();
+    }
+    let err = server.close_collection().unwrap_err();
+    assert_eq!(
+        err,
+        SecAggError::TooFewParticipants {
+            stage: Stage::Masked,
+            have: 3,
+            need: 4
+        }
+    );
+    assert!(server.unmask_request().is_none(), "no shares are asked for");
+    assert!(matches!(server.stage(), ServerStage::Failed(_)));
+    assert!(matches!(server.finish(), Err(SecAggError::RoundFailed(_))));
+    // A server that asks anyway, naming too few survivors, gets nothing from a client.
+    let c1 = clients.get_mut(&1).unwrap();
+    let refused = c1.unmask(&UnmaskRequest {
+        survivors: vec![1, 2, 3],
+    });
+    assert!(matches!(
+        refused,
+        Err(SecAggError::TooFewParticipants {
+            have: 3,
+            need: 4,
+            ..
+        })
+    ));
+    // ... and the refusal did not use up its one answer: still at the unmask stage.
+    assert_eq!(c1.stage(), Some(Stage::Unmask));
+}
+
+#[test]
+fn a_client_answers_one_unmask_request_only() {
+    // A server that tries two survivor lists (to get both shares of client 4) gets the
+    // second refused.
+    let cfg = config(5, 4, 3, 2);
+    let mut server = ServerSession::new(cfg.clone()).unwrap();
+    let mut rng = ChaCha20Rng::seed_from_u64(6);
+    let mut clients = BTreeMap::new();
+    for u in 1..=5 {
+        let (c, keys) = ClientSession::new(cfg.clone(), u, &mut rng).unwrap();
+        server.receive_keys(u, &keys).unwrap();
+        clients.insert(u, c);
+    }
+    let dir = server.close_advertise().unwrap();
+    for (&u, c) in clients.iter_mut() {
+        let m = c.share_keys(&dir, &mut rng).unwrap();
+        server.receive_shares(u, &m).unwrap();
+    }
+    server.close_sharing().unwrap();
+    let c1 = clients.get_mut(&1).unwrap();
+    let f = server.forwarded_for(1).unwrap();
+    c1.mask(&f, &[1.0, 2.0], 3, 0.0, &mut rng).unwrap();
+    let first = c1
+        .unmask(&UnmaskRequest {
+            survivors: vec![1, 2, 3, 4],
+        })
+        .unwrap();
+    assert_eq!(first.seed_shares.len(), 3);
+    assert_eq!(first.key_shares.len(), 1, "client 5 dropped: its key share");
+    let second = c1.unmask(&UnmaskRequest {
+        survivors: vec![1, 2, 3, 5],
+    });
+    assert!(matches!(second, Err(SecAggError::WrongStage { .. })));
+}
+
+/// Everything a server can observe before unmasking (the stage messages and the sum so
+/// far) is the same whether or not it is later refused a message; refused messages
+/// change nothing.
+#[test]
+fn refused_messages_change_nothing() {
+    let cfg = config(8, 4, 3, 3);
+    let mut server = ServerSession::new(cfg.clone()).unwrap();
+    let mut rng = ChaCha20Rng::seed_from_u64(7);
+    let mut clients = BTreeMap::new();
+    let mut keys = BTreeMap::new();
+    for u in 1..=8 {
+        let (c, k) = ClientSession::new(cfg.clone(), u, &mut rng).unwrap();
+        clients.insert(u, c);
+        keys.insert(u, k);
+    }
+    // Stage 1: unknown index, duplicate, weak key, wrong stage.
+    assert_eq!(
+        server.receive_keys(0, &keys[&1]),
+        Err(SecAggError::UnknownClient(0))
+    );
+    assert_eq!(
+        server.receive_keys(9, &keys[&1]),
+        Err(SecAggError::UnknownClient(9))
+    );
+    let weak = AdvertiseKeys {
+        cipher_pk: [0; 32],
+        mask_pk: keys[&1].mask_pk,
+    };
+    assert!(matches!(
+        server.receive_keys(1, &weak),
+        Err(SecAggError::Crypto(_))
+    ));
+    for u in 1..=8 {
+        server.receive_keys(u, &keys[&u]).unwrap();
+    }
+    assert_eq!(
+        server.receive_keys(1, &keys[&1]),
+        Err(SecAggError::Duplicate(1))
+    );
+    assert!(matches!(
+        server.receive_shares(
+            1,
+            &ShareKeys {
+                seed_commitment: [0; 32],
+                shares: vec![]
+            }
+        ),
+        Err(SecAggError::WrongStage { .. })
+    ));
+    let dir = server.close_advertise().unwrap();
+    assert_eq!(dir.entries.len(), 8);
+    // A client refuses a directory without its own keys, or unsorted, or with a bad index.
+    let mut without_me = dir.clone();
+    without_me.entries.retain(|e| e.index != 2);
+    let c2 = clients.get_mut(&2).unwrap();
+    assert_eq!(
+        c2.share_keys(&without_me, &mut rng),
+        Err(SecAggError::NotInRound(2))
+    );
+    let mut unsorted = dir.clone();
+    unsorted.entries.swap(0, 1);
+    assert_eq!(
+        c2.share_keys(&unsorted, &mut rng),
+        Err(SecAggError::Unsorted)
+    );
+    let mut swapped_keys = dir.clone();
+    swapped_keys.entries[1].keys = keys[&3].clone();
+    assert!(matches!(
+        c2.share_keys(&swapped_keys, &mut rng),
+        Err(SecAggError::BadMessage(_))
+    ));
+    // Stage 2: the refused directories left client 2 able to share.
+    let mut messages = BTreeMap::new();
+    for (&u, c) in clients.iter_mut() {
+        messages.insert(u, c.share_keys(&dir, &mut rng).unwrap());
+    }
+    let m1 = &messages[&1];
+    let mut missing = m1.clone();
+    missing.shares.pop();
+    assert!(server.receive_shares(1, &missing).is_err());
+    let mut foreign = m1.clone();
+    let outsider = (2..=8)
+        .find(|v| !server.neighbours(1).unwrap().contains(v))
+        .unwrap();
+    foreign.shares[0].to = outsider;
+    assert!(server.receive_shares(1, &foreign).is_err());
+    let mut short = m1.clone();
+    short.shares[0].ciphertext.pop();
+    assert!(matches!(
+        server.receive_shares(1, &short),
+        Err(SecAggError::WrongLength { .. })
+    ));
+    assert_eq!(server.shared().count(), 0, "nothing was accepted");
+    for (&u, m) in &messages {
+        server.receive_shares(u, m).unwrap();
+    }
+    assert_eq!(server.receive_shares(1, m1), Err(SecAggError::Duplicate(1)));
+    server.close_sharing().unwrap();
+    // Stage 3: a client refuses a forwarded share that was tampered with.
+    let f1 = server.forwarded_for(1).unwrap();
+    let mut tampered = f1.clone();
+    tampered.shares[0].ciphertext[3] ^= 1;
+    let c1 = clients.get_mut(&1).unwrap();
+    assert!(matches!(
+        c1.mask(&tampered, &[0.0; 3], 1, 0.0, &mut rng),
+        Err(SecAggError::Crypto(_))
+    ));
+    let mut duplicated = f1.clone();
+    duplicated.shares.push(f1.shares[0].clone());
+    assert!(c1.mask(&duplicated, &[0.0; 3], 1, 0.0, &mut rng).is_err());
+    assert!(
+        c1.mask(&f1, &[0.0; 2], 1, 0.0, &mut rng).is_err(),
+        "wrong d"
+    );
+    assert!(c1.mask(&f1, &[f32::NAN; 3], 1, 0.0, &mut rng).is_err());
+    let mut masked = BTreeMap::new();
+    for (&u, c) in clients.iter_mut() {
+        let f = server.forwarded_for(u).unwrap();
+        masked.insert(
+            u,
+            c.mask(&f, &[u as f32 / 10.0; 3], 5, 0.0, &mut rng).unwrap(),
+        );
+    }
+    assert!(server.receive_masked(1, &masked[&1][..4]).is_err());
+    assert!(server.receive_masked(99, &masked[&1]).is_err());
+    for u in 1..=7 {
+        server.receive_masked(u, &masked[&u]).unwrap();
+    }
+    assert_eq!(
+        server.receive_masked(1, &masked[&1]),
+        Err(SecAggError::Duplicate(1))
+    );
+    let request = server.close_collection().unwrap();
+    // Client 8 is late: its input is refused, and double masking keeps it private: the
+    // server will learn 8's mask key (to cancel its pairwise masks) but honest clients
+    // never reveal its self-mask seed.
+    assert!(matches!(
+        server.receive_masked(8, &masked[&8]),
+        Err(SecAggError::WrongStage { .. })
+    ));
+    let mut replies = BTreeMap::new();
+    for u in 1..=7 {
+        let reply = clients.get_mut(&u).unwrap().unmask(&request).unwrap();
+        assert!(reply.seed_shares.iter().all(|s| s.owner != 8));
+        replies.insert(u, reply);
+    }
+    // Stage 4: shares of the wrong kind, or held by someone else, are refused.
+    let r1 = &replies[&1];
+    if let Some(first) = r1.seed_shares.first() {
+        let mut wrong_kind = r1.clone();
+        wrong_kind.key_shares.push(first.clone());
+        assert!(server.receive_unmask(1, &wrong_kind).is_err());
+    }
+    let mut stolen = r1.clone();
+    stolen.seed_shares = replies[&2].seed_shares.clone();
+    assert!(server.receive_unmask(1, &stolen).is_err());
+    assert!(server.receive_unmask(8, r1).is_err(), "8 is not a survivor");
+    for (&u, r) in &replies {
+        server.receive_unmask(u, r).unwrap();
+    }
+    assert!(server.missing_secrets().is_empty());
+    let out = server.finish().unwrap();
+    let expect = (1..=7).map(|u| u as f64 / 10.0).sum::<f64>() / 7.0;
+    assert!((f64::from(out.decoded.mean[0]) - expect).abs() <= out.decoded.error_bound);
+    assert_eq!(out.dropouts.masked, vec![8]);
+}
+
+#[test]
+fn a_wrong_share_is_caught_by_the_commitment_not_turned_into_a_wrong_sum() {
+    let cfg = config(6, 5, 3, 2);
+    let mut server = ServerSession::new(cfg.clone()).unwrap();
+    let mut rng = ChaCha20Rng::seed_from_u64(8);
+    let mut clients = BTreeMap::new();
+    for u in 1..=6 {
+        let (c, k) = ClientSession::new(cfg.clone(), u, &mut rng).unwrap();
+        server.receive_keys(u, &k).unwrap();
+        clients.insert(u, c);
+    }
+    let dir = server.close_advertise().unwrap();
+    for (&u, c) in clients.iter_mut() {
+        let m = c.share_keys(&dir, &mut rng).unwrap();
+        server.receive_shares(u, &m).unwrap();
+    }
+    server.close_sharing().unwrap();
+    for (&u, c) in clients.iter_mut() {
+        let f = server.forwarded_for(u).unwrap();
+        let m = c.mask(&f, &[1.0, -1.0], 2, 0.0, &mut rng).unwrap();
+        server.receive_masked(u, &m).unwrap();
+    }
+    let request = server.close_collection().unwrap();
+    for (&u, c) in clients.iter_mut() {
+        let mut reply = c.unmask(&request).unwrap();
+        if u == 1 {
+            // Client 1 lies about its share of client 2's seed.
+            for s in reply.seed_shares.iter_mut().filter(|s| s.owner == 2) {
+                s.share[10] ^= 0x40;
+            }
+        }
+        server.receive_unmask(u, &reply).unwrap();
+    }
+    assert_eq!(
+        server.finish(),
+        Err(SecAggError::ReconstructionFailed { client: 2 })
+    );
+}
+
+#[test]
+fn config_checks_name_the_setting() {
+    assert!(config(10, 4, 3, 5).validate().is_ok());
+    for (bad, word) in [
+        (config(1, 4, 3, 5), "at least 2"),
+        (config(10, 0, 1, 5), "neighbours"),
+        (config(10, 4, 2, 5), "threshold"),
+        (config(10, 4, 5, 5), "threshold"),
+        (config(10, 4, 3, 0), "dimension"),
+    ] {
+        let e = bad.validate().unwrap_err().to_string();
+        assert!(e.contains(word), "{e}");
+    }
+    assert_eq!(default_neighbours(100), 14);
+    assert_eq!(default_neighbours(500), 18);
+    assert_eq!(default_neighbours(10), 8);
+    assert_eq!(default_neighbours(3), 2);
+    assert_eq!(default_threshold(100, 14), 8);
+    assert_eq!(default_threshold(10, 9), 5);
+    assert_eq!("unmask".parse::<Stage>(), Ok(Stage::Unmask));
+    assert!("later".parse::<Stage>().is_err());
+}
+
+/// The regularised upper incomplete gamma function Q(a, x) (Numerical Recipes' gammq):
+/// the chi-square survival function is Q(df / 2, x / 2).
+fn gamma_q(a: f64, x: f64) -> f64 {
+    fn ln_gamma(x: f64) -> f64 {
+        let c = [
+            76.180_091_729_471_46,
+            -86.505_320_329_416_77,
+            24.014_098_240_830_91,
+            -1.231_739_572_450_155,
+            0.120_865_097_386_617_9e-2,
+            -0.539_523_938_495_3e-5,
+        ];
+        let mut y = x;
+        let tmp = x + 5.5 - (x + 0.5) * (x + 5.5).ln();
+        let mut ser = 1.000_000_000_190_015;
+        for c in c {
+            y += 1.0;
+            ser += c / y;
+        }
+        -tmp + (2.506_628_274_631_000_5 * ser / x).ln()
+    }
+    let gln = ln_gamma(a);
+    if x < a + 1.0 {
+        let (mut sum, mut del, mut ap) = (1.0 / a, 1.0 / a, a);
+        for _ in 0..10_000 {
+            ap += 1.0;
+            del *= x / ap;
+            sum += del;
+            if del.abs() < sum.abs() * 1e-15 {
+                break;
+            }
+        }
+        1.0 - sum * (-x + a * x.ln() - gln).exp()
+    } else {
+        let mut b = x + 1.0 - a;
+        let mut c = 1.0 / 1e-300;
+        let mut d = 1.0 / b;
+        let mut h = d;
+        for i in 1..10_000 {
+            let an = -(i as f64) * (i as f64 - a);
+            b += 2.0;
+            d = an * d + b;
+            if d.abs() < 1e-300 {
+                d = 1e-300;
+            }
+            c = b + an / c;
+            if c.abs() < 1e-300 {
+                c = 1e-300;
+            }
+            d = 1.0 / d;
+            let del = d * c;
+            h *= del;
+            if (del - 1.0).abs() < 1e-15 {
+                break;
+            }
+        }
+        (-x + a * x.ln() - gln).exp() * h
+    }
+}
+
+/// Chi-square statistic of `words` spread over `2^bits` bins by the bits at `shift`.
+fn chi_square_stat(words: &[u32], shift: u32, bits: u32) -> f64 {
+    let mut bins = vec![0u64; 1 << bits];
+    let mask = (1u32 << bits) - 1;
+    for w in words {
+        bins[((w >> shift) & mask) as usize] += 1;
+    }
+    let expected = words.len() as f64 / bins.len() as f64;
+    bins.iter()
+        .map(|&o| (o as f64 - expected).powi(2) / expected)
+        .sum()
+}
+
+/// The complementary error function (Numerical Recipes' erfcc, relative error < 1.2e-7).
+fn erfc(x: f64) -> f64 {
+    let z = x.abs();
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let r = t
+        * (-z * z - 1.265_512_23
+            + t * (1.000_023_68
+                + t * (0.374_091_96
+                    + t * (0.096_784_18
+                        + t * (-0.186_288_06
+                            + t * (0.278_868_07
+                                + t * (-1.135_203_98
+                                    + t * (1.488_515_87
+                                        + t * (-0.822_152_23 + t * 0.170_872_77)))))))))
+            .exp();
+    if x >= 0.0 { r } else { 2.0 - r }
+}
+
+/// Chi-square survival function: exact (incomplete gamma) for small degrees of freedom,
+/// Wilson-Hilferty's normal approximation (very accurate there) for large ones.
+fn chi_square_p(stat: f64, df: f64) -> f64 {
+    if df <= 1000.0 {
+        return gamma_q(df / 2.0, stat / 2.0);
+    }
+    let v = 2.0 / (9.0 * df);
+    let z = ((stat / df).cbrt() - (1.0 - v)) / v.sqrt();
+    0.5 * erfc(z / std::f64::consts::SQRT_2)
+}
+
+/// Kolmogorov-Smirnov p-value that `samples` are uniform on [0, 1].
+fn ks_uniform_p(samples: &mut [f64]) -> f64 {
+    samples.sort_by(f64::total_cmp);
+    let n = samples.len() as f64;
+    let d = samples
+        .iter()
+        .enumerate()
+        .map(|(i, &p)| (p - i as f64 / n).max((i + 1) as f64 / n - p))
+        .fold(0.0, f64::max);
+    let lambda = (n.sqrt() + 0.12 + 0.11 / n.sqrt()) * d;
+    let q: f64 = (1..100)
+        .map(|j| {
+            let j = f64::from(j);
+            2.0 * (-1f64).powf(j - 1.0) * (-2.0 * j * j * lambda * lambda).exp()
+        })
+        .sum();
+    q.clamp(0.0, 1.0)
+}
+
+#[test]
+fn statistics_helpers_match_known_values() {
+    // chi2(255): median about 254.33, 0.999 quantile about 330.5.
+    assert!((gamma_q(127.5, 254.33 / 2.0) - 0.5).abs() < 0.01);
+    assert!((chi_square_p(330.52, 255.0) - 0.001).abs() < 0.0003);
+    assert!((gamma_q(1.0, 2.0) - (-2f64).exp()).abs() < 1e-12);
+    // chi2(51000): mean 51000, sd sqrt(102000) = 319.4; +3.09 sd is the 0.001 tail.
+    assert!((chi_square_p(51_000.0, 51_000.0) - 0.5).abs() < 0.01);
+    assert!((chi_square_p(51_000.0 + 3.09 * 319.37, 51_000.0) - 0.001).abs() < 0.0003);
+    assert!((erfc(0.0) - 1.0).abs() < 1e-7);
+    assert!((erfc(1.0) - 0.157_299_207).abs() < 1e-7);
+    let mut uniform: Vec<f64> = (0..1000).map(|i| (f64::from(i) + 0.5) / 1000.0).collect();
+    assert!(ks_uniform_p(&mut uniform) > 0.99);
+    let mut skewed: Vec<f64> = (0..1000).map(|i| (f64::from(i) / 1000.0).powi(2)).collect();
+    assert!(ks_uniform_p(&mut skewed) < 1e-6);
+}
+
+/// Runs a 4-client round up to stage 3 and returns client 1's unmasked and masked
+/// vectors for an all-zero update, the most structured input there is.
+fn masked_zero_update(seed: u64, d: usize) -> (Vec<u32>, Vec<u32>) {
+    let mut cfg = config(4, 3, 2, d);
+    cfg.session = [0; 32];
+    cfg.session[..8].copy_from_slice(&seed.to_le_bytes());
+    let mut server = ServerSession::new(cfg.clone()).unwrap();
+    let mut rng = ChaCha20Rng::seed_from_u64(seed);
+    let mut clients = Vec::new();
+    for u in 1..=4 {
+        let (c, k) = ClientSession::new(cfg.clone(), u, &mut rng).unwrap();
+        server.receive_keys(u, &k).unwrap();
+        clients.push(c);
+    }
+    let dir = server.close_advertise().unwrap();
+    for c in clients.iter_mut() {
+        let m = c.share_keys(&dir, &mut rng).unwrap();
+        server.receive_shares(c.index(), &m).unwrap();
+    }
+    server.close_sharing().unwrap();
+    let f = server.forwarded_for(1).unwrap();
+    let quantized = clients[0]
+        .quantizer()
+        .encode(&vec![0.0f32; d], 10, 0.0, &mut rng)
+        .unwrap();
+    let masked = clients[0].mask_quantized(&f, quantized.clone()).unwrap();
+    (quantized, masked)
+}
+
+/// A client's masked vector is indistinguishable from uniform 32-bit words. For 200
+/// seeds (4096 words each, all-zero updates) and each of the four bytes of a word: the
+/// per-seed chi-square p-values are uniform (Kolmogorov-Smirnov) and the sum of the
+/// per-seed statistics passes as chi-square with 200 x 255 degrees of freedom; over all
+/// seeds pooled, the top 16 bits pass on 65536 bins. Every test must give p > 0.001. The
+/// same tests reject the unmasked quantised input outright, so they can tell.
+#[test]
+fn masked_vectors_are_indistinguishable_from_uniform() {
+    let d = 4096 - EXTRA_WORDS;
+    let seeds = 200u64;
+    let mut per_seed: [Vec<f64>; 4] = Default::default();
+    let mut stat_sums = [0.0f64; 4];
+    let mut all = Vec::with_capacity(seeds as usize * 4096);
+    for seed in 0..seeds {
+        let (quantized, masked) = masked_zero_update(seed, d);
+        if seed == 0 {
+            for shift in [0, 8, 16, 24] {
+                let p = chi_square_p(chi_square_stat(&quantized, shift, 8), 255.0);
+                assert!(
+                    p < 1e-12,
+                    "the unmasked input is far from uniform (p = {p})"
+                );
+            }
+        }
+        for (b, shift) in [0, 8, 16, 24].into_iter().enumerate() {
+            let stat = chi_square_stat(&masked, shift, 8);
+            stat_sums[b] += stat;
+            per_seed[b].push(chi_square_p(stat, 255.0));
+        }
+        all.extend_from_slice(&masked);
+    }
+    for b in 0..4 {
+        let pooled = chi_square_p(stat_sums[b], seeds as f64 * 255.0);
+        let ks = ks_uniform_p(&mut per_seed[b]);
+        let smallest = per_seed[b].iter().copied().fold(1.0, f64::min);
+        eprintln!(
+            "byte {b}: summed chi-square p = {pooled:.4}, KS p = {ks:.4}, smallest per-seed p = {smallest:.4}"
+        );
+        assert!(pooled > 0.001, "byte {b}: summed chi-square p = {pooled}");
+        assert!(
+            ks > 0.001,
+            "byte {b}: per-seed p-values not uniform, KS p = {ks}"
+        );
+    }
+    let top16 = chi_square_p(chi_square_stat(&all, 16, 16), 65_535.0);
+    eprintln!("top 16 bits over {} words: p = {top16:.4}", all.len());
+    assert!(top16 > 0.001, "top 16 bits: p = {top16}");
+}
