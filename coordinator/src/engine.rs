@@ -125,6 +125,20 @@ pub struct ClientUpdate<'a> {
     pub train_loss: f64,
 }
 
+/// What secure aggregation hands the engine: the weighted mean model of the round's
+/// participants, and the totals it revealed along with it.
+#[derive(Debug, Clone)]
+pub struct SecureMean {
+    /// The sample-weighted mean of the participants' models.
+    pub mean: ModelVector,
+    /// Clients whose updates are in the mean.
+    pub participants: usize,
+    /// Sum of their (capped) sample counts.
+    pub samples: u64,
+    /// Their sample-weighted mean training loss.
+    pub train_loss: Option<f64>,
+}
+
 /// Whether a closed round changed the global model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -133,6 +147,9 @@ pub enum RoundStatus {
     Published,
     /// Too few clients reported; the global model is unchanged.
     BelowQuorum,
+    /// Secure aggregation could not unmask the sum (too few shares of a secret, or a
+    /// share failed its check); the global model is unchanged.
+    Failed,
 }
 
 impl RoundStatus {
@@ -141,6 +158,7 @@ impl RoundStatus {
         match self {
             RoundStatus::Published => "published",
             RoundStatus::BelowQuorum => "below_quorum",
+            RoundStatus::Failed => "failed",
         }
     }
 }
@@ -330,6 +348,65 @@ impl RoundEngine {
             open.loss_sum += update.train_loss * update.num_samples as f64;
         }
         Ok(())
+    }
+
+    /// Closes the open round with a mean computed elsewhere, without the engine seeing
+    /// any single update: secure aggregation's unmasked weighted mean of the
+    /// participants' models. `None` when the secure round failed. Updates submitted with
+    /// [`submit`](Self::submit) in this round are ignored.
+    pub fn close_round_secure(
+        &mut self,
+        result: Option<SecureMean>,
+    ) -> Result<RoundOutcome, EngineError> {
+        let open = self.open.as_ref().ok_or(EngineError::NoOpenRound)?;
+        if let Some(r) = &result {
+            if r.participants > open.selected.len() {
+                return Err(EngineError::InvalidConfig(format!(
+                    "{} participants in a round of {} selected clients",
+                    r.participants,
+                    open.selected.len()
+                )));
+            }
+            if r.mean.len() != self.global.len() || !r.mean.is_finite() {
+                return Err(EngineError::InvalidConfig(format!(
+                    "a secure mean must be {} finite parameters",
+                    self.global.len()
+                )));
+            }
+        }
+        let open = self.open.take().expect("checked above");
+        let (status, participants, samples, train_loss) = match result {
+            Some(r) if r.participants >= self.config.min_participants => {
+                let mut next = (*self.global).clone();
+                self.optimizer
+                    .step(&mut next, &r.mean)
+                    .expect("mean has the global layout");
+                self.global = Arc::new(next);
+                (
+                    RoundStatus::Published,
+                    r.participants,
+                    r.samples,
+                    r.train_loss,
+                )
+            }
+            Some(r) => (
+                RoundStatus::BelowQuorum,
+                r.participants,
+                r.samples,
+                r.train_loss,
+            ),
+            None => (RoundStatus::Failed, 0, 0, None),
+        };
+        self.rounds_closed += 1;
+        Ok(RoundOutcome {
+            round: open.round,
+            status,
+            selected: open.selected.len(),
+            participants,
+            dropped: open.selected.len() - participants,
+            samples,
+            train_loss,
+        })
     }
 
     /// Closes the open round: with a quorum, the server optimizer moves the global model

@@ -92,9 +92,31 @@ struct SimulateArgs {
     /// Local L2 weight decay [default: 0.0001]
     #[arg(long)]
     weight_decay: Option<f64>,
-    /// Probability that a selected client never reports [default: 0]
+    /// Probability that a selected client drops out [default: 0]
     #[arg(long, value_name = "P")]
     dropout: Option<f64>,
+    /// Where dropping clients stop, with --secure-aggregation: advertise | share | masked
+    /// | unmask [default: masked, i.e. never uploads]
+    #[arg(long, value_name = "STAGE")]
+    dropout_stage: Option<cohort_aggregation::secagg::Stage>,
+    /// Combine updates with secure aggregation (SecAgg+): the server learns only the sum
+    #[arg(long)]
+    secure_aggregation: bool,
+    /// Secure aggregation: shares needed to rebuild a client's secrets [default: just
+    /// over half the neighbours]
+    #[arg(long, value_name = "T")]
+    threshold: Option<usize>,
+    /// Secure aggregation: neighbours per client [default: 2*ceil(log2 n) for n clients
+    /// per round]
+    #[arg(long, value_name = "K")]
+    neighbours: Option<usize>,
+    /// Secure aggregation: clip each update coordinate to [-C, C] [default: 4]
+    #[arg(long, value_name = "C")]
+    clip: Option<f32>,
+    /// Secure aggregation: weight cap; larger sample counts count as this [default: the
+    /// largest client's sample count]
+    #[arg(long, value_name = "W")]
+    max_weight: Option<u32>,
     /// Fraction of the data held out for testing [default: 0.2]
     #[arg(long)]
     test_fraction: Option<f64>,
@@ -135,10 +157,23 @@ impl SimulateArgs {
             momentum,
             weight_decay,
             dropout,
+            dropout_stage,
+            clip,
             test_fraction,
             seed
         );
-        set_some!(clients_per_round, partition, server_lr, out);
+        set_some!(
+            clients_per_round,
+            partition,
+            server_lr,
+            out,
+            threshold,
+            neighbours,
+            max_weight
+        );
+        if self.secure_aggregation {
+            cfg.secure_aggregation = true;
+        }
         if let [only] = strategies.as_slice() {
             cfg.strategy = *only;
         }
@@ -224,10 +259,13 @@ fn run_simulate(args: SimulateArgs) -> ExitCode {
     });
     let rounds = cfg.rounds;
     let report = |prefix: &str, r: &RoundRecord| {
-        let line = format!(
+        let mut line = format!(
             "{prefix}accuracy {:.4} loss {:.4} participants {} dropped {}",
             r.test_accuracy, r.test_loss, r.participants, r.dropped
         );
+        if r.status != cohort_coordinator::engine::RoundStatus::Published {
+            line.push_str(&format!(" ({})", r.status.as_str()));
+        }
         match &bar {
             Some(bar) => {
                 bar.set_message(line);

@@ -23,6 +23,8 @@ pub enum Stream {
     Dropout = 6,
     /// A client's local shuffling.
     LocalTraining = 7,
+    /// Secure aggregation: the round's session id and the clients' key material.
+    SecureAggregation = 8,
 }
 
 /// SplitMix64's finaliser: a bijection on `u64` with full avalanche, so nearby inputs
@@ -40,6 +42,16 @@ pub fn derive_seed(seed: u64, stream: Stream, round: u32, client: u64) -> u64 {
     h = mix(h ^ stream as u64);
     h = mix(h ^ u64::from(round));
     mix(h ^ client)
+}
+
+/// 32 bytes for stream `stream` of `round` (for keys and session ids), from four
+/// independent 64-bit seeds.
+pub fn derive_seed_bytes(seed: u64, stream: Stream, round: u32) -> [u8; 32] {
+    let mut out = [0u8; 32];
+    for (i, chunk) in out.chunks_mut(8).enumerate() {
+        chunk.copy_from_slice(&derive_seed(seed, stream, round, i as u64).to_le_bytes());
+    }
+    out
 }
 
 #[cfg(test)]

@@ -34,13 +34,22 @@ impl std::fmt::Debug for ClientSession {
     }
 }
 
+/// What this client derived for one neighbour in stage 2.
+struct PairKeys {
+    /// Opens the share the neighbour encrypted for this client.
+    incoming: [u8; KEY_BYTES],
+    /// Seeds the pairwise mask.
+    mask_seed: [u8; KEY_BYTES],
+}
+
 enum ClientState {
     /// Keys advertised; waiting for the directory.
     Advertised,
     /// Shares sent; waiting for the neighbours' shares.
     Shared {
-        directory: BTreeMap<u32, AdvertiseKeys>,
-        neighbours: Vec<u32>,
+        /// The neighbours in the graph over `U1`, each with the key that opens its share
+        /// for this client and the pair's mask seed (agreed once, used in stage 3).
+        neighbours: BTreeMap<u32, PairKeys>,
         self_seed: [u8; KEY_BYTES],
     },
     /// Masked input sent; holding the neighbours' shares until the unmask request.
@@ -144,18 +153,27 @@ impl ClientSession {
                 need: t,
             });
         }
-        let directory: BTreeMap<u32, AdvertiseKeys> = directory
+        let directory: BTreeMap<u32, &AdvertiseKeys> = directory
             .entries
             .iter()
-            .map(|e| (e.index, e.keys.clone()))
+            .map(|e| (e.index, &e.keys))
             .collect();
         // Agree with every neighbour first: a weak key anywhere refuses the directory
         // before any secret is drawn.
+        let session = &self.config.session;
         let mut keys = Vec::with_capacity(neighbours.len());
+        let mut pairs = BTreeMap::new();
         for &v in &neighbours {
             let shared = self.cipher.agree(&directory[&v].cipher_pk)?;
-            self.mask.agree(&directory[&v].mask_pk)?;
-            keys.push(crypto::share_key(&shared, &self.config.session, self.me, v));
+            let masked = self.mask.agree(&directory[&v].mask_pk)?;
+            keys.push(crypto::share_key(&shared, session, self.me, v));
+            pairs.insert(
+                v,
+                PairKeys {
+                    incoming: crypto::share_key(&shared, session, v, self.me),
+                    mask_seed: crypto::pairwise_mask_seed(&masked, session, self.me, v),
+                },
+            );
         }
         let mut self_seed = [0u8; KEY_BYTES];
         rng.fill_bytes(&mut self_seed);
@@ -182,8 +200,7 @@ impl ClientSession {
             shares,
         };
         self.state = ClientState::Shared {
-            directory,
-            neighbours,
+            neighbours: pairs,
             self_seed,
         };
         Ok(message)
@@ -247,23 +264,18 @@ impl ClientSession {
         &self,
         forwarded: &ForwardedShares,
     ) -> Result<BTreeMap<u32, (Share, Share)>, SecAggError> {
-        let ClientState::Shared {
-            directory,
-            neighbours,
-            ..
-        } = &self.state
-        else {
+        let ClientState::Shared { neighbours, .. } = &self.state else {
             return Err(self.wrong_stage(Stage::Masked));
         };
         let session = &self.config.session;
         let mut held = BTreeMap::new();
         for f in &forwarded.shares {
-            if !neighbours.contains(&f.from) {
+            let Some(pair) = neighbours.get(&f.from) else {
                 return Err(SecAggError::NotNeighbour {
                     from: f.from,
                     to: self.me,
                 });
-            }
+            };
             if held.contains_key(&f.from) {
                 return Err(SecAggError::Duplicate(f.from));
             }
@@ -273,9 +285,7 @@ impl ClientSession {
                     found: f.ciphertext.len(),
                 });
             }
-            let shared = self.cipher.agree(&directory[&f.from].cipher_pk)?;
-            let key = crypto::share_key(&shared, session, f.from, self.me);
-            let plain = crypto::open(&key, session, f.from, self.me, &f.ciphertext)?;
+            let plain = crypto::open(&pair.incoming, session, f.from, self.me, &f.ciphertext)?;
             let from = u32::from_le_bytes(plain[..4].try_into().expect("4 bytes"));
             let to = u32::from_le_bytes(plain[4..8].try_into().expect("4 bytes"));
             if from != f.from || to != self.me {
@@ -313,33 +323,27 @@ impl ClientSession {
         mut words: Vec<u32>,
     ) -> Result<Vec<u32>, SecAggError> {
         let ClientState::Shared {
-            directory,
             neighbours,
             self_seed,
         } = &self.state
         else {
             return Err(self.wrong_stage(Stage::Masked));
         };
-        let session = &self.config.session;
-        let mut seeds = Vec::with_capacity(held.len());
-        for &v in held.keys() {
-            let shared = self.mask.agree(&directory[&v].mask_pk)?;
-            let seed = crypto::pairwise_mask_seed(&shared, session, self.me, v);
-            let sign = if self.me < v {
-                MaskSign::Add
-            } else {
-                MaskSign::Subtract
-            };
-            seeds.push((seed, sign));
-        }
-        let mut masks = Vec::with_capacity(seeds.len() + 1);
+        let mut masks = Vec::with_capacity(held.len() + 1);
         masks.push(Mask {
             seed: self_seed,
             sign: MaskSign::Add,
         });
-        masks.extend(seeds.iter().map(|(seed, sign)| Mask { seed, sign: *sign }));
+        masks.extend(held.keys().map(|v| Mask {
+            seed: &neighbours[v].mask_seed,
+            sign: if self.me < *v {
+                MaskSign::Add
+            } else {
+                MaskSign::Subtract
+            },
+        }));
         prg::apply_masks_parallel(&masks, 0, &mut words)?;
-        let neighbours = neighbours.clone();
+        let neighbours = neighbours.keys().copied().collect();
         self.state = ClientState::Masked { neighbours, held };
         Ok(words)
     }

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use cohort_aggregation::Strategy;
+use cohort_aggregation::secagg::{self, Stage};
 use cohort_edge::model::ModelKind;
 use cohort_edge::partition::PartitionScheme;
 use serde::{Deserialize, Serialize};
@@ -134,8 +135,30 @@ pub struct SimulationConfig {
     /// Local L2 weight decay.
     #[serde(alias = "weight_decay")]
     pub weight_decay: f64,
-    /// Probability that a selected client never reports.
+    /// Probability that a selected client drops out (at `dropout-stage`).
     pub dropout: f64,
+    /// With secure aggregation, the protocol stage at which dropping clients stop:
+    /// `advertise`, `share`, `masked` or `unmask`. Without it only `masked` (the client
+    /// never uploads) applies.
+    #[serde(alias = "dropout_stage", with = "stage_text")]
+    pub dropout_stage: Stage,
+    /// Combine updates with secure aggregation (SecAgg+): the server sees only the sum.
+    #[serde(alias = "secure_aggregation")]
+    pub secure_aggregation: bool,
+    /// Secure aggregation: shares needed to rebuild a client's secrets; `None` is just
+    /// over half the neighbours.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub threshold: Option<usize>,
+    /// Secure aggregation: neighbours per client; `None` is `2 * ceil(log2 n)`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub neighbours: Option<usize>,
+    /// Secure aggregation: each update coordinate is clipped to `[-clip, clip]` before
+    /// quantisation.
+    pub clip: f32,
+    /// Secure aggregation: sample counts above this count as this; `None` is the largest
+    /// client's sample count, so no weight is capped.
+    #[serde(alias = "max_weight", skip_serializing_if = "Option::is_none")]
+    pub max_weight: Option<u32>,
     /// Fraction of the data held out as the global test set.
     #[serde(alias = "test_fraction")]
     pub test_fraction: f64,
@@ -166,6 +189,12 @@ impl Default for SimulationConfig {
             momentum: 0.9,
             weight_decay: 1e-4,
             dropout: 0.0,
+            dropout_stage: Stage::Masked,
+            secure_aggregation: false,
+            threshold: None,
+            neighbours: None,
+            clip: secagg::QuantizationParams::default().clip,
+            max_weight: None,
             test_fraction: 0.2,
             seed: 0,
             out: None,
@@ -203,11 +232,32 @@ impl SimulationConfig {
 
     /// The configuration with every default filled in, as recorded in `summary.json`.
     pub fn resolved(&self) -> SimulationConfig {
+        let (neighbours, threshold) = if self.secure_aggregation {
+            let (k, t) = self.secure_graph();
+            (Some(k), Some(t))
+        } else {
+            (self.neighbours, self.threshold)
+        };
         SimulationConfig {
             partition: Some(self.partition_scheme()),
             clients_per_round: Some(self.clients_per_round()),
+            neighbours,
+            threshold,
             ..self.clone()
         }
+    }
+
+    /// Secure aggregation's neighbours and threshold for the clients selected per round,
+    /// defaults filled in.
+    pub fn secure_graph(&self) -> (usize, usize) {
+        let n = self.clients_per_round();
+        let k = self
+            .neighbours
+            .unwrap_or_else(|| secagg::default_neighbours(n));
+        let t = self
+            .threshold
+            .unwrap_or_else(|| secagg::default_threshold(n, k));
+        (k, t)
     }
 
     /// Clients selected per round, with the default filled in.
@@ -242,6 +292,44 @@ impl SimulationConfig {
                 "--dropout must be a probability in [0, 1), got {}",
                 self.dropout
             ));
+        }
+        if !self.secure_aggregation {
+            if self.dropout_stage != Stage::Masked {
+                return bad(format!(
+                    "--dropout-stage {} needs --secure-aggregation (without it a client only \
+                     uploads, and `masked` is the one stage it can drop at)",
+                    self.dropout_stage
+                ));
+            }
+            if self.threshold.is_some() || self.neighbours.is_some() || self.max_weight.is_some() {
+                return bad(
+                    "--threshold, --neighbours and --max-weight need --secure-aggregation".into(),
+                );
+            }
+        } else {
+            if k < 2 {
+                return bad(format!(
+                    "--secure-aggregation needs at least 2 clients per round, got {k}"
+                ));
+            }
+            if !(self.clip.is_finite() && self.clip > 0.0) {
+                return bad(format!("--clip must be > 0, got {}", self.clip));
+            }
+            if self.max_weight == Some(0) {
+                return bad("--max-weight must be at least 1".into());
+            }
+            let (neighbours, threshold) = self.secure_graph();
+            let keff = secagg::effective_degree(k, neighbours);
+            if neighbours == 0 {
+                return bad("--neighbours must be at least 1".into());
+            }
+            if 2 * threshold <= keff || threshold > keff {
+                return bad(format!(
+                    "--threshold must be more than half of the {keff} neighbours and at most \
+                     {keff} (between {} and {keff}), got {threshold}",
+                    keff / 2 + 1
+                ));
+            }
         }
         if !(self.test_fraction.is_finite() && self.test_fraction > 0.0 && self.test_fraction < 1.0)
         {
@@ -278,6 +366,22 @@ impl SimulationConfig {
             weight_decay: self.weight_decay as f32,
             proximal_mu: None,
         }
+    }
+}
+
+/// `dropout-stage` as its name in TOML and `summary.json`.
+mod stage_text {
+    use cohort_aggregation::secagg::Stage;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(stage: &Stage, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(stage.as_str())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Stage, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
     }
 }
 

@@ -14,8 +14,12 @@ use serde::Serialize;
 
 use super::SimulationError;
 use super::config::{ConfigError, DatasetSpec, SimulationConfig};
-use crate::engine::{ClientId, ClientUpdate, EngineConfig, RoundEngine, RoundStatus};
-use crate::seeds::{Stream, derive_seed};
+use crate::engine::{
+    ClientId, ClientUpdate, EngineConfig, RoundEngine, RoundOutcome, RoundPlan, RoundStatus,
+    SecureMean,
+};
+use crate::seeds::{Stream, derive_seed, derive_seed_bytes};
+use cohort_aggregation::secagg::{self, Stage, local};
 
 /// One row of `metrics.csv`: the state after a round.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -246,6 +250,22 @@ pub fn run_rounds(
         let plan = engine.open_round(&all, &mut select_rng)?;
         let mut drop_rng =
             ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::Dropout, round_no, 0));
+        if cfg.secure_aggregation {
+            // The same clients drop as in a plain run with this seed; they only stop at
+            // another stage.
+            let dropping: Vec<bool> = plan
+                .selected
+                .iter()
+                .map(|_| drop_rng.random::<f64>() < cfg.dropout)
+                .collect();
+            let outcome = secure_round(cfg, prepared, &mut engine, &plan, &dropping, round_no)?;
+            training_seconds += round_start.elapsed().as_secs_f64();
+            total_updates += outcome.participants;
+            let record = record_round(prepared, &engine, &outcome, round_start)?;
+            on_round(&record)?;
+            records.push(record);
+            continue;
+        }
         let reporting: Vec<ClientId> = plan
             .selected
             .iter()
@@ -283,19 +303,7 @@ pub fn run_rounds(
         let outcome = engine.close_round()?;
         training_seconds += round_start.elapsed().as_secs_f64();
         total_updates += outcome.participants;
-        let eval = evaluate_global(prepared, &engine)?;
-        let record = RoundRecord {
-            round: outcome.round,
-            test_accuracy: eval.accuracy,
-            test_loss: eval.loss,
-            participants: outcome.participants,
-            dropped: outcome.dropped,
-            seconds: round_start.elapsed().as_secs_f64(),
-            selected: outcome.selected,
-            train_loss: outcome.train_loss,
-            samples: outcome.samples,
-            status: outcome.status,
-        };
+        let record = record_round(prepared, &engine, &outcome, round_start)?;
         on_round(&record)?;
         records.push(record);
     }
@@ -307,6 +315,123 @@ pub fn run_rounds(
         wall_seconds: started.elapsed().as_secs_f64(),
         threads,
     })
+}
+
+fn record_round(
+    prepared: &Prepared,
+    engine: &RoundEngine,
+    outcome: &RoundOutcome,
+    round_start: Instant,
+) -> Result<RoundRecord, SimulationError> {
+    let eval = evaluate_global(prepared, engine)?;
+    Ok(RoundRecord {
+        round: outcome.round,
+        test_accuracy: eval.accuracy,
+        test_loss: eval.loss,
+        participants: outcome.participants,
+        dropped: outcome.dropped,
+        seconds: round_start.elapsed().as_secs_f64(),
+        selected: outcome.selected,
+        train_loss: outcome.train_loss,
+        samples: outcome.samples,
+        status: outcome.status,
+    })
+}
+
+/// One round under secure aggregation: the selected clients train and run the SecAgg+
+/// protocol through the in-process transport, and the engine receives only the
+/// unmasked weighted mean. Client `i` of the protocol is `plan.selected[i - 1]`;
+/// `dropping[i - 1]` clients stop at `cfg.dropout_stage`.
+fn secure_round(
+    cfg: &SimulationConfig,
+    prepared: &Prepared,
+    engine: &mut RoundEngine,
+    plan: &RoundPlan,
+    dropping: &[bool],
+    round_no: u32,
+) -> Result<RoundOutcome, SimulationError> {
+    let (neighbours, threshold) = cfg.secure_graph();
+    let max_weight = cfg.max_weight.unwrap_or(
+        prepared
+            .facts
+            .client_samples_max
+            .clamp(1, u32::MAX as usize) as u32,
+    );
+    let config = secagg::RoundConfig {
+        session: derive_seed_bytes(cfg.seed, Stream::SecureAggregation, round_no),
+        parties: plan.selected.len() as u32,
+        threshold,
+        neighbours,
+        dimension: prepared.spec.num_params(),
+        quantization: secagg::QuantizationParams {
+            clip: cfg.clip,
+            max_weight,
+            ..secagg::QuantizationParams::default()
+        },
+    };
+    config
+        .validate()
+        .map_err(|e| ConfigError(format!("secure aggregation: {e}")))?;
+    let drop_at: std::collections::BTreeMap<u32, Stage> = dropping
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| **d)
+        .map(|(i, _)| (i as u32 + 1, cfg.dropout_stage))
+        .collect();
+    let task = &plan.task;
+    let global = task.global.values();
+    let failure = std::sync::Mutex::new(None);
+    let mut keys = derive_seed_bytes(cfg.seed, Stream::SecureAggregation, round_no);
+    keys[0] ^= 1; // the clients' key stream, apart from the public session id
+    let round = local::run_round(&config, keys, &drop_at, true, |u| {
+        let id = plan.selected[u as usize - 1];
+        let seed = derive_seed(cfg.seed, Stream::LocalTraining, round_no, id.0);
+        match prepared.clients[id.0 as usize].train(&task.global, &task.train, seed) {
+            Ok(update) => local::ClientInput::Update {
+                values: update
+                    .params
+                    .values()
+                    .iter()
+                    .zip(global)
+                    .map(|(p, g)| p - g)
+                    .collect(),
+                weight: update.num_samples as u64,
+                loss: if update.train_loss.is_finite() {
+                    update.train_loss
+                } else {
+                    0.0
+                },
+            },
+            Err(source) => {
+                let mut f = failure.lock().expect("no panics while held");
+                f.get_or_insert(SimulationError::Client {
+                    client: id,
+                    round: round_no,
+                    source,
+                });
+                // An empty vector is refused by the client's own checks: it drops out.
+                local::ClientInput::Quantized(Vec::new())
+            }
+        }
+    });
+    if let Some(e) = failure.into_inner().expect("no panics while held") {
+        return Err(e);
+    }
+    let result = round.result.ok().map(|unmasked| {
+        let mean: Vec<f32> = global
+            .iter()
+            .zip(&unmasked.decoded.mean)
+            .map(|(g, d)| g + d)
+            .collect();
+        SecureMean {
+            mean: cohort_aggregation::ModelVector::new(task.global.layout().clone(), mean)
+                .expect("the model's own layout"),
+            participants: unmasked.survivors.len(),
+            samples: unmasked.decoded.total_weight,
+            train_loss: Some(unmasked.decoded.mean_loss),
+        }
+    });
+    Ok(engine.close_round_secure(result)?)
 }
 
 fn evaluate_global(
