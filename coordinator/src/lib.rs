@@ -12,7 +12,9 @@
 //! - [`model_files`]: global models as safetensors files.
 //! - [`store`]: the system of record (SQLite embedded, PostgreSQL in production).
 //! - [`server`]: `cohort serve`, the HTTP API over TLS.
+//! - [`bench`]: `cohort bench`, measurements a user can rerun.
 
+pub mod bench;
 pub mod blobs;
 pub mod demo;
 pub mod engine;

@@ -36,10 +36,20 @@ enum Command {
     /// Write the shipped digits data as per-client CSV partitions and a test CSV, for
     /// cohort-edge trials on real processes or machines (docker-compose.yml uses it).
     Partition(cohort_coordinator::demo::PartitionArgs),
+    /// Measure Cohort on this machine; JSON lines on stdout.
+    #[command(subcommand)]
+    Bench(BenchCommand),
     /// The edge client (as `cohort-edge`), so that `cohort demo` can start it from this
     /// binary.
     #[command(hide = true)]
     Edge(cohort_edge::cli::EdgeArgs),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// One secure aggregation round with every party in this process: client masking,
+    /// server unmasking, the whole round, bytes per client.
+    Secagg(cohort_coordinator::bench::secagg::SecAggBenchArgs),
 }
 
 /// Flags override the keys of the same name in `--config`.
@@ -205,6 +215,15 @@ fn main() -> ExitCode {
         Command::Demo(args) => run_demo(&args),
         Command::Partition(args) => run_partition(&args),
         Command::Edge(args) => cohort_edge::cli::run(args),
+        Command::Bench(BenchCommand::Secagg(args)) => {
+            match cohort_coordinator::bench::secagg::run(&args) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(2)
+                }
+            }
+        }
     }
 }
 

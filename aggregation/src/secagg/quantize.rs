@@ -23,6 +23,14 @@
 //! of the clipped updates (and the rounding is unbiased, so the expected error is 0).
 //! [`Quantizer::error_bound`] computes it for a round.
 
+use rayon::prelude::*;
+
+use super::prg;
+
+/// Coordinates quantised per parallel task (and rounding noise generated per stack
+/// buffer).
+const QUANTIZE_CHUNK: usize = 4096;
+
 /// Words appended to the `d` model words: the weight and the loss term.
 pub const EXTRA_WORDS: usize = 2;
 
@@ -180,7 +188,9 @@ impl Quantizer {
     }
 
     /// Quantises one client's update (clipping it), weight and loss into `d + 2` words,
-    /// with stochastic rounding drawn from `rng`.
+    /// with stochastic rounding. The rounding noise is a ChaCha20 keystream under a key
+    /// drawn from `rng`, so the update is quantised in parallel chunks and the result
+    /// does not depend on the number of threads.
     pub fn encode<R: rand_core::Rng + ?Sized>(
         &self,
         update: &[f32],
@@ -191,7 +201,7 @@ impl Quantizer {
         if weight == 0 {
             return Err(QuantizeError::ZeroWeight);
         }
-        if let Some(index) = update.iter().position(|v| !v.is_finite()) {
+        if let Some(index) = update.par_iter().position_first(|v| !v.is_finite()) {
             return Err(QuantizeError::NonFinite { index });
         }
         if !loss.is_finite() {
@@ -199,31 +209,47 @@ impl Quantizer {
                 index: update.len(),
             });
         }
+        let mut noise_key = [0u8; 32];
+        rng.fill_bytes(&mut noise_key);
         let w = weight.min(u64::from(self.params.max_weight)) as u32;
         let scale = f64::from(w) / f64::from(self.params.max_weight);
         let clip = f64::from(self.params.clip);
         let levels = f64::from(self.levels);
         let inv_step = levels / (2.0 * clip);
-        let mut out = Vec::with_capacity(update.len() + EXTRA_WORDS);
-        for &v in update {
-            let s = scale * f64::from(v).clamp(-clip, clip);
-            out.push(self.round(((s + clip) * inv_step).clamp(0.0, levels), rng));
-        }
-        out.push(w);
+        let mut out = vec![0u32; update.len() + EXTRA_WORDS];
+        out[..update.len()]
+            .par_chunks_mut(QUANTIZE_CHUNK)
+            .zip(update.par_chunks(QUANTIZE_CHUNK))
+            .enumerate()
+            .for_each(|(i, (q, x))| {
+                let mut noise = [0u32; QUANTIZE_CHUNK];
+                let noise = &mut noise[..x.len()];
+                prg::keystream(&noise_key, (i * QUANTIZE_CHUNK) as u64, noise)
+                    .expect("a model of at most 2^28 parameters fits one keystream");
+                for ((q, &v), &u) in q.iter_mut().zip(x).zip(noise.iter()) {
+                    let s = scale * f64::from(v).clamp(-clip, clip);
+                    *q = self.round(((s + clip) * inv_step).clamp(0.0, levels), u);
+                }
+            });
+        let d = update.len();
+        out[d] = w;
+        let mut tail = [0u32; 1];
+        prg::keystream(&noise_key, d as u64, &mut tail)
+            .expect("a model of at most 2^28 parameters fits one keystream");
         let loss_clip = f64::from(self.params.loss_clip);
         let l = scale * loss.clamp(0.0, loss_clip);
-        out.push(self.round((l * levels / loss_clip).clamp(0.0, levels), rng));
+        out[d + 1] = self.round((l * levels / loss_clip).clamp(0.0, levels), tail[0]);
         Ok(out)
     }
 
-    /// Stochastic rounding of `z` in `[0, L]`: up with probability `frac(z)`.
-    fn round<R: rand_core::Rng + ?Sized>(&self, z: f64, rng: &mut R) -> u32 {
+    /// Stochastic rounding of `z` in `[0, L]` with uniform noise `u`: up with probability
+    /// `frac(z)` (to within 2^-32).
+    #[inline]
+    fn round(&self, z: f64, u: u32) -> u32 {
         let floor = z.floor();
         let frac = z - floor;
-        let up = (f64::from(rng.next_u32()) + 0.5) * (1.0 / 4_294_967_296.0) < frac;
-        (floor as u32)
-            .saturating_add(u32::from(up))
-            .min(self.levels)
+        let up = (f64::from(u) + 0.5) * (1.0 / 4_294_967_296.0) < frac;
+        (floor as u32 + u32::from(up)).min(self.levels)
     }
 
     /// Decodes the unmasked sum of `survivors` clients' vectors.
@@ -242,7 +268,7 @@ impl Quantizer {
         }
         let d = sum.len() - EXTRA_WORDS;
         let max_word = survivors as u64 * u64::from(self.levels);
-        if let Some(index) = sum.iter().enumerate().position(|(i, &q)| {
+        if let Some(index) = sum.par_iter().enumerate().position_first(|(i, &q)| {
             let limit = if i == d {
                 survivors as u64 * u64::from(self.params.max_weight)
             } else {
@@ -261,7 +287,7 @@ impl Quantizer {
         let factor = f64::from(self.params.max_weight) / total_weight as f64;
         let offset = survivors as f64 * clip;
         let mean = sum[..d]
-            .iter()
+            .par_iter()
             .map(|&q| ((f64::from(q) * step - offset) * factor) as f32)
             .collect();
         let loss_step = f64::from(self.params.loss_clip) / f64::from(self.levels);

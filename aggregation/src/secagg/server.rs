@@ -63,6 +63,9 @@ pub struct Unmasked {
     pub survivors: Vec<u32>,
     /// Who dropped where.
     pub dropouts: Dropouts,
+    /// Masks the server expanded and removed: one self mask per survivor and one
+    /// pairwise mask per (dropped client, surviving neighbour) pair.
+    pub masks_removed: usize,
 }
 
 /// The server's part in one secure round.
@@ -493,8 +496,11 @@ impl ServerSession {
     /// one that fails its check, fails the round.
     pub fn finish(&mut self) -> Result<Unmasked, SecAggError> {
         self.expect(Stage::Unmask)?;
-        match self.unmask_sum() {
-            Ok(sum) => {
+        // The sum is unmasked in place; the session is finished or failed afterwards,
+        // so it never needs the masked sum again.
+        let mut sum = std::mem::take(&mut self.sum);
+        match self.unmask_sum(&mut sum) {
+            Ok(masks_removed) => {
                 let survivors: Vec<u32> = self.masked.iter().copied().collect();
                 let decoded = match self.quantizer.decode(&sum, survivors.len()) {
                     Ok(d) => d,
@@ -506,13 +512,14 @@ impl ServerSession {
                     decoded,
                     survivors,
                     dropouts: self.dropouts(),
+                    masks_removed,
                 })
             }
             Err(e) => Err(self.fail(e)),
         }
     }
 
-    fn unmask_sum(&self) -> Result<Vec<u32>, SecAggError> {
+    fn unmask_sum(&self, sum: &mut [u32]) -> Result<usize, SecAggError> {
         let t = self.config.threshold;
         let session = &self.config.session;
         let mut interpolators: HashMap<Vec<u32>, Interpolator> = HashMap::new();
@@ -606,8 +613,7 @@ impl ServerSession {
                 .iter()
                 .map(|(seed, sign)| Mask { seed, sign: *sign }),
         );
-        let mut sum = self.sum.clone();
-        prg::apply_masks_parallel(&masks, 0, &mut sum)?;
-        Ok(sum)
+        prg::apply_masks_parallel(&masks, 0, sum)?;
+        Ok(masks.len())
     }
 }

@@ -1,0 +1,7 @@
+//! `cohort bench`: measurements a user can rerun on their own machine.
+//!
+//! - [`secagg`]: one secure aggregation round at a chosen size, with every party in this
+//!   process: client masking, server unmasking, the whole round and the bytes each
+//!   client sends.
+
+pub mod secagg;

@@ -1,0 +1,328 @@
+//! `cohort bench secagg`: SecAgg+ rounds of `n` clients with `d`-parameter updates, the
+//! same cases as the Flower harness's `bench_secagg.py` (random updates in `[-1, 1]`,
+//! weights in `100..1000`, a fraction of clients dropping after sharing keys).
+//!
+//! Each repeat runs a whole round through the in-process transport with the clients one
+//! after another (each using every core, as a client machine would), and checks the
+//! unmasked mean against the plain weighted mean of the survivors. JSON lines go to
+//! stdout: one `secagg` record per case with the fields the issue names, then records in
+//! the Flower harness schema (`secagg_client_mask`, `secagg_server_unmask`,
+//! `secagg_round`, `secagg_client_share_keys`, `membw_probe`) so that `compare.py` can
+//! join them with Flower's.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use clap::Args;
+use cohort_aggregation::secagg::{
+    self, QuantizationParams, RoundConfig, Stage, default_neighbours, default_threshold,
+    effective_degree, local, prg,
+};
+use rand::{Rng, RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde_json::json;
+
+/// Flags of `cohort bench secagg`.
+#[derive(Debug, Clone, Args)]
+pub struct SecAggBenchArgs {
+    /// Clients in the round (comma-separated for several cases)
+    #[arg(long, value_name = "N", value_delimiter = ',', default_value = "100")]
+    pub n: Vec<u32>,
+    /// Parameters per update (comma-separated; 1e5 style accepted)
+    #[arg(long, value_name = "D", value_delimiter = ',', default_value = "100000", value_parser = parse_count)]
+    pub d: Vec<usize>,
+    /// Neighbours per client [default: 2*ceil(log2 n)]; `full` or n-1 for the complete
+    /// graph (the original SecAgg)
+    #[arg(long, value_name = "K", value_delimiter = ',')]
+    pub neighbours: Option<Vec<String>>,
+    /// Shares needed to rebuild a secret [default: just over half the neighbours]
+    #[arg(long, value_name = "T")]
+    pub threshold: Option<usize>,
+    /// Fraction of clients that drop out (comma-separated for several cases)
+    #[arg(long, value_name = "F", value_delimiter = ',', default_value = "0")]
+    pub dropout: Vec<f64>,
+    /// Where the dropping clients stop [default: masked, i.e. after sharing keys, as in
+    /// the Flower harness]
+    #[arg(long, value_name = "STAGE", default_value = "masked")]
+    pub dropout_stage: Stage,
+    /// Rounds per case; figures are medians
+    #[arg(long, value_name = "R", default_value_t = 3)]
+    pub repeats: usize,
+    /// Seed of the updates, weights and who drops
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+fn parse_count(text: &str) -> Result<usize, String> {
+    let v: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{text}` is not a number"))?;
+    if !(v.is_finite() && v >= 1.0 && v.fract() == 0.0 && v <= secagg::MAX_DIMENSION as f64) {
+        return Err(format!(
+            "`{text}` must be a whole number between 1 and {}",
+            secagg::MAX_DIMENSION
+        ));
+    }
+    Ok(v as usize)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Reads a buffer of `bytes` once and sums it: the machine's memory read bandwidth, the
+/// baseline the unmasking figures are put against.
+fn memory_probe(bytes: usize, repeats: usize) -> f64 {
+    let words = vec![1u64; bytes / 8];
+    let mut times = Vec::with_capacity(repeats);
+    let mut sink = 0u64;
+    for _ in 0..repeats {
+        let start = Instant::now();
+        sink = sink.wrapping_add(words.iter().fold(0u64, |a, &w| a.wrapping_add(w)));
+        times.push(start.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(sink);
+    bytes as f64 / median(times) / 1e9
+}
+
+/// One case's figures.
+struct Case {
+    n: u32,
+    d: usize,
+    k: usize,
+    t: usize,
+    f: f64,
+}
+
+/// Runs every case and prints its JSON lines; returns an error message for bad input.
+pub fn run(args: &SecAggBenchArgs) -> Result<(), String> {
+    if args.repeats == 0 {
+        return Err("--repeats must be at least 1".into());
+    }
+    if let Some(bad) = args.dropout.iter().find(|f| !(0.0..1.0).contains(*f)) {
+        return Err(format!("--dropout must be in [0, 1), got {bad}"));
+    }
+    let suite = std::env::var("BENCH_SUITE").unwrap_or_else(|_| "cohort".into());
+    let threads = rayon::current_num_threads();
+    let probe_gbps = memory_probe(256 << 20, 5);
+    println!(
+        "{}",
+        json!({"suite": suite, "bench": "membw_probe", "impl": "probe_sum", "mib": 256,
+               "gbps": probe_gbps, "median_s": (256u64 << 20) as f64 / probe_gbps / 1e9})
+    );
+    for &n in &args.n {
+        if n < 2 {
+            return Err(format!("--n must be at least 2, got {n}"));
+        }
+        let ks: Vec<usize> = match &args.neighbours {
+            None => vec![default_neighbours(n as usize)],
+            Some(list) => list
+                .iter()
+                .map(|k| match k.trim() {
+                    "full" => Ok(n as usize - 1),
+                    other => other
+                        .parse::<usize>()
+                        .ok()
+                        .filter(|&k| k >= 1)
+                        .ok_or_else(|| format!("--neighbours `{other}`: a number >= 1 or full")),
+                })
+                .collect::<Result<_, _>>()?,
+        };
+        for &k in &ks {
+            let keff = effective_degree(n as usize, k);
+            let t = args.threshold.unwrap_or(default_threshold(n as usize, k));
+            for &d in &args.d {
+                for &f in &args.dropout {
+                    run_case(
+                        args,
+                        &suite,
+                        threads,
+                        probe_gbps,
+                        &Case {
+                            n,
+                            d,
+                            k: keff,
+                            t,
+                            f,
+                        },
+                    )?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn run_case(
+    args: &SecAggBenchArgs,
+    suite: &str,
+    threads: usize,
+    probe_gbps: f64,
+    case: &Case,
+) -> Result<(), String> {
+    let &Case { n, d, k, t, f } = case;
+    let graph = if k >= n as usize - 1 {
+        "full"
+    } else {
+        "sparse"
+    };
+    let config = RoundConfig {
+        session: [0; 32],
+        parties: n,
+        threshold: t,
+        neighbours: k,
+        dimension: d,
+        quantization: QuantizationParams {
+            clip: 1.0,
+            ..QuantizationParams::default()
+        },
+    };
+    config.validate().map_err(|e| e.to_string())?;
+    let dropped = (f * f64::from(n)).round() as usize;
+    let mut drop_rng = ChaCha8Rng::seed_from_u64(args.seed ^ 0xd20b);
+    let drop_at: BTreeMap<u32, Stage> =
+        rand::seq::index::sample(&mut drop_rng, n as usize, dropped)
+            .into_iter()
+            .map(|i| (i as u32 + 1, args.dropout_stage))
+            .collect();
+    let weights: Vec<u64> = {
+        let mut rng = ChaCha8Rng::seed_from_u64(args.seed ^ 0x3e16);
+        (0..n).map(|_| rng.random_range(100..1000)).collect()
+    };
+    let update = |u: u32| -> Vec<f32> {
+        let mut rng = ChaCha8Rng::seed_from_u64(args.seed.wrapping_mul(1_000_003) ^ u64::from(u));
+        (0..d).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    };
+    let mut client_mask = Vec::new();
+    let mut client_share = Vec::new();
+    let mut server_unmask = Vec::new();
+    let mut rounds = Vec::new();
+    let mut bytes_per_client = 0.0;
+    let mut max_err = 0.0f64;
+    let mut bound = 0.0f64;
+    let mut masks_removed = 0usize;
+    for repeat in 0..args.repeats {
+        let mut seed = [0u8; 32];
+        rand::rng().fill_bytes(&mut seed);
+        let input_time = Mutex::new(0.0f64);
+        let round = local::run_round(&config, seed, &drop_at, false, |u| {
+            let start = Instant::now();
+            let values = update(u);
+            *input_time.lock().expect("no panics while held") += start.elapsed().as_secs_f64();
+            local::ClientInput::Update {
+                values,
+                weight: weights[u as usize - 1],
+                loss: 0.0,
+            }
+        });
+        let out = round
+            .result
+            .map_err(|e| format!("n={n} d={d} k={k} f={f}: the round failed: {e}"))?;
+        let input_time = input_time.into_inner().expect("no panics while held");
+        client_mask.extend(round.timings.client_mask.iter().copied());
+        client_share.extend(round.timings.client_share.iter().copied());
+        server_unmask.push(round.timings.server_unmask);
+        rounds.push(round.timings.round - input_time);
+        let survivors = &out.survivors;
+        bytes_per_client = survivors
+            .iter()
+            .map(|u| round.bytes_sent[u] as f64)
+            .sum::<f64>()
+            / survivors.len() as f64;
+        masks_removed = out.masks_removed;
+        if repeat == 0 {
+            // Check the result against the plain weighted mean of the survivors.
+            let total: f64 = survivors
+                .iter()
+                .map(|&u| weights[u as usize - 1] as f64)
+                .sum();
+            let mut reference = vec![0f64; d];
+            for &u in survivors {
+                let w = weights[u as usize - 1] as f64;
+                for (r, x) in reference.iter_mut().zip(update(u)) {
+                    *r += w * f64::from(x);
+                }
+            }
+            for (r, m) in reference.iter().zip(&out.decoded.mean) {
+                max_err = max_err.max((r / total - f64::from(*m)).abs());
+            }
+            bound = out.decoded.error_bound;
+            if max_err > bound + 1e-6 {
+                return Err(format!(
+                    "n={n} d={d}: error {max_err:e} exceeds the bound {bound:e}"
+                ));
+            }
+        }
+        eprintln!(
+            "n={n} d={d} k={k} t={t} f={f} repeat {}: mask {:.4}s/client, unmask {:.4}s, round {:.2}s",
+            repeat + 1,
+            median(round.timings.client_mask.clone()),
+            round.timings.server_unmask,
+            round.timings.round - input_time
+        );
+    }
+    let client_mask_s = median(client_mask.clone());
+    let server_unmask_s = median(server_unmask.clone());
+    let round_s = median(rounds.clone());
+    let plain_bytes = (d * 4) as f64;
+    // Keystream the server generated while unmasking, as a rate next to the memory probe.
+    let keystream_gbps =
+        masks_removed as f64 * (d + secagg::EXTRA_WORDS) as f64 * 4.0 / server_unmask_s / 1e9;
+    let common = json!({"n": n, "d": d, "k": k, "t": t, "f": f, "graph": graph,
+        "dropped": dropped, "repeats": args.repeats});
+    let mut record = json!({
+        "suite": suite, "bench": "secagg", "impl": "cohort",
+        "client_mask_s": client_mask_s,
+        "server_unmask_s": server_unmask_s,
+        "round_s": round_s,
+        "bytes_per_client": bytes_per_client,
+        "expansion": bytes_per_client / plain_bytes,
+        "max_abs_err": max_err,
+        "error_bound": bound,
+        "server_keystream_gbps": keystream_gbps,
+        "membw_probe_gbps": probe_gbps,
+        "prg_backend": prg::backend(),
+        "threads": threads,
+    });
+    merge(&mut record, &common);
+    println!("{record}");
+    for (bench, values) in [
+        ("secagg_client_mask", client_mask),
+        ("secagg_client_share_keys", client_share),
+        ("secagg_server_unmask", server_unmask),
+        ("secagg_round", rounds),
+    ] {
+        let min = values.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = values.iter().copied().fold(0.0, f64::max);
+        let mut line = json!({"suite": suite, "bench": bench, "impl": "cohort",
+            "median_s": median(values), "min_s": min, "max_s": max});
+        merge(&mut line, &common);
+        if bench == "secagg_client_share_keys" {
+            // Flower keys this bench without d and f.
+            let obj = line.as_object_mut().expect("an object");
+            obj.remove("d");
+            obj.remove("f");
+        }
+        println!("{line}");
+    }
+    Ok(())
+}
+
+fn merge(into: &mut serde_json::Value, from: &serde_json::Value) {
+    if let (Some(a), Some(b)) = (into.as_object_mut(), from.as_object()) {
+        for (k, v) in b {
+            a.insert(k.clone(), v.clone());
+        }
+    }
+}
