@@ -34,6 +34,10 @@ pub struct DemoArgs {
     /// Database of the coordinator [default: an SQLite file in the run directory]
     #[arg(long, value_name = "URL")]
     pub database_url: Option<String>,
+    /// Combine the updates with secure aggregation (SecAgg+): the coordinator sees only
+    /// masked vectors and learns only their sum
+    #[arg(long)]
+    pub secure_aggregation: bool,
 }
 
 /// What a finished demo measured.
@@ -194,6 +198,9 @@ async fn run_async(args: &DemoArgs) -> Result<DemoOutcome, String> {
         max_round_attempts: 3,
         train: TrainSettings::default(),
         seed: args.seed,
+        secure_aggregation: args
+            .secure_aggregation
+            .then(crate::server::secure_rounds::SecureAggregationSpec::default),
     };
     spec.validate().map_err(|e| e.to_string())?;
     let store = &state.store;

@@ -862,6 +862,10 @@ fn every_admin_operation_is_in_the_route_walk() {
         ("POST", "/api/v1/admin/experiments"),
         ("POST", "/api/v1/admin/experiments/{id}/stop"),
         ("GET", "/api/v1/admin/experiments/{id}/jobs"),
+        (
+            "GET",
+            "/api/v1/admin/experiments/{id}/rounds/{round}/attempts/{attempt}",
+        ),
         ("POST", "/api/v1/admin/enrolment-tokens/{id}/revoke"),
         ("POST", "/api/v1/admin/clients/{id}/revoke"),
     ] {

@@ -50,6 +50,10 @@ pub enum AgentError {
     /// A task does not fit the local data.
     #[error("task does not fit the local data: {0}")]
     Task(String),
+    /// This client left a secure round: the coordinator's messages did not check out,
+    /// or too few of its neighbours remained. The round goes on without it.
+    #[error("secure aggregation: {0}")]
+    SecureAggregation(#[from] cohort_aggregation::secagg::SecAggError),
 }
 
 /// What the agent did before it stopped.
@@ -194,6 +198,14 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
             })) => {
                 report.skipped += 1;
             }
+            // This client left a secure round; the next one starts afresh.
+            Err(AgentError::SecureAggregation(e)) => {
+                note(&format!(
+                    "left secure round experiment={} round={} attempt={}: {e}",
+                    task.experiment_id, task.round, task.attempt
+                ));
+                report.skipped += 1;
+            }
             Err(e) => return Err(e),
         }
         idle_since = Instant::now();
@@ -228,22 +240,10 @@ async fn serve_task(
     task: &Task,
     seed: u64,
 ) -> Result<(), AgentError> {
-    let kind: ModelKind = task
-        .model
-        .parse()
-        .map_err(|e| AgentError::Task(format!("{e}")))?;
-    if data.num_features() != task.features {
-        return Err(AgentError::Task(format!(
-            "the model takes {} features, the local data has {}",
-            task.features,
-            data.num_features()
-        )));
+    if let Some(secure) = &task.secure_aggregation {
+        return serve_secure_task(client, cred, data, task, secure, seed).await;
     }
-    let spec = ModelSpec::new(&kind, task.features, task.classes)
-        .map_err(|e| AgentError::Task(e.to_string()))?;
-    let labels = experiment_labels(data, task.classes)?;
-    let local = LocalModel::from_parts(spec.clone(), data.features.clone(), labels)
-        .map_err(|e| AgentError::Task(e.to_string()))?;
+    let (spec, local) = local_model(data, task)?;
     let global = with_retries(|| client.model(cred, task.experiment_id, spec.layout())).await?;
     let train = task.train.clone();
     let update = tokio::task::spawn_blocking(move || local.train(&global, &train, seed))
@@ -261,6 +261,114 @@ async fn serve_task(
     })
     .await?;
     Ok(())
+}
+
+/// Polls a long-polling fetch until the stage it waits for has closed.
+async fn wait_stage<T, F, Fut>(mut fetch: F) -> Result<T, ProtocolError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<Option<T>, ProtocolError>>,
+{
+    loop {
+        if let Some(found) = with_retries(&mut fetch).await? {
+            return Ok(found);
+        }
+    }
+}
+
+/// A secure round: the four SecAgg+ stages around local training. Only the masked
+/// vector of the update ever leaves the machine; the keys and the self-mask seed stay in
+/// memory, so a client that restarts mid-round drops out of it, and the protocol's
+/// dropout recovery takes over.
+async fn serve_secure_task(
+    client: &CoordinatorClient,
+    cred: &Credential,
+    data: &Dataset,
+    task: &Task,
+    secure: &crate::protocol::SecureTask,
+    seed: u64,
+) -> Result<(), AgentError> {
+    use cohort_aggregation::secagg::ClientSession;
+
+    let (spec, local) = local_model(data, task)?;
+    if secure.config.dimension != spec.num_params() {
+        return Err(AgentError::Task(format!(
+            "the secure round expects {} parameters, the model has {}",
+            secure.config.dimension,
+            spec.num_params()
+        )));
+    }
+    let (mut session, keys) =
+        ClientSession::new(secure.config.clone(), secure.index, &mut rand::rng())?;
+    with_retries(|| client.advertise_keys(cred, task, &keys)).await?;
+    let round = format!(
+        "experiment={} round={} attempt={}",
+        task.experiment_id, task.round, task.attempt
+    );
+    note(&format!("secagg advertised keys {round}"));
+    // Train while the other clients advertise and share.
+    let global = with_retries(|| client.model(cred, task.experiment_id, spec.layout())).await?;
+    let base = global.clone();
+    let train = task.train.clone();
+    let training = tokio::task::spawn_blocking(move || local.train(&global, &train, seed));
+    let directory = wait_stage(|| client.key_directory(cred, task, 10)).await?;
+    let shares = session.share_keys(&directory, &mut rand::rng())?;
+    with_retries(|| client.send_shares(cred, task, &shares)).await?;
+    note(&format!("secagg shared keys {round}"));
+    let forwarded = wait_stage(|| client.forwarded_shares(cred, task, 10)).await?;
+    let update = training
+        .await
+        .map_err(|e| AgentError::Task(e.to_string()))?
+        .map_err(|e| AgentError::Task(e.to_string()))?;
+    let delta: Vec<f32> = update
+        .params
+        .values()
+        .iter()
+        .zip(base.values())
+        .map(|(p, g)| p - g)
+        .collect();
+    let loss = if update.train_loss.is_finite() {
+        update.train_loss
+    } else {
+        0.0
+    };
+    let samples = update.num_samples as u64;
+    // Masking is a few passes over the model: off the async threads.
+    let (mut session, masked) = tokio::task::spawn_blocking(move || {
+        let masked = session.mask(&forwarded, &delta, samples, loss, &mut rand::rng());
+        (session, masked)
+    })
+    .await
+    .map_err(|e| AgentError::Task(e.to_string()))?;
+    let masked = masked?;
+    with_retries(|| client.upload_masked(cred, task, &masked)).await?;
+    note(&format!("secagg uploaded masked input {round}"));
+    let request = wait_stage(|| client.survivors(cred, task, 10)).await?;
+    let reveal = session.unmask(&request)?;
+    with_retries(|| client.send_unmask(cred, task, &reveal)).await?;
+    note(&format!("secagg revealed shares {round}"));
+    Ok(())
+}
+
+/// The task's model bound to the local data.
+fn local_model(data: &Dataset, task: &Task) -> Result<(ModelSpec, LocalModel), AgentError> {
+    let kind: ModelKind = task
+        .model
+        .parse()
+        .map_err(|e| AgentError::Task(format!("{e}")))?;
+    if data.num_features() != task.features {
+        return Err(AgentError::Task(format!(
+            "the model takes {} features, the local data has {}",
+            task.features,
+            data.num_features()
+        )));
+    }
+    let spec = ModelSpec::new(&kind, task.features, task.classes)
+        .map_err(|e| AgentError::Task(e.to_string()))?;
+    let labels = experiment_labels(data, task.classes)?;
+    let local = LocalModel::from_parts(spec.clone(), data.features.clone(), labels)
+        .map_err(|e| AgentError::Task(e.to_string()))?;
+    Ok((spec, local))
 }
 
 #[cfg(test)]

@@ -4,6 +4,10 @@
 
 use std::time::Duration;
 
+use cohort_aggregation::secagg::{
+    AdvertiseKeys, ForwardedShares, KeyDirectory, RoundConfig, ShareKeys, UnmaskRequest,
+    UnmaskShares,
+};
 use cohort_aggregation::{ModelVector, wire};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
@@ -44,6 +48,33 @@ pub struct Task {
     pub classes: usize,
     /// Local training settings.
     pub train: TrainConfig,
+    /// For a secure round: the protocol settings and this client's index.
+    #[serde(default)]
+    pub secure_aggregation: Option<SecureTask>,
+}
+
+/// This client's part in a secure round.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SecureTask {
+    /// The client's index in the round (1..n).
+    pub index: u32,
+    /// The round's public protocol settings.
+    pub config: RoundConfig,
+}
+
+#[derive(Deserialize)]
+struct DirectoryReply {
+    directory: Option<KeyDirectory>,
+}
+
+#[derive(Deserialize)]
+struct SharesReply {
+    shares: Option<ForwardedShares>,
+}
+
+#[derive(Deserialize)]
+struct SurvivorsReply {
+    request: Option<UnmaskRequest>,
 }
 
 #[derive(Deserialize)]
@@ -92,6 +123,12 @@ impl ProtocolError {
             ProtocolError::Refused { status, .. } => *status >= 500 || *status == 429,
             ProtocolError::Protocol(_) => false,
         }
+    }
+
+    /// True when the coordinator already holds this exact message (a retry whose first
+    /// try got through but whose answer was lost).
+    pub fn is_already_sent(&self) -> bool {
+        matches!(self, ProtocolError::Refused { status: 409, code, .. } if code == "already_sent")
     }
 
     /// True when the credential itself is refused (unknown, wrong or revoked).
@@ -197,6 +234,145 @@ impl CoordinatorClient {
         let bytes = checked(r).await?.bytes().await?;
         wire::decode(layout, &bytes)
             .map_err(|e| ProtocolError::Protocol(format!("global model: {e}")))
+    }
+
+    fn secagg_url(task: &Task, what: &str) -> String {
+        format!(
+            "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/secagg/{what}",
+            task.experiment_id, task.round, task.attempt
+        )
+    }
+
+    async fn post_json<T: Serialize>(
+        &self,
+        cred: &Credential,
+        path: &str,
+        body: &T,
+    ) -> Result<(), ProtocolError> {
+        let r = self
+            .http
+            .post(self.url(path))
+            .bearer_auth(cred.bearer())
+            .json(body)
+            .send()
+            .await?;
+        match checked(r).await {
+            Ok(_) => Ok(()),
+            Err(e) if e.is_already_sent() => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn get_json<T: serde::de::DeserializeOwned>(
+        &self,
+        cred: &Credential,
+        path: &str,
+        wait_seconds: u64,
+    ) -> Result<T, ProtocolError> {
+        let r = self
+            .http
+            .get(self.url(&format!("{path}?wait_seconds={wait_seconds}")))
+            .bearer_auth(cred.bearer())
+            .send()
+            .await?;
+        Ok(checked(r).await?.json().await?)
+    }
+
+    /// Secure round, stage 1: sends this client's public keys.
+    pub async fn advertise_keys(
+        &self,
+        cred: &Credential,
+        task: &Task,
+        keys: &AdvertiseKeys,
+    ) -> Result<(), ProtocolError> {
+        self.post_json(cred, &Self::secagg_url(task, "keys"), keys)
+            .await
+    }
+
+    /// The key directory once advertising has closed (`None` while it has not, after
+    /// waiting up to `wait_seconds`).
+    pub async fn key_directory(
+        &self,
+        cred: &Credential,
+        task: &Task,
+        wait_seconds: u64,
+    ) -> Result<Option<KeyDirectory>, ProtocolError> {
+        let r: DirectoryReply = self
+            .get_json(cred, &Self::secagg_url(task, "keys"), wait_seconds)
+            .await?;
+        Ok(r.directory)
+    }
+
+    /// Secure round, stage 2: sends the encrypted shares.
+    pub async fn send_shares(
+        &self,
+        cred: &Credential,
+        task: &Task,
+        shares: &ShareKeys,
+    ) -> Result<(), ProtocolError> {
+        self.post_json(cred, &Self::secagg_url(task, "shares"), shares)
+            .await
+    }
+
+    /// The neighbours' shares for this client once sharing has closed.
+    pub async fn forwarded_shares(
+        &self,
+        cred: &Credential,
+        task: &Task,
+        wait_seconds: u64,
+    ) -> Result<Option<ForwardedShares>, ProtocolError> {
+        let r: SharesReply = self
+            .get_json(cred, &Self::secagg_url(task, "shares"), wait_seconds)
+            .await?;
+        Ok(r.shares)
+    }
+
+    /// Secure round, stage 3: uploads the masked input, the only form in which the
+    /// update leaves the machine.
+    pub async fn upload_masked(
+        &self,
+        cred: &Credential,
+        task: &Task,
+        masked: &[u32],
+    ) -> Result<(), ProtocolError> {
+        let url = format!(
+            "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/update",
+            task.experiment_id, task.round, task.attempt
+        );
+        let r = self
+            .http
+            .post(self.url(&url))
+            .bearer_auth(cred.bearer())
+            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+            .body(cohort_aggregation::secagg::messages::encode_words(masked))
+            .send()
+            .await?;
+        checked(r).await?;
+        Ok(())
+    }
+
+    /// The survivors once masked input collection has closed.
+    pub async fn survivors(
+        &self,
+        cred: &Credential,
+        task: &Task,
+        wait_seconds: u64,
+    ) -> Result<Option<UnmaskRequest>, ProtocolError> {
+        let r: SurvivorsReply = self
+            .get_json(cred, &Self::secagg_url(task, "survivors"), wait_seconds)
+            .await?;
+        Ok(r.request)
+    }
+
+    /// Secure round, stage 4: reveals the shares the server is owed.
+    pub async fn send_unmask(
+        &self,
+        cred: &Credential,
+        task: &Task,
+        shares: &UnmaskShares,
+    ) -> Result<(), ProtocolError> {
+        self.post_json(cred, &Self::secagg_url(task, "unmask"), shares)
+            .await
     }
 
     /// Uploads a trained update for `task`.

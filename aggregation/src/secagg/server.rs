@@ -78,6 +78,9 @@ pub struct ServerSession {
     shared: BTreeMap<u32, ShareKeys>,
     masked: BTreeSet<u32>,
     sum: Vec<u32>,
+    /// True once a masked input was recorded without its vector: the caller folds the
+    /// inputs itself and hands the sum to [`ServerSession::finish_with`].
+    external_sum: bool,
     revealed: BTreeMap<u32, Revealed>,
 }
 
@@ -112,6 +115,7 @@ impl ServerSession {
             shared: BTreeMap::new(),
             masked: BTreeSet::new(),
             sum: Vec::new(),
+            external_sum: false,
             revealed: BTreeMap::new(),
         })
     }
@@ -195,6 +199,21 @@ impl ServerSession {
         let probe = KeyPair::from_secret_bytes([0x5a; KEY_BYTES]);
         probe.agree(&keys.cipher_pk)?;
         probe.agree(&keys.mask_pk)?;
+        self.keys.insert(from, keys.clone());
+        Ok(())
+    }
+
+    /// Stage 1 for keys this server already accepted with
+    /// [`receive_keys`](Self::receive_keys) and stored: a coordinator rebuilding a round
+    /// from its database skips the key checks it has done once.
+    pub fn restore_keys(&mut self, from: u32, keys: &AdvertiseKeys) -> Result<(), SecAggError> {
+        self.expect(Stage::Advertise)?;
+        if from == 0 || from > self.config.parties {
+            return Err(SecAggError::UnknownClient(from));
+        }
+        if self.keys.contains_key(&from) {
+            return Err(SecAggError::Duplicate(from));
+        }
         self.keys.insert(from, keys.clone());
         Ok(())
     }
@@ -350,6 +369,22 @@ impl ServerSession {
         Ok(())
     }
 
+    /// Stage 3 without the vector: records that client `from`'s masked input (of the
+    /// right length, checked by the caller) arrived. A coordinator that keeps inputs on
+    /// disk folds them itself and passes the sum to [`finish_with`](Self::finish_with).
+    pub fn restore_masked(&mut self, from: u32) -> Result<(), SecAggError> {
+        self.expect(Stage::Masked)?;
+        if !self.shared.contains_key(&from) {
+            return Err(SecAggError::NotInRound(from));
+        }
+        if self.masked.contains(&from) {
+            return Err(SecAggError::Duplicate(from));
+        }
+        self.masked.insert(from);
+        self.external_sum = true;
+        Ok(())
+    }
+
     /// Ends stage 3 and returns the survivors (`U3`) to send to them, or fails the round
     /// with fewer than `t`: then no share is ever asked for, and nothing is revealed.
     pub fn close_collection(&mut self) -> Result<UnmaskRequest, SecAggError> {
@@ -496,9 +531,33 @@ impl ServerSession {
     /// one that fails its check, fails the round.
     pub fn finish(&mut self) -> Result<Unmasked, SecAggError> {
         self.expect(Stage::Unmask)?;
+        if self.external_sum {
+            return Err(SecAggError::BadMessage(
+                "the masked inputs were folded by the caller: use finish_with".into(),
+            ));
+        }
         // The sum is unmasked in place; the session is finished or failed afterwards,
         // so it never needs the masked sum again.
-        let mut sum = std::mem::take(&mut self.sum);
+        let sum = std::mem::take(&mut self.sum);
+        self.finish_sum(sum)
+    }
+
+    /// [`finish`](Self::finish) for a round whose masked inputs the caller folded itself
+    /// (the wrapping sum of every input recorded with
+    /// [`restore_masked`](Self::restore_masked) or
+    /// [`receive_masked`](Self::receive_masked)).
+    pub fn finish_with(&mut self, sum: Vec<u32>) -> Result<Unmasked, SecAggError> {
+        self.expect(Stage::Unmask)?;
+        if sum.len() != self.input_words() {
+            return Err(SecAggError::WrongLength {
+                expected: self.input_words(),
+                found: sum.len(),
+            });
+        }
+        self.finish_sum(sum)
+    }
+
+    fn finish_sum(&mut self, mut sum: Vec<u32>) -> Result<Unmasked, SecAggError> {
         match self.unmask_sum(&mut sum) {
             Ok(masks_removed) => {
                 let survivors: Vec<u32> = self.masked.iter().copied().collect();

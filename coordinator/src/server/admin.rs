@@ -97,6 +97,10 @@ pub struct ExperimentSpec {
     /// Seed of the initial model.
     #[serde(default)]
     pub seed: u64,
+    /// Secure aggregation (SecAgg+): clients upload only masked updates and the
+    /// coordinator learns only their sum. `{}` takes every default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secure_aggregation: Option<super::secure_rounds::SecureAggregationSpec>,
 }
 
 fn default_strategy() -> Strategy {
@@ -113,6 +117,12 @@ fn default_round_retries() -> u32 {
 }
 
 impl ExperimentSpec {
+    /// Clients selected per round when enough are available:
+    /// `ceil(clients_per_round * over_selection)`.
+    pub fn selected_per_round(&self) -> usize {
+        ((self.clients_per_round as f64 * self.over_selection).ceil() as usize).max(1)
+    }
+
     /// Checks the spec as a whole; the message names the offending field.
     pub fn validate(&self) -> Result<(), ApiError> {
         let bad = |msg: String| Err(ApiError::unprocessable("invalid_experiment", msg));
@@ -163,6 +173,14 @@ impl ExperimentSpec {
                 "strategy: {} is available in `cohort simulate` only for now; use fedavg or fedprox:MU",
                 self.strategy
             ));
+        }
+        if let Some(secure) = &self.secure_aggregation {
+            let params = ModelSpec::new(&self.model, self.features, self.classes)
+                .map(|m| m.num_params())
+                .unwrap_or(1);
+            if let Err(e) = secure.validate(self.selected_per_round(), params) {
+                return bad(format!("secure_aggregation: {e}"));
+            }
         }
         let train = cohort_edge::train::TrainConfig {
             local_epochs: self.train.local_epochs,
@@ -332,6 +350,100 @@ async fn list_rounds(
     let id = parse_id(&id, "experiment")?;
     state.store.experiment(id).await?;
     Ok(Json(state.store.rounds(id).await?))
+}
+
+/// Who dropped out of a secure round, by the stage they missed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, ToSchema)]
+pub struct DroppedAt {
+    /// Selected, never advertised keys.
+    pub advertise: Vec<Uuid>,
+    /// Advertised, never sent their shares.
+    pub share: Vec<Uuid>,
+    /// Sent shares, never uploaded a masked input.
+    pub masked: Vec<Uuid>,
+    /// Uploaded, never revealed their shares (their input still counts).
+    pub unmask: Vec<Uuid>,
+}
+
+/// A secure round's protocol state, for dashboards.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct SecureRoundView {
+    /// Clients selected.
+    pub parties: u32,
+    /// Shares needed to rebuild a secret.
+    pub threshold: usize,
+    /// Neighbours per client asked for (the graph rounds it up to even, or to the
+    /// complete graph).
+    pub neighbours: usize,
+    /// Each update coordinate is clipped to this.
+    pub clip: f32,
+    /// How many clients reached each stage.
+    pub progress: super::secure_rounds::SecureProgress,
+    /// Who dropped where.
+    pub dropped: DroppedAt,
+}
+
+/// One round attempt in detail.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct RoundDetail {
+    /// The attempt: stage, deadline, counts, metrics, failure.
+    #[schema(value_type = Object)]
+    pub round: Round,
+    /// For a secure round: the protocol's progress and who dropped where.
+    pub secure_aggregation: Option<SecureRoundView>,
+    /// Every selected client's part: state, protocol index and progress, drop stage.
+    #[schema(value_type = Vec<Object>)]
+    pub participants: Vec<crate::store::Participation>,
+}
+
+/// One round attempt: its stage and, for a secure round, the protocol's progress and who
+/// dropped out at which stage.
+#[utoipa::path(get, path = "/api/v1/admin/experiments/{id}/rounds/{round}/attempts/{attempt}", tag = "admin",
+    security(("admin_token" = [])),
+    params(("id" = String, Path, description = "Experiment id"), ("round" = i64, Path), ("attempt" = i64, Path)),
+    responses((status = 200, description = "The round attempt", body = RoundDetail), (status = 401, body = ErrorBody),
+              (status = 404, body = ErrorBody)))]
+async fn get_round(
+    State(state): State<AppState>,
+    Path((id, round, attempt)): Path<(String, String, String)>,
+) -> Result<Json<RoundDetail>, ApiError> {
+    let id = parse_id(&id, "experiment")?;
+    let number = |text: &str, what: &str| {
+        text.parse::<i64>()
+            .ok()
+            .filter(|n| *n >= 1)
+            .ok_or_else(|| ApiError::NotFound(format!("{what} `{text}`")))
+    };
+    let (round, attempt) = (number(&round, "round")?, number(&attempt, "attempt")?);
+    let r = state.store.round(id, round, attempt).await?;
+    let participants = state.store.participations(id, round, attempt).await?;
+    let secure = super::secure_rounds::round_config(&r)
+        .map_err(ApiError::internal)?
+        .map(|config| {
+            let mut dropped = DroppedAt::default();
+            for p in &participants {
+                match p.dropped_stage.as_deref() {
+                    Some("advertise") => dropped.advertise.push(p.client_id),
+                    Some("share") => dropped.share.push(p.client_id),
+                    Some("masked") => dropped.masked.push(p.client_id),
+                    Some("unmask") => dropped.unmask.push(p.client_id),
+                    _ => {}
+                }
+            }
+            SecureRoundView {
+                parties: config.parties,
+                threshold: config.threshold,
+                neighbours: config.neighbours,
+                clip: config.quantization.clip,
+                progress: super::secure_rounds::progress(&participants),
+                dropped,
+            }
+        });
+    Ok(Json(RoundDetail {
+        round: r,
+        secure_aggregation: secure,
+        participants,
+    }))
 }
 
 /// The jobs of an experiment (aggregation, evaluation, publishing) and their state.
@@ -525,6 +637,10 @@ pub(crate) fn routes() -> Router<AppState> {
         .route("/experiments/{id}/resume", post(resume_experiment))
         .route("/experiments/{id}/stop", post(stop_experiment))
         .route("/experiments/{id}/rounds", get(list_rounds))
+        .route(
+            "/experiments/{id}/rounds/{round}/attempts/{attempt}",
+            get(get_round),
+        )
         .route("/experiments/{id}/jobs", get(list_jobs))
         .route("/experiments/{id}/model", get(download_model))
         .route(
@@ -549,6 +665,7 @@ pub(crate) fn routes() -> Router<AppState> {
         resume_experiment,
         stop_experiment,
         list_rounds,
+        get_round,
         list_jobs,
         create_token,
         list_tokens,
@@ -556,6 +673,8 @@ pub(crate) fn routes() -> Router<AppState> {
         list_clients,
         revoke_client
     ),
-    components(schemas(ExperimentSpec, TrainSettings, NewEnrolmentToken, IssuedEnrolmentToken))
+    components(schemas(ExperimentSpec, TrainSettings, NewEnrolmentToken, IssuedEnrolmentToken,
+        super::secure_rounds::SecureAggregationSpec, RoundDetail, SecureRoundView, DroppedAt,
+        super::secure_rounds::SecureProgress))
 )]
 pub(crate) struct AdminDoc;

@@ -47,6 +47,7 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
     let mut doc = ApiDoc::openapi();
     doc.merge(super::admin::AdminDoc::openapi());
     doc.merge(super::client_api::ClientDoc::openapi());
+    doc.merge(super::secagg_api::SecAggDoc::openapi());
     let components = doc.components.get_or_insert_with(Default::default);
     let mut scheme = Http::new(HttpAuthScheme::Bearer);
     scheme.description =
@@ -137,6 +138,7 @@ pub(crate) fn public_router() -> Router<AppState> {
         .route("/api/v1/health", get(health))
         .route("/api/v1/openapi.json", get(openapi_json))
         .merge(super::client_api::routes())
+        .merge(super::secagg_api::routes())
 }
 
 /// The admin routes, with paths relative to [`ADMIN_PREFIX`]. Add new admin routes here

@@ -156,7 +156,7 @@ pub(crate) fn routes() -> Router<AppState> {
 #[derive(utoipa::OpenApi)]
 #[openapi(
     paths(enrol, me, checkin, model, upload),
-    components(schemas(EnrolRequest, Enrolled, ClientIdentity, CheckIn, Task, CheckInReply)),
+    components(schemas(EnrolRequest, Enrolled, ClientIdentity, CheckIn, Task, SecureTask, CheckInReply)),
     tags((name = "client", description = "Edge clients (enrolment, then the client credential)"))
 )]
 pub(crate) struct ClientDoc;
@@ -193,6 +193,20 @@ pub struct Task {
     /// Local training settings (with the FedProx mu when the strategy has one).
     #[schema(value_type = Object)]
     pub train: cohort_edge::train::TrainConfig,
+    /// For a secure round: the protocol settings and the client's index. The client
+    /// then runs the four stages under `.../secagg/` and uploads only a masked vector.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secure_aggregation: Option<SecureTask>,
+}
+
+/// A client's part in a secure round.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct SecureTask {
+    /// The client's index in the round (1..n).
+    pub index: u32,
+    /// The round's public protocol settings.
+    #[schema(value_type = Object)]
+    pub config: cohort_aggregation::secagg::RoundConfig,
 }
 
 /// The answer to a check-in.
@@ -208,6 +222,13 @@ async fn task_for(state: &AppState, client: Uuid) -> Result<Option<Task>, ApiErr
     };
     let exp = state.store.experiment(pending.experiment_id).await?;
     let (spec, _) = super::driver::experiment_model(&exp).map_err(ApiError::internal)?;
+    let secure_aggregation = match (&pending.secagg, pending.secagg_index) {
+        (Some(text), Some(index)) => Some(SecureTask {
+            index: u32::try_from(index).map_err(ApiError::internal)?,
+            config: serde_json::from_str(text).map_err(ApiError::internal)?,
+        }),
+        _ => None,
+    };
     Ok(Some(Task {
         experiment_id: exp.id,
         round: pending.round,
@@ -224,6 +245,7 @@ async fn task_for(state: &AppState, client: Uuid) -> Result<Option<Task>, ApiErr
             weight_decay: spec.train.weight_decay,
             proximal_mu: spec.strategy.proximal_mu(),
         },
+        secure_aggregation,
     }))
 }
 
@@ -280,15 +302,18 @@ async fn model(
 #[derive(Debug, Clone, PartialEq, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
 pub struct UploadQuery {
-    /// Samples behind the update (the FedAvg weight), at least 1.
-    pub num_samples: i64,
+    /// Samples behind the update (the FedAvg weight), at least 1. Required for a plain
+    /// round; refused for a secure one, whose weight travels inside the masked vector.
+    #[serde(default)]
+    pub num_samples: Option<i64>,
     /// The client's mean training loss.
     #[serde(default)]
     pub train_loss: Option<f64>,
 }
 
-/// Uploads a trained update (little-endian `f32`, `application/octet-stream`). The
-/// update is on disk and recorded before the 201 is sent.
+/// Uploads a trained update (little-endian `f32`, `application/octet-stream`), or, in a
+/// secure round, the masked input (`d + 2` little-endian `u32` words, no query). The
+/// upload is on disk and recorded before the 201 is sent.
 #[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/update",
     tag = "client", security(("client_credential" = [])),
     params(("id" = String, Path, description = "Experiment id"), ("round" = i64, Path, description = "Round"),
@@ -317,7 +342,7 @@ async fn upload(
             "an update must be sent as application/octet-stream".into(),
         ));
     }
-    if query.num_samples < 1 {
+    if query.num_samples.is_some_and(|n| n < 1) {
         return Err(ApiError::unprocessable(
             "invalid_query",
             "num_samples must be at least 1",
@@ -332,6 +357,32 @@ async fn upload(
     let id = super::admin::parse_id(&id, "experiment")?;
     let exp = state.store.experiment(id).await?;
     let (_, model) = super::driver::experiment_model(&exp).map_err(ApiError::internal)?;
+    // A secure round takes only masked words; a plain round takes floats and a weight.
+    let secure = match state.store.round(id, round, attempt).await {
+        Ok(r) => super::secure_rounds::round_config(&r)
+            .map_err(ApiError::internal)?
+            .is_some(),
+        Err(crate::store::StoreError::NotFound(what)) => return Err(ApiError::NotFound(what)),
+        Err(e) => return Err(e.into()),
+    };
+    let expected = if secure {
+        if query.num_samples.is_some() || query.train_loss.is_some() {
+            return Err(ApiError::unprocessable(
+                "invalid_query",
+                "a secure round's upload is the masked vector alone: its weight and loss \
+                 travel masked inside it, so num_samples and train_loss must not be sent",
+            ));
+        }
+        Body::MaskedWords(model.layout().len() + cohort_aggregation::secagg::EXTRA_WORDS)
+    } else {
+        if query.num_samples.is_none() {
+            return Err(ApiError::unprocessable(
+                "invalid_query",
+                "num_samples is required: the number of samples behind the update",
+            ));
+        }
+        Body::Floats(model.layout().len())
+    };
     // Each upload gets a blob of its own name, so a refused replay can never overwrite
     // the bytes of an acknowledged upload.
     let path = format!(
@@ -339,7 +390,7 @@ async fn upload(
         client.id,
         Uuid::new_v4().simple()
     );
-    let info = receive_update(&state, &headers, body, model.layout().len(), &path).await?;
+    let info = receive_update(&state, &headers, body, expected, &path).await?;
     let path = info.path.clone();
     let recorded = state
         .store
@@ -352,7 +403,8 @@ async fn upload(
                 blob_path: &info.path,
                 bytes: info.bytes as i64,
                 sha256: &info.sha256,
-                num_samples: query.num_samples,
+                // A secure upload's weight is masked; the row records none.
+                num_samples: query.num_samples.unwrap_or(0),
                 train_loss: query.train_loss,
             },
             now_millis(),
@@ -386,15 +438,65 @@ const OVERSIZE_DRAIN_BYTES: usize = 1024 * 1024;
 /// in memory, whatever the model's size.
 const UPLOAD_WRITE_CHUNK: usize = 64 * 1024;
 
-/// Streams an upload's body to a blob while checking it against a model of `parameters`
-/// (whole `f32`s, the right count, all finite) and the body limit, so that memory per
-/// upload stays at one chunk however large the model is. The blob is durable when this
-/// returns; on any error nothing is left on disk.
+/// What an upload's body must be.
+#[derive(Debug, Clone, Copy)]
+enum Body {
+    /// A plain update: this many finite little-endian `f32`s.
+    Floats(usize),
+    /// A secure round's masked input: this many little-endian `u32` words (any value:
+    /// masked words are uniform, and many look like NaN as floats).
+    MaskedWords(usize),
+}
+
+/// Checks a body as it streams in.
+enum BodyCheck {
+    Floats(cohort_aggregation::wire::StreamCheck),
+    Words { expected: usize, seen: usize },
+}
+
+impl BodyCheck {
+    fn new(body: Body) -> Self {
+        match body {
+            Body::Floats(n) => BodyCheck::Floats(cohort_aggregation::wire::StreamCheck::new(n)),
+            Body::MaskedWords(n) => BodyCheck::Words {
+                expected: n * 4,
+                seen: 0,
+            },
+        }
+    }
+
+    fn feed(&mut self, chunk: &[u8]) -> Result<(), ()> {
+        match self {
+            BodyCheck::Floats(c) => c.feed(chunk).map_err(|_| ()),
+            BodyCheck::Words { expected, seen } => {
+                *seen += chunk.len();
+                if *seen > *expected { Err(()) } else { Ok(()) }
+            }
+        }
+    }
+
+    fn finish(self) -> Result<(), String> {
+        match self {
+            BodyCheck::Floats(c) => c.finish().map_err(|e| e.to_string()),
+            BodyCheck::Words { expected, seen } if seen != expected => Err(format!(
+                "a masked input of this round is {expected} bytes ({} words: the model's \
+                 parameters, its weight and its loss), got {seen} bytes or more",
+                expected / 4
+            )),
+            BodyCheck::Words { .. } => Ok(()),
+        }
+    }
+}
+
+/// Streams an upload's body to a blob while checking it (whole `f32`s, the right count,
+/// all finite for a plain update; the right number of words for a masked input) and the
+/// body limit, so that memory per upload stays at one chunk however large the model is.
+/// The blob is durable when this returns; on any error nothing is left on disk.
 async fn receive_update(
     state: &AppState,
     headers: &axum::http::HeaderMap,
     body: axum::body::Body,
-    parameters: usize,
+    expected: Body,
     path: &str,
 ) -> Result<crate::blobs::BlobInfo, ApiError> {
     use http_body_util::BodyExt;
@@ -418,7 +520,7 @@ async fn receive_update(
         .await
         .map_err(ApiError::internal)?
         .map_err(ApiError::internal)?;
-    let mut check = cohort_aggregation::wire::StreamCheck::new(parameters);
+    let mut check = BodyCheck::new(expected);
     let mut received = 0usize;
     let mut pending: Vec<u8> = Vec::with_capacity(UPLOAD_WRITE_CHUNK);
     let mut body = body;
@@ -464,7 +566,7 @@ async fn receive_update(
     }
     check
         .finish()
-        .map_err(|e| ApiError::unprocessable("invalid_update", e.to_string()))?;
+        .map_err(|e| ApiError::unprocessable("invalid_update", e))?;
     tokio::task::spawn_blocking(move || {
         writer.write(&pending)?;
         writer.commit()

@@ -127,6 +127,12 @@ async fn step_experiment(state: &AppState, exp: &Experiment) -> Result<(), Drive
         return open(state, exp, &spec, 1, 1, now).await;
     };
     match round.stage {
+        RoundStage::Advertising | RoundStage::Sharing | RoundStage::Unmasking => {
+            secure_step(state, &spec, &round, now).await?;
+        }
+        RoundStage::Collecting if round.secagg.is_some() => {
+            secure_step(state, &spec, &round, now).await?;
+        }
         RoundStage::Collecting => {
             let due = round.stage_deadline.is_some_and(|d| now > d);
             if round.reported >= round.selected || due {
@@ -150,6 +156,15 @@ async fn step_experiment(state: &AppState, exp: &Experiment) -> Result<(), Drive
         }
     }
     Ok(())
+}
+
+async fn secure_step(
+    state: &AppState,
+    spec: &ExperimentSpec,
+    round: &Round,
+    now: i64,
+) -> Result<(), DriverError> {
+    super::secure_rounds::step(state, spec, round, spec.min_participants, JOB_ATTEMPTS, now).await
 }
 
 async fn set_state(state: &AppState, id: Uuid, to: ExperimentState) -> Result<(), DriverError> {
@@ -178,21 +193,41 @@ async fn open(
         .store
         .available_clients(now - AVAILABILITY_WINDOW_MS)
         .await?;
-    if available.len() < spec.min_participants {
+    let wanted = spec.selected_per_round();
+    let needed = match &spec.secure_aggregation {
+        Some(secure) => spec.min_participants.max(secure.min_clients(wanted)),
+        None => spec.min_participants,
+    };
+    if available.len() < needed {
         return Ok(());
     }
-    let wanted = (spec.clients_per_round as f64 * spec.over_selection).ceil() as usize;
     let k = wanted.clamp(1, available.len());
     let selected: Vec<Uuid> = index::sample(&mut rand::rng(), available.len(), k)
         .into_iter()
         .map(|i| available[i])
         .collect();
-    let deadline = now + (spec.collect_deadline_seconds as i64) * 1000;
-    match state
-        .store
-        .open_round(exp.id, round, attempt, &selected, deadline, now)
-        .await
-    {
+    let opened = match &spec.secure_aggregation {
+        Some(secure) => {
+            let (_, model) = experiment_model(exp)?;
+            let mut session = [0u8; 32];
+            rand::RngExt::fill(&mut rand::rng(), &mut session);
+            let config = secure.round_config(wanted, k, model.num_params(), session);
+            let text = serde_json::to_string(&config).expect("settings serialise");
+            let deadline = now + (secure.advertise_seconds as i64) * 1000;
+            state
+                .store
+                .open_secure_round(exp.id, round, attempt, &selected, &text, deadline, now)
+                .await
+        }
+        None => {
+            let deadline = now + (spec.collect_deadline_seconds as i64) * 1000;
+            state
+                .store
+                .open_round(exp.id, round, attempt, &selected, deadline, now)
+                .await
+        }
+    };
+    match opened {
         // A concurrent coordinator opened it, or the experiment just stopped.
         Ok(_) | Err(StoreError::Conflict(_)) => Ok(()),
         Err(StoreError::Database(e)) if is_unique_violation(&e) => Ok(()),
@@ -241,6 +276,74 @@ async fn run_job(state: &AppState, job: &Job) -> Result<(), DriverError> {
     }
 }
 
+/// Unmasks a secure round's sum and publishes the model it moves to. A sum that cannot
+/// be unmasked (a share failed its check) fails the round, which then runs again.
+async fn aggregate_secure(
+    state: &AppState,
+    exp: &Experiment,
+    spec: &ExperimentSpec,
+    model: &ModelSpec,
+    round: &Round,
+    current: &PublishedModel,
+) -> Result<(), DriverError> {
+    let unmasked = match super::secure_rounds::unmask_round(state, round).await? {
+        Ok(u) => u,
+        Err(e) => {
+            tracing::warn!(experiment = %exp.id, round = round.round, error = %e,
+                "secure round could not be unmasked");
+            return super::secure_rounds::fail_aggregation(state, round, e.to_string()).await;
+        }
+    };
+    tracing::info!(
+        experiment = %exp.id,
+        round = round.round,
+        survivors = unmasked.survivors.len(),
+        error_bound = unmasked.decoded.error_bound,
+        "secure sum unmasked"
+    );
+    let blobs = state.blobs.clone();
+    let layout = model.layout().clone();
+    let strategy = spec.strategy;
+    let path = model_blob(exp.id, round.round);
+    let current_path = current.blob_path.clone();
+    let mean_loss = unmasked.decoded.mean_loss;
+    let round_no = round.round;
+    let published = tokio::task::spawn_blocking(move || -> Result<PublishedModel, DriverError> {
+        let bad = |e: &dyn std::fmt::Display| DriverError::Aggregation(e.to_string());
+        let mut global = wire::decode(&layout, &blobs.get(&current_path)?).map_err(|e| bad(&e))?;
+        // The clients masked their updates' differences from this model.
+        let mean: Vec<f32> = global
+            .values()
+            .iter()
+            .zip(&unmasked.decoded.mean)
+            .map(|(g, d)| g + d)
+            .collect();
+        let mean = cohort_aggregation::ModelVector::new(layout.clone(), mean).map_err(|e| bad(&e))?;
+        let mut optimizer = strategy.server_optimizer(None).map_err(|e| bad(&e))?;
+        optimizer.step(&mut global, &mean).map_err(|e| bad(&e))?;
+        blobs.put(&path, &wire::encode(&global))?;
+        Ok(PublishedModel {
+            round: round_no,
+            blob_path: path,
+            parameters: global.len() as i64,
+        })
+    })
+    .await
+    .map_err(|e| DriverError::Aggregation(e.to_string()))??;
+    let metrics = RoundMetrics {
+        train_loss: Some(mean_loss),
+        ..RoundMetrics::default()
+    };
+    match state
+        .store
+        .publish_model(exp.id, round.round, round.attempt, &published, metrics, now_millis())
+        .await
+    {
+        Ok(()) | Err(StoreError::Conflict(_)) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Folds a round's uploads, one at a time, into the next global model and publishes it.
 async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
     let store = &state.store;
@@ -260,6 +363,9 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
         .latest_model(exp.id)
         .await?
         .ok_or_else(|| DriverError::Aggregation("no current model".into()))?;
+    if round.secagg.is_some() {
+        return aggregate_secure(state, &exp, &spec, &model, &round, &current).await;
+    }
     let uploads = store.uploads(exp.id, round.round, round.attempt).await?;
     let participations = store
         .participations(exp.id, round.round, round.attempt)

@@ -13,6 +13,7 @@
 
 mod jobs;
 mod rounds;
+mod secagg;
 mod tokens;
 
 use std::path::Path;
@@ -30,6 +31,7 @@ pub use rounds::{
     NewUpload, Participation, ParticipationState, PendingTask, PublishedModel, Round, RoundMetrics,
     RoundStage, Upload,
 };
+pub use secagg::{SecAggMessage, SecAggMessageKind, SecureNext};
 pub use tokens::{Client, EnrolmentToken};
 
 static SQLITE_MIGRATIONS: Migrator = sqlx::migrate!("../migrations/sqlite");

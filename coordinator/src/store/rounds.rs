@@ -12,8 +12,15 @@ use super::{BeginWrite, Pool, Store, StoreError, audit, parse_uuid, with_pool};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RoundStage {
-    /// Selected clients train and upload until the deadline.
+    /// Secure aggregation, stage 1: selected clients advertise their public keys.
+    Advertising,
+    /// Secure aggregation, stage 2: clients send their encrypted key shares.
+    Sharing,
+    /// Selected clients train and upload until the deadline (with secure aggregation:
+    /// masked inputs, stage 3).
     Collecting,
+    /// Secure aggregation, stage 4: survivors reveal the shares that unmask the sum.
+    Unmasking,
     /// Collection closed with a quorum; the aggregation job folds the uploads.
     Aggregating,
     /// The new global model is published.
@@ -26,16 +33,27 @@ impl RoundStage {
     /// The stored text.
     pub fn as_str(self) -> &'static str {
         match self {
+            RoundStage::Advertising => "advertising",
+            RoundStage::Sharing => "sharing",
             RoundStage::Collecting => "collecting",
+            RoundStage::Unmasking => "unmasking",
             RoundStage::Aggregating => "aggregating",
             RoundStage::Published => "published",
             RoundStage::Failed => "failed",
         }
     }
 
-    fn parse(text: &str) -> Result<Self, StoreError> {
+    /// Whether the round is still running (not published or failed).
+    pub fn in_progress(self) -> bool {
+        !matches!(self, RoundStage::Published | RoundStage::Failed)
+    }
+
+    pub(crate) fn parse(text: &str) -> Result<Self, StoreError> {
         Ok(match text {
+            "advertising" => RoundStage::Advertising,
+            "sharing" => RoundStage::Sharing,
             "collecting" => RoundStage::Collecting,
+            "unmasking" => RoundStage::Unmasking,
             "aggregating" => RoundStage::Aggregating,
             "published" => RoundStage::Published,
             "failed" => RoundStage::Failed,
@@ -73,6 +91,10 @@ pub struct Round {
     pub started_at: i64,
     /// End (published or failed), Unix ms.
     pub finished_at: Option<i64>,
+    /// Secure aggregation's public round settings, for a secure round.
+    pub secagg: Option<serde_json::Value>,
+    /// Why the attempt failed.
+    pub failure: Option<String>,
 }
 
 type RoundRow = (
@@ -89,6 +111,8 @@ type RoundRow = (
     Option<f64>,
     i64,
     Option<i64>,
+    Option<String>,
+    Option<String>,
 );
 
 /// A `SELECT` of every [`RoundRow`] column from `rounds`, followed by `$tail`.
@@ -96,7 +120,8 @@ macro_rules! select_rounds {
     ($tail:literal) => {
         concat!(
             "SELECT experiment_id, round, attempt, stage, stage_deadline, selected, reported, ",
-            "dropped, test_accuracy, test_loss, train_loss, started_at, finished_at FROM rounds ",
+            "dropped, test_accuracy, test_loss, train_loss, started_at, finished_at, secagg, ",
+            "failure FROM rounds ",
             $tail
         )
     };
@@ -118,6 +143,14 @@ impl Round {
             train_loss: r.10,
             started_at: r.11,
             finished_at: r.12,
+            secagg: r
+                .13
+                .map(|text| {
+                    serde_json::from_str(&text)
+                        .map_err(|e| StoreError::Corrupt(format!("round secagg settings: {e}")))
+                })
+                .transpose()?,
+            failure: r.14,
         })
     }
 }
@@ -164,11 +197,29 @@ pub struct Participation {
     pub num_samples: Option<i64>,
     /// Its mean training loss.
     pub train_loss: Option<f64>,
+    /// Secure aggregation: the client's index in the round (1..n).
+    pub secagg_index: Option<i64>,
+    /// Secure aggregation: the last stage it completed (`advertised`, `shared`,
+    /// `masked`, `unmasked`).
+    pub secagg_stage: Option<String>,
+    /// Secure aggregation: the stage it dropped out at (`advertise`, `share`, `masked`,
+    /// `unmask`).
+    pub dropped_stage: Option<String>,
 }
 
 /// A participation row: client_id, state, selected_at, uploaded_at, num_samples,
-/// train_loss.
-type ParticipationRow = (String, String, i64, Option<i64>, Option<i64>, Option<f64>);
+/// train_loss, secagg_index, secagg_stage, dropped_stage.
+type ParticipationRow = (
+    String,
+    String,
+    i64,
+    Option<i64>,
+    Option<i64>,
+    Option<f64>,
+    Option<i64>,
+    Option<String>,
+    Option<String>,
+);
 
 /// An upload to record, its blob already durable at `blob_path`.
 #[derive(Debug, Clone)]
@@ -239,7 +290,54 @@ impl Store {
         deadline: i64,
         now: i64,
     ) -> Result<Round, StoreError> {
+        self.open_attempt(experiment_id, round, attempt, selected, None, deadline, now)
+            .await
+    }
+
+    /// Starts a secure round attempt: like [`open_round`](Self::open_round), but the
+    /// round first collects public keys (stage `advertising`, until `deadline`), keeps
+    /// the protocol's public settings `secagg` (JSON), and gives the `selected` clients
+    /// the protocol indices `1..=n` in the order given.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn open_secure_round(
+        &self,
+        experiment_id: Uuid,
+        round: i64,
+        attempt: i64,
+        selected: &[Uuid],
+        secagg: &str,
+        deadline: i64,
+        now: i64,
+    ) -> Result<Round, StoreError> {
+        self.open_attempt(
+            experiment_id,
+            round,
+            attempt,
+            selected,
+            Some(secagg),
+            deadline,
+            now,
+        )
+        .await
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn open_attempt(
+        &self,
+        experiment_id: Uuid,
+        round: i64,
+        attempt: i64,
+        selected: &[Uuid],
+        secagg: Option<&str>,
+        deadline: i64,
+        now: i64,
+    ) -> Result<Round, StoreError> {
         let exp = experiment_id.to_string();
+        let stage = if secagg.is_some() {
+            "advertising"
+        } else {
+            "collecting"
+        };
         let lock = self.for_update();
         with_pool!(self, p => {
             let mut tx = p.begin_write().await?;
@@ -260,7 +358,7 @@ impl Store {
             }
             let (busy,): (i64,) = sqlx::query_as(
                 "SELECT COUNT(*) FROM rounds WHERE experiment_id = $1 \
-                 AND stage IN ('collecting', 'aggregating')",
+                 AND stage NOT IN ('published', 'failed')",
             )
             .bind(&exp)
             .fetch_one(&mut *tx)
@@ -272,26 +370,29 @@ impl Store {
             }
             sqlx::query(
                 "INSERT INTO rounds (experiment_id, round, attempt, stage, stage_deadline, \
-                 selected, started_at) VALUES ($1, $2, $3, 'collecting', $4, $5, $6)",
+                 selected, started_at, secagg) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
             )
             .bind(&exp)
             .bind(round)
             .bind(attempt)
+            .bind(stage)
             .bind(deadline)
             .bind(selected.len() as i64)
             .bind(now)
+            .bind(secagg)
             .execute(&mut *tx)
             .await?;
-            for client in selected {
+            for (i, client) in selected.iter().enumerate() {
                 sqlx::query(
                     "INSERT INTO participations (experiment_id, round, attempt, client_id, state, \
-                     selected_at) VALUES ($1, $2, $3, $4, 'selected', $5)",
+                     selected_at, secagg_index) VALUES ($1, $2, $3, $4, 'selected', $5, $6)",
                 )
                 .bind(&exp)
                 .bind(round)
                 .bind(attempt)
                 .bind(client.to_string())
                 .bind(now)
+                .bind(secagg.map(|_| i as i64 + 1))
                 .execute(&mut *tx)
                 .await?;
             }
@@ -350,7 +451,8 @@ impl Store {
         with_pool!(self, p => {
             let rows: Vec<ParticipationRow> =
                 sqlx::query_as(
-                    "SELECT client_id, state, selected_at, uploaded_at, num_samples, train_loss \
+                    "SELECT client_id, state, selected_at, uploaded_at, num_samples, train_loss, \
+                     secagg_index, secagg_stage, dropped_stage \
                      FROM participations WHERE experiment_id = $1 AND round = $2 AND attempt = $3 \
                      ORDER BY client_id",
                 )
@@ -360,7 +462,7 @@ impl Store {
                 .fetch_all(p)
                 .await?;
             rows.into_iter()
-                .map(|(c, s, sel, up, n, loss)| {
+                .map(|(c, s, sel, up, n, loss, index, stage, dropped)| {
                     Ok(Participation {
                         client_id: parse_uuid(&c)?,
                         state: ParticipationState::parse(&s)?,
@@ -368,6 +470,9 @@ impl Store {
                         uploaded_at: up,
                         num_samples: n,
                         train_loss: loss,
+                        secagg_index: index,
+                        secagg_stage: stage,
+                        dropped_stage: dropped,
                     })
                 })
                 .collect()
@@ -391,8 +496,8 @@ impl Store {
         let id = Uuid::new_v4();
         with_pool!(self, p => {
             let mut tx = p.begin_write().await?;
-            let stage: Option<(String, Option<i64>)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-                "SELECT stage, stage_deadline FROM rounds \
+            let stage: Option<(String, Option<i64>, Option<String>)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT stage, stage_deadline, secagg FROM rounds \
                  WHERE experiment_id = $1 AND round = $2 AND attempt = $3{lock}"
             )))
             .bind(&exp)
@@ -400,22 +505,22 @@ impl Store {
             .bind(attempt)
             .fetch_optional(&mut *tx)
             .await?;
-            match stage {
+            let secure = match stage {
                 None => return Err(StoreError::NotFound(format!("round {round} attempt {attempt}"))),
-                Some((s, _)) if s != "collecting" => {
+                Some((s, _, _)) if s != "collecting" => {
                     return Err(StoreError::Conflict(format!(
                         "round {round} attempt {attempt} is {s}, not collecting uploads"
                     )));
                 }
-                Some((_, Some(deadline))) if now > deadline => {
+                Some((_, Some(deadline), _)) if now > deadline => {
                     return Err(StoreError::Conflict(format!(
                         "round {round} attempt {attempt} stopped collecting at its deadline"
                     )));
                 }
-                Some(_) => {}
-            }
-            let part: Option<(String,)> = sqlx::query_as(
-                "SELECT state FROM participations WHERE experiment_id = $1 AND round = $2 \
+                Some((_, _, secagg)) => secagg.is_some(),
+            };
+            let part: Option<(String, Option<String>)> = sqlx::query_as(
+                "SELECT state, secagg_stage FROM participations WHERE experiment_id = $1 AND round = $2 \
                  AND attempt = $3 AND client_id = $4",
             )
             .bind(&exp)
@@ -430,26 +535,40 @@ impl Store {
                         "client {client} is not selected for round {round}"
                     )));
                 }
-                Some((s,)) if s == "uploaded" => {
+                Some((s, _)) if s == "uploaded" => {
                     return Err(StoreError::Conflict(format!(
                         "client {client} already uploaded for round {round}"
                     )));
                 }
-                Some((s,)) if s != "selected" => {
+                Some((s, _)) if s != "selected" => {
                     return Err(StoreError::Conflict(format!(
                         "client {client} is {s} in round {round}"
                     )));
                 }
+                Some((_, stage)) if secure && stage.as_deref() != Some("shared") => {
+                    // Only clients whose key shares went out (U2) may add a masked input.
+                    return Err(StoreError::Conflict(format!(
+                        "client {client} did not share keys in round {round}"
+                    )));
+                }
                 Some(_) => {}
             }
+            // With secure aggregation the weight and loss travel inside the masked
+            // vector; the row keeps neither.
+            let (samples, loss) = if secure {
+                (None, None)
+            } else {
+                (Some(upload.num_samples), upload.train_loss)
+            };
             let moved = sqlx::query(
                 "UPDATE participations SET state = 'uploaded', uploaded_at = $1, num_samples = $2, \
-                 train_loss = $3 WHERE experiment_id = $4 AND round = $5 AND attempt = $6 \
+                 train_loss = $3, secagg_stage = CASE WHEN secagg_index IS NULL THEN NULL \
+                 ELSE 'masked' END WHERE experiment_id = $4 AND round = $5 AND attempt = $6 \
                  AND client_id = $7 AND state = 'selected'",
             )
             .bind(now)
-            .bind(upload.num_samples)
-            .bind(upload.train_loss)
+            .bind(samples)
+            .bind(loss)
             .bind(&exp)
             .bind(round)
             .bind(attempt)
@@ -692,31 +811,40 @@ pub struct PendingTask {
     pub round: i64,
     /// The attempt.
     pub attempt: i64,
-    /// When collection closes, Unix ms.
+    /// When collection closes, Unix ms (with secure aggregation: when advertising does).
     pub deadline: Option<i64>,
+    /// Secure aggregation's round settings (JSON) for a secure round.
+    pub secagg: Option<String>,
+    /// The client's index in a secure round.
+    pub secagg_index: Option<i64>,
 }
 
 impl Store {
-    /// The oldest collecting round attempt that `client` is selected for and has not
-    /// uploaded to.
+    /// The oldest round attempt that `client` is selected for and should start now: a
+    /// plain round collecting uploads it has not uploaded to, or a secure round
+    /// collecting public keys it has not advertised.
     pub async fn pending_task(&self, client: Uuid) -> Result<Option<PendingTask>, StoreError> {
         with_pool!(self, p => {
-            let row: Option<(String, i64, i64, Option<i64>)> = sqlx::query_as(
-                "SELECT p.experiment_id, p.round, p.attempt, r.stage_deadline \
+            let row: Option<(String, i64, i64, Option<i64>, Option<String>, Option<i64>)> = sqlx::query_as(
+                "SELECT p.experiment_id, p.round, p.attempt, r.stage_deadline, r.secagg, p.secagg_index \
                  FROM participations p JOIN rounds r ON r.experiment_id = p.experiment_id \
                    AND r.round = p.round AND r.attempt = p.attempt \
-                 WHERE p.client_id = $1 AND p.state = 'selected' AND r.stage = 'collecting' \
+                 WHERE p.client_id = $1 AND p.state = 'selected' \
+                   AND ((r.stage = 'collecting' AND r.secagg IS NULL) \
+                     OR (r.stage = 'advertising' AND p.secagg_stage IS NULL)) \
                  ORDER BY r.started_at LIMIT 1",
             )
             .bind(client.to_string())
             .fetch_optional(p)
             .await?;
-            row.map(|(e, round, attempt, deadline)| {
+            row.map(|(e, round, attempt, deadline, secagg, index)| {
                 Ok(PendingTask {
                     experiment_id: parse_uuid(&e)?,
                     round,
                     attempt,
                     deadline,
+                    secagg,
+                    secagg_index: index,
                 })
             })
             .transpose()

@@ -1,0 +1,512 @@
+//! Client routes of a secure round, under
+//! `/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/`:
+//!
+//! | stage | client sends | client fetches (long poll) |
+//! |---|---|---|
+//! | 1 advertise | `POST keys` | `GET keys`: the key directory once advertising closed |
+//! | 2 share | `POST shares` | `GET shares`: its neighbours' shares once sharing closed |
+//! | 3 masked input | `POST .../update` (the masked words) | `GET survivors`: who is in the sum |
+//! | 4 unmask | `POST unmask` | |
+//!
+//! Every message is checked against the round's protocol state, rebuilt from the store,
+//! before it is recorded; the store re-checks the stage in the transaction that records
+//! it. A `GET` answers `{"stage": ..., "<message>": null}` until the stage it waits for
+//! has closed, and a 409 when the round failed or went on without the caller.
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::routing::post;
+use cohort_aggregation::secagg::{
+    AdvertiseKeys, DirectoryEntry, ForwardedShares, KeyDirectory, RoundConfig, SecAggError,
+    ServerSession, ShareKeys, UnmaskRequest, UnmaskShares,
+};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use super::AppState;
+use super::client_api::{AuthenticatedClient, MAX_CHECKIN_WAIT_SECONDS};
+use super::error::{ApiError, ErrorBody, Json};
+use super::secure_rounds::{SecureRoundError, rebuild, round_config};
+use crate::store::{Participation, Round, RoundStage, SecAggMessageKind, now_millis};
+
+const BASE: &str = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg";
+
+/// The client routes of secure rounds, with absolute paths.
+pub(crate) fn routes() -> Router<AppState> {
+    Router::new()
+        .route(&format!("{BASE}/keys"), post(advertise).get(directory))
+        .route(&format!("{BASE}/shares"), post(share).get(shares))
+        .route(&format!("{BASE}/survivors"), axum::routing::get(survivors))
+        .route(&format!("{BASE}/unmask"), post(unmask))
+}
+
+/// The handlers above, for the OpenAPI document.
+#[derive(utoipa::OpenApi)]
+#[openapi(
+    paths(advertise, directory, share, shares, survivors, unmask),
+    components(schemas(Accepted, DirectoryReply, SharesReply, SurvivorsReply)),
+    tags((name = "secure aggregation", description = "The four stages of a SecAgg+ round, for edge clients"))
+)]
+pub(crate) struct SecAggDoc;
+
+/// How long a `GET` may wait for its stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct WaitQuery {
+    /// Seconds to wait for the stage to close (long poll), at most 30.
+    #[serde(default)]
+    pub wait_seconds: u64,
+}
+
+/// A stored protocol message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct Accepted {
+    /// The stage the message belongs to.
+    pub stage: String,
+}
+
+/// The key directory (`U1`), once advertising has closed.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct DirectoryReply {
+    /// The round's stage now.
+    #[schema(value_type = String)]
+    pub stage: RoundStage,
+    /// The directory, `null` until advertising has closed.
+    #[schema(value_type = Option<Object>)]
+    pub directory: Option<KeyDirectory>,
+}
+
+/// The shares the caller's neighbours encrypted for it, once sharing has closed.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct SharesReply {
+    /// The round's stage now.
+    #[schema(value_type = String)]
+    pub stage: RoundStage,
+    /// The shares, `null` until sharing has closed.
+    #[schema(value_type = Option<Object>)]
+    pub shares: Option<ForwardedShares>,
+}
+
+/// The clients whose masked inputs are in the sum (`U3`), once collection has closed.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct SurvivorsReply {
+    /// The round's stage now.
+    #[schema(value_type = String)]
+    pub stage: RoundStage,
+    /// The survivors, `null` until collection has closed.
+    #[schema(value_type = Option<Object>)]
+    pub request: Option<UnmaskRequest>,
+}
+
+/// A secure round as one of its clients sees it.
+struct ClientView {
+    experiment: Uuid,
+    round: Round,
+    config: RoundConfig,
+    me: Participation,
+    index: u32,
+}
+
+fn round_error(e: SecureRoundError) -> ApiError {
+    match e {
+        SecureRoundError::Store(s) => s.into(),
+        other => ApiError::internal(other),
+    }
+}
+
+/// The protocol's refusal as an API error: a message for the wrong stage or from a
+/// client no longer in the round is a conflict; a malformed one is unprocessable.
+fn protocol_error(e: SecAggError) -> ApiError {
+    match e {
+        SecAggError::WrongStage { .. }
+        | SecAggError::NotInRound(_)
+        | SecAggError::Duplicate(_)
+        | SecAggError::RoundFailed(_) => ApiError::conflict("secagg_conflict", e.to_string()),
+        other => ApiError::unprocessable("invalid_message", other.to_string()),
+    }
+}
+
+async fn view(
+    state: &AppState,
+    client: Uuid,
+    id: &str,
+    round: i64,
+    attempt: i64,
+) -> Result<ClientView, ApiError> {
+    let experiment = super::admin::parse_id(id, "experiment")?;
+    let r = state.store.round(experiment, round, attempt).await?;
+    let config = round_config(&r).map_err(round_error)?.ok_or_else(|| {
+        ApiError::conflict(
+            "not_secure",
+            format!("round {round} attempt {attempt} does not use secure aggregation"),
+        )
+    })?;
+    let me = state
+        .store
+        .participations(experiment, round, attempt)
+        .await?
+        .into_iter()
+        .find(|p| p.client_id == client)
+        .ok_or_else(|| {
+            ApiError::conflict(
+                "conflict",
+                format!("client {client} is not selected for round {round}"),
+            )
+        })?;
+    let index = me
+        .secagg_index
+        .and_then(|i| u32::try_from(i).ok())
+        .ok_or_else(|| ApiError::internal("a secure round's participation has no index"))?;
+    Ok(ClientView {
+        experiment,
+        round: r,
+        config,
+        me,
+        index,
+    })
+}
+
+fn check_wait(q: &WaitQuery) -> Result<Duration, ApiError> {
+    if q.wait_seconds > MAX_CHECKIN_WAIT_SECONDS {
+        return Err(ApiError::unprocessable(
+            "invalid_query",
+            format!("wait_seconds must be at most {MAX_CHECKIN_WAIT_SECONDS}"),
+        ));
+    }
+    Ok(Duration::from_secs(q.wait_seconds))
+}
+
+fn failed(round: &Round) -> ApiError {
+    ApiError::conflict(
+        "round_failed",
+        format!(
+            "round {} attempt {} failed: {}",
+            round.round,
+            round.attempt,
+            round.failure.as_deref().unwrap_or("no reason recorded")
+        ),
+    )
+}
+
+fn not_in_round(round: &Round, what: &str) -> ApiError {
+    ApiError::conflict(
+        "not_in_round",
+        format!(
+            "round {} attempt {} went on without this client: it {what}",
+            round.round, round.attempt
+        ),
+    )
+}
+
+/// Whether `stage` comes after `of` in a secure round.
+fn past(stage: RoundStage, of: RoundStage) -> bool {
+    let rank = |s| match s {
+        RoundStage::Advertising => 1,
+        RoundStage::Sharing => 2,
+        RoundStage::Collecting => 3,
+        RoundStage::Unmasking => 4,
+        RoundStage::Aggregating => 5,
+        RoundStage::Published => 6,
+        RoundStage::Failed => 0,
+    };
+    rank(stage) > rank(of)
+}
+
+/// Polls `fetch` until it yields a message or `wait` is over.
+async fn long_poll<T, F, Fut>(wait: Duration, mut fetch: F) -> Result<(RoundStage, Option<T>), ApiError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(RoundStage, Option<T>), ApiError>>,
+{
+    let until = tokio::time::Instant::now() + wait;
+    loop {
+        let (stage, found) = fetch().await?;
+        if found.is_some() || tokio::time::Instant::now() >= until {
+            return Ok((stage, found));
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+}
+
+async fn record(
+    state: &AppState,
+    v: &ClientView,
+    client: &AuthenticatedClient,
+    kind: SecAggMessageKind,
+    body: String,
+) -> Result<(StatusCode, Json<Accepted>), ApiError> {
+    state
+        .store
+        .record_secagg_message(
+            v.experiment,
+            v.round.round,
+            v.round.attempt,
+            client.0.id,
+            kind,
+            &body,
+            now_millis(),
+        )
+        .await?;
+    if let Err(e) = state.store.touch_client(client.0.id, now_millis()).await {
+        tracing::warn!(error = %e, "could not record the client as seen");
+    }
+    Ok((
+        StatusCode::CREATED,
+        Json(Accepted {
+            stage: kind.as_str().into(),
+        }),
+    ))
+}
+
+/// Refuses a message the round does not take now. A client that already sent this
+/// stage's message gets the distinct code `already_sent`, so that a retry after a lost
+/// answer knows its message is in.
+fn require_stage(v: &ClientView, stage: RoundStage) -> Result<(), ApiError> {
+    let done = match stage {
+        RoundStage::Advertising => v.me.secagg_stage.is_some(),
+        RoundStage::Sharing => matches!(
+            v.me.secagg_stage.as_deref(),
+            Some("shared" | "masked" | "unmasked")
+        ),
+        _ => v.me.secagg_stage.as_deref() == Some("unmasked"),
+    };
+    if done {
+        return Err(ApiError::conflict(
+            "already_sent",
+            format!(
+                "this client already sent its {} message in round {} attempt {}",
+                stage.as_str(),
+                v.round.round,
+                v.round.attempt
+            ),
+        ));
+    }
+    if v.round.stage == RoundStage::Failed {
+        return Err(failed(&v.round));
+    }
+    if v.round.stage != stage {
+        return Err(ApiError::conflict(
+            "conflict",
+            format!(
+                "round {} attempt {} is {}, not {}",
+                v.round.round,
+                v.round.attempt,
+                v.round.stage.as_str(),
+                stage.as_str()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Stage 1: the caller's two X25519 public keys.
+#[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/keys",
+    tag = "secure aggregation", security(("client_credential" = [])),
+    params(("id" = String, Path), ("round" = i64, Path), ("attempt" = i64, Path)),
+    request_body(content = Object, description = "`{\"cipher_pk\": base64url, \"mask_pk\": base64url}`"),
+    responses((status = 201, body = Accepted), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+              (status = 409, description = "Not advertising, already sent, or not selected", body = ErrorBody),
+              (status = 422, description = "Not two valid X25519 keys", body = ErrorBody)))]
+async fn advertise(
+    State(state): State<AppState>,
+    client: AuthenticatedClient,
+    Path((id, round, attempt)): Path<(String, i64, i64)>,
+    Json(keys): Json<AdvertiseKeys>,
+) -> Result<(StatusCode, Json<Accepted>), ApiError> {
+    let v = view(&state, client.0.id, &id, round, attempt).await?;
+    require_stage(&v, RoundStage::Advertising)?;
+    // The protocol's own checks (index, low-order keys) on a scratch session.
+    let mut probe = ServerSession::new(v.config.clone()).map_err(ApiError::internal)?;
+    probe.receive_keys(v.index, &keys).map_err(protocol_error)?;
+    let body = serde_json::to_string(&keys).map_err(ApiError::internal)?;
+    record(&state, &v, &client, SecAggMessageKind::Advertise, body).await
+}
+
+/// The key directory (`U1`) once advertising has closed.
+#[utoipa::path(get, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/keys",
+    tag = "secure aggregation", security(("client_credential" = [])),
+    params(("id" = String, Path), ("round" = i64, Path), ("attempt" = i64, Path), WaitQuery),
+    responses((status = 200, body = DirectoryReply), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+              (status = 409, description = "The round failed, or the caller did not advertise", body = ErrorBody)))]
+async fn directory(
+    State(state): State<AppState>,
+    client: AuthenticatedClient,
+    Path((id, round, attempt)): Path<(String, i64, i64)>,
+    query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<DirectoryReply>, ApiError> {
+    let Query(q) = query.map_err(|e| ApiError::unprocessable("invalid_query", e.body_text()))?;
+    let wait = check_wait(&q)?;
+    let (stage, directory) = long_poll(wait, || async {
+        let v = view(&state, client.0.id, &id, round, attempt).await?;
+        if v.round.stage == RoundStage::Failed {
+            return Err(failed(&v.round));
+        }
+        if !past(v.round.stage, RoundStage::Advertising) {
+            return Ok((v.round.stage, None));
+        }
+        if v.me.secagg_stage.is_none() {
+            return Err(not_in_round(&v.round, "did not advertise keys in time"));
+        }
+        let entries = state
+            .store
+            .secagg_messages(v.experiment, round, attempt, SecAggMessageKind::Advertise)
+            .await?
+            .into_iter()
+            .map(|m| {
+                serde_json::from_str::<AdvertiseKeys>(&m.body)
+                    .map(|keys| DirectoryEntry {
+                        index: m.index,
+                        keys,
+                    })
+                    .map_err(ApiError::internal)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((v.round.stage, Some(KeyDirectory { entries })))
+    })
+    .await?;
+    client_seen(&state, &client).await;
+    Ok(Json(DirectoryReply { stage, directory }))
+}
+
+async fn client_seen(state: &AppState, client: &AuthenticatedClient) {
+    if let Err(e) = state.store.touch_client(client.0.id, now_millis()).await {
+        tracing::warn!(error = %e, "could not record the client as seen");
+    }
+}
+
+/// Stage 2: one encrypted share pair per neighbour, and the seed commitment.
+#[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/shares",
+    tag = "secure aggregation", security(("client_credential" = [])),
+    params(("id" = String, Path), ("round" = i64, Path), ("attempt" = i64, Path)),
+    request_body(content = Object, description = "`{\"seed_commitment\": base64url, \"shares\": [{\"to\": index, \"ciphertext\": base64url}]}`"),
+    responses((status = 201, body = Accepted), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+              (status = 409, description = "Not sharing, already sent, or the caller did not advertise", body = ErrorBody),
+              (status = 422, description = "Not exactly one share per neighbour, or a malformed share", body = ErrorBody)))]
+async fn share(
+    State(state): State<AppState>,
+    client: AuthenticatedClient,
+    Path((id, round, attempt)): Path<(String, i64, i64)>,
+    Json(message): Json<ShareKeys>,
+) -> Result<(StatusCode, Json<Accepted>), ApiError> {
+    let v = view(&state, client.0.id, &id, round, attempt).await?;
+    require_stage(&v, RoundStage::Sharing)?;
+    let parts = state.store.participations(v.experiment, round, attempt).await?;
+    let mut session = rebuild(&state.store, &v.round, &parts)
+        .await
+        .map_err(round_error)?;
+    session
+        .receive_shares(v.index, &message)
+        .map_err(protocol_error)?;
+    let body = serde_json::to_string(&message).map_err(ApiError::internal)?;
+    record(&state, &v, &client, SecAggMessageKind::Share, body).await
+}
+
+/// The shares the caller's neighbours in `U2` encrypted for it, once sharing has closed.
+#[utoipa::path(get, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/shares",
+    tag = "secure aggregation", security(("client_credential" = [])),
+    params(("id" = String, Path), ("round" = i64, Path), ("attempt" = i64, Path), WaitQuery),
+    responses((status = 200, body = SharesReply), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+              (status = 409, description = "The round failed, or the caller did not share keys", body = ErrorBody)))]
+async fn shares(
+    State(state): State<AppState>,
+    client: AuthenticatedClient,
+    Path((id, round, attempt)): Path<(String, i64, i64)>,
+    query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<SharesReply>, ApiError> {
+    let Query(q) = query.map_err(|e| ApiError::unprocessable("invalid_query", e.body_text()))?;
+    let wait = check_wait(&q)?;
+    let (stage, shares) = long_poll(wait, || async {
+        let v = view(&state, client.0.id, &id, round, attempt).await?;
+        if v.round.stage == RoundStage::Failed {
+            return Err(failed(&v.round));
+        }
+        if !past(v.round.stage, RoundStage::Sharing) {
+            return Ok((v.round.stage, None));
+        }
+        let parts = state.store.participations(v.experiment, round, attempt).await?;
+        let session = rebuild(&state.store, &v.round, &parts)
+            .await
+            .map_err(round_error)?;
+        match session.forwarded_for(v.index) {
+            Ok(f) => Ok((v.round.stage, Some(f))),
+            Err(SecAggError::NotInRound(_)) => {
+                Err(not_in_round(&v.round, "did not share keys in time"))
+            }
+            Err(e) => Err(protocol_error(e)),
+        }
+    })
+    .await?;
+    client_seen(&state, &client).await;
+    Ok(Json(SharesReply { stage, shares }))
+}
+
+/// The survivors (`U3`), once masked input collection has closed.
+#[utoipa::path(get, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/survivors",
+    tag = "secure aggregation", security(("client_credential" = [])),
+    params(("id" = String, Path), ("round" = i64, Path), ("attempt" = i64, Path), WaitQuery),
+    responses((status = 200, body = SurvivorsReply), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+              (status = 409, description = "The round failed, or the caller's masked input is not in the sum", body = ErrorBody)))]
+async fn survivors(
+    State(state): State<AppState>,
+    client: AuthenticatedClient,
+    Path((id, round, attempt)): Path<(String, i64, i64)>,
+    query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<SurvivorsReply>, ApiError> {
+    let Query(q) = query.map_err(|e| ApiError::unprocessable("invalid_query", e.body_text()))?;
+    let wait = check_wait(&q)?;
+    let (stage, request) = long_poll(wait, || async {
+        let v = view(&state, client.0.id, &id, round, attempt).await?;
+        if v.round.stage == RoundStage::Failed {
+            return Err(failed(&v.round));
+        }
+        if !past(v.round.stage, RoundStage::Collecting) {
+            return Ok((v.round.stage, None));
+        }
+        let parts = state.store.participations(v.experiment, round, attempt).await?;
+        let mut survivors: Vec<u32> = parts
+            .iter()
+            .filter(|p| matches!(p.secagg_stage.as_deref(), Some("masked" | "unmasked")))
+            .filter_map(|p| p.secagg_index.and_then(|i| u32::try_from(i).ok()))
+            .collect();
+        survivors.sort_unstable();
+        if !survivors.contains(&v.index) {
+            return Err(not_in_round(&v.round, "did not upload a masked input in time"));
+        }
+        Ok((v.round.stage, Some(UnmaskRequest { survivors })))
+    })
+    .await?;
+    client_seen(&state, &client).await;
+    Ok(Json(SurvivorsReply { stage, request }))
+}
+
+/// Stage 4: the caller's shares of its neighbours' secrets: seeds of survivors, mask
+/// keys of clients that dropped after sharing.
+#[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/unmask",
+    tag = "secure aggregation", security(("client_credential" = [])),
+    params(("id" = String, Path), ("round" = i64, Path), ("attempt" = i64, Path)),
+    request_body(content = Object, description = "`{\"seed_shares\": [{\"owner\": index, \"share\": base64url}], \"key_shares\": [...]}`"),
+    responses((status = 201, body = Accepted), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+              (status = 409, description = "Not unmasking, already sent, or not a survivor", body = ErrorBody),
+              (status = 422, description = "A share of the wrong kind, owner or holder", body = ErrorBody)))]
+async fn unmask(
+    State(state): State<AppState>,
+    client: AuthenticatedClient,
+    Path((id, round, attempt)): Path<(String, i64, i64)>,
+    Json(message): Json<UnmaskShares>,
+) -> Result<(StatusCode, Json<Accepted>), ApiError> {
+    let v = view(&state, client.0.id, &id, round, attempt).await?;
+    require_stage(&v, RoundStage::Unmasking)?;
+    let parts = state.store.participations(v.experiment, round, attempt).await?;
+    let mut session = rebuild(&state.store, &v.round, &parts)
+        .await
+        .map_err(round_error)?;
+    session
+        .receive_unmask(v.index, &message)
+        .map_err(protocol_error)?;
+    let body = serde_json::to_string(&message).map_err(ApiError::internal)?;
+    record(&state, &v, &client, SecAggMessageKind::Unmask, body).await
+}

@@ -1,0 +1,447 @@
+//! Secure rounds on the coordinator: an experiment's SecAgg+ settings, the protocol
+//! state rebuilt from the store, the stage changes the driver makes, and the job that
+//! unmasks the sum.
+//!
+//! Nothing about a round lives only in memory. Each request and each driver step
+//! rebuilds the round's [`ServerSession`] from the stored messages (keys, encrypted
+//! shares, the set of masked inputs, revealed shares) and checks what it must against
+//! it; the store then records the change in one transaction that re-checks the round's
+//! stage. So any coordinator, restarted or one of several, carries a round on. The
+//! coordinator never holds an unmasked update: clients send only masked vectors, and the
+//! job removes the masks from their sum alone.
+
+use cohort_aggregation::secagg::{
+    self, AdvertiseKeys, QuantizationParams, RoundConfig, SecAggError, ServerSession, ShareKeys,
+    UnmaskShares, Unmasked, default_neighbours, default_threshold, effective_degree,
+};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use super::AppState;
+use super::admin::ExperimentSpec;
+use super::driver::DriverError;
+use crate::store::{
+    Participation, Round, RoundStage, SecAggMessageKind, SecureNext, Store, StoreError, now_millis,
+};
+
+/// An experiment's secure aggregation settings (`"secure_aggregation": {...}`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct SecureAggregationSpec {
+    /// Shares needed to rebuild a client's secrets (`t`); more than half the
+    /// neighbours. Default: just over half.
+    pub threshold: Option<usize>,
+    /// Neighbours per client (`k`). Default: `2 * ceil(log2 n)` for the `n` clients
+    /// selected per round; `n - 1` or more is the complete graph.
+    pub neighbours: Option<usize>,
+    /// Each update coordinate is clipped to `[-clip, clip]` before quantisation.
+    pub clip: f32,
+    /// Sample counts above this count as this in the weighted mean.
+    pub max_weight: u32,
+    /// Seconds selected clients have to advertise their keys.
+    pub advertise_seconds: u64,
+    /// Seconds clients have to send their encrypted shares.
+    pub share_seconds: u64,
+    /// Seconds survivors have to reveal their shares.
+    pub unmask_seconds: u64,
+}
+
+impl Default for SecureAggregationSpec {
+    fn default() -> Self {
+        let q = QuantizationParams::default();
+        Self {
+            threshold: None,
+            neighbours: None,
+            clip: q.clip,
+            max_weight: q.max_weight,
+            advertise_seconds: 30,
+            share_seconds: 30,
+            unmask_seconds: 30,
+        }
+    }
+}
+
+impl SecureAggregationSpec {
+    /// `k` and `t` for an experiment that selects up to `wanted` clients per round.
+    pub fn graph(&self, wanted: usize) -> (usize, usize) {
+        let k = self
+            .neighbours
+            .unwrap_or_else(|| default_neighbours(wanted));
+        let t = self
+            .threshold
+            .unwrap_or_else(|| default_threshold(wanted, k));
+        (k, t)
+    }
+
+    /// Fewest available clients a round can start with: `t + 1`, so that every
+    /// client has `t` neighbours.
+    pub fn min_clients(&self, wanted: usize) -> usize {
+        self.graph(wanted).1 + 1
+    }
+
+    /// The public settings of a round of `parties` selected clients.
+    pub fn round_config(
+        &self,
+        wanted: usize,
+        parties: usize,
+        dimension: usize,
+        session: [u8; 32],
+    ) -> RoundConfig {
+        let (neighbours, threshold) = self.graph(wanted);
+        RoundConfig {
+            session,
+            parties: parties as u32,
+            threshold,
+            neighbours,
+            dimension,
+            quantization: QuantizationParams {
+                clip: self.clip,
+                max_weight: self.max_weight,
+                ..QuantizationParams::default()
+            },
+        }
+    }
+
+    /// Checks the settings for rounds of up to `wanted` clients and `dimension`
+    /// parameters; the message names the field.
+    pub fn validate(&self, wanted: usize, dimension: usize) -> Result<(), String> {
+        for (name, secs) in [
+            ("advertise_seconds", self.advertise_seconds),
+            ("share_seconds", self.share_seconds),
+            ("unmask_seconds", self.unmask_seconds),
+        ] {
+            if secs == 0 || secs > 86_400 {
+                return Err(format!("{name} must be between 1 and 86400, got {secs}"));
+            }
+        }
+        if wanted < 3 {
+            return Err(format!(
+                "secure aggregation needs at least 3 clients per round, got {wanted}"
+            ));
+        }
+        if self.neighbours == Some(0) {
+            return Err("neighbours must be at least 1".into());
+        }
+        let (k, t) = self.graph(wanted);
+        let keff = effective_degree(wanted, k);
+        if 2 * t <= keff || t > keff {
+            return Err(format!(
+                "threshold must be more than half of the {keff} neighbours and at most {keff} \
+                 (between {} and {keff}), got {t}",
+                keff / 2 + 1
+            ));
+        }
+        self.round_config(wanted, wanted, dimension, [0; 32])
+            .validate()
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// Why a secure round's stored state could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum SecureRoundError {
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The protocol refused a message or a stage change.
+    #[error(transparent)]
+    Protocol(#[from] SecAggError),
+    /// A stored value does not parse (a bug or a hand-edited database).
+    #[error("corrupt secure round state: {0}")]
+    Corrupt(String),
+}
+
+/// The round's public settings, or `None` for a plain round.
+pub fn round_config(round: &Round) -> Result<Option<RoundConfig>, SecureRoundError> {
+    round
+        .secagg
+        .as_ref()
+        .map(|v| {
+            serde_json::from_value(v.clone())
+                .map_err(|e| SecureRoundError::Corrupt(format!("round settings: {e}")))
+        })
+        .transpose()
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &str, what: &str) -> Result<T, SecureRoundError> {
+    serde_json::from_str(body).map_err(|e| SecureRoundError::Corrupt(format!("{what}: {e}")))
+}
+
+/// How far to rebuild a round: up to and including the stage the round is at.
+fn stage_rank(stage: RoundStage) -> u8 {
+    match stage {
+        RoundStage::Advertising => 1,
+        RoundStage::Sharing => 2,
+        RoundStage::Collecting => 3,
+        RoundStage::Unmasking => 4,
+        RoundStage::Aggregating | RoundStage::Published => 5,
+        RoundStage::Failed => 0,
+    }
+}
+
+/// Rebuilds the server session of a secure round from the store, up to the stage the
+/// round is at: keys, the directory, shares, the masked inputs' senders (without their
+/// vectors) and revealed shares. A failed round has no session.
+pub async fn rebuild(
+    store: &Store,
+    round: &Round,
+    participations: &[Participation],
+) -> Result<ServerSession, SecureRoundError> {
+    let config = round_config(round)?
+        .ok_or_else(|| SecureRoundError::Corrupt("not a secure round".into()))?;
+    let rank = stage_rank(round.stage);
+    if rank == 0 {
+        return Err(SecureRoundError::Corrupt(format!(
+            "round {} attempt {} failed",
+            round.round, round.attempt
+        )));
+    }
+    let (exp, r, a) = (round.experiment_id, round.round, round.attempt);
+    let mut session = ServerSession::new(config)?;
+    for m in store
+        .secagg_messages(exp, r, a, SecAggMessageKind::Advertise)
+        .await?
+    {
+        session.restore_keys(m.index, &parse::<AdvertiseKeys>(&m.body, "stored keys")?)?;
+    }
+    if rank < 2 {
+        return Ok(session);
+    }
+    session.close_advertise()?;
+    for m in store
+        .secagg_messages(exp, r, a, SecAggMessageKind::Share)
+        .await?
+    {
+        session.receive_shares(m.index, &parse::<ShareKeys>(&m.body, "stored shares")?)?;
+    }
+    if rank < 3 {
+        return Ok(session);
+    }
+    session.close_sharing()?;
+    let mut masked: Vec<u32> = participations
+        .iter()
+        .filter(|p| matches!(p.secagg_stage.as_deref(), Some("masked" | "unmasked")))
+        .filter_map(|p| p.secagg_index.and_then(|i| u32::try_from(i).ok()))
+        .collect();
+    masked.sort_unstable();
+    for index in masked {
+        session.restore_masked(index)?;
+    }
+    if rank < 4 {
+        return Ok(session);
+    }
+    session.close_collection()?;
+    for m in store
+        .secagg_messages(exp, r, a, SecAggMessageKind::Unmask)
+        .await?
+    {
+        session.receive_unmask(m.index, &parse::<UnmaskShares>(&m.body, "stored shares")?)?;
+    }
+    Ok(session)
+}
+
+/// Counts of a secure round's clients by progress.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, ToSchema)]
+pub struct SecureProgress {
+    /// Clients selected.
+    pub selected: usize,
+    /// Clients that advertised keys (`U1`).
+    pub advertised: usize,
+    /// Clients that sent their shares (`U2`).
+    pub shared: usize,
+    /// Clients whose masked input is stored (`U3`).
+    pub masked: usize,
+    /// Survivors that revealed their shares.
+    pub unmasked: usize,
+}
+
+/// The progress counts of a round's participations.
+pub fn progress(participations: &[Participation]) -> SecureProgress {
+    let reached = |stages: &[&str]| {
+        participations
+            .iter()
+            .filter(|p| p.secagg_stage.as_deref().is_some_and(|s| stages.contains(&s)))
+            .count()
+    };
+    SecureProgress {
+        selected: participations.len(),
+        advertised: reached(&["advertised", "shared", "masked", "unmasked"]),
+        shared: reached(&["shared", "masked", "unmasked"]),
+        masked: reached(&["masked", "unmasked"]),
+        unmasked: reached(&["unmasked"]),
+    }
+}
+
+/// One driver step for a secure round at a protocol stage: when everyone still in has
+/// answered, or the stage's deadline has passed, the stage closes and the round moves
+/// on, or fails with the protocol's reason. Unmasking also closes as soon as every
+/// secret it needs has `t` shares.
+pub async fn step(
+    state: &AppState,
+    spec: &ExperimentSpec,
+    round: &Round,
+    quorum: usize,
+    job_attempts: i64,
+    now: i64,
+) -> Result<(), DriverError> {
+    let Some(settings) = &spec.secure_aggregation else {
+        return Err(DriverError::Spec(
+            round.experiment_id,
+            "a secure round in an experiment without secure_aggregation".into(),
+        ));
+    };
+    let store = &state.store;
+    let (exp, r, a) = (round.experiment_id, round.round, round.attempt);
+    let parts = store.participations(exp, r, a).await?;
+    let p = progress(&parts);
+    let due = round.stage_deadline.is_some_and(|d| now > d);
+    let everyone = match round.stage {
+        RoundStage::Advertising => p.advertised >= p.selected,
+        RoundStage::Sharing => p.shared >= p.advertised,
+        RoundStage::Collecting => p.masked >= p.shared,
+        RoundStage::Unmasking => p.unmasked >= p.masked,
+        _ => return Ok(()),
+    };
+    let secs = |s: u64| now + (s as i64) * 1000;
+    let next = if round.stage == RoundStage::Unmasking {
+        let session = rebuild(store, round, &parts).await.map_err(secure_error)?;
+        let missing = session.missing_secrets();
+        if missing.is_empty() {
+            SecureNext::Aggregate { job_attempts }
+        } else if everyone || due {
+            SecureNext::Fail {
+                reason: format!(
+                    "unmasking ended with {} secrets short of {} shares (first: client {})",
+                    missing.len(),
+                    session.config().threshold,
+                    missing[0].0
+                ),
+            }
+        } else {
+            return Ok(());
+        }
+    } else {
+        if !(everyone || due) {
+            return Ok(());
+        }
+        let mut session = rebuild(store, round, &parts).await.map_err(secure_error)?;
+        let closed = match round.stage {
+            RoundStage::Advertising => session.close_advertise().map(|_| ()),
+            RoundStage::Sharing => session.close_sharing(),
+            _ => session.close_collection().map(|_| ()),
+        };
+        match closed {
+            Ok(()) if round.stage == RoundStage::Collecting && p.masked < quorum => {
+                SecureNext::Fail {
+                    reason: format!("{} masked inputs, below the quorum of {quorum}", p.masked),
+                }
+            }
+            Ok(()) => match round.stage {
+                RoundStage::Advertising => SecureNext::Stage {
+                    to: RoundStage::Sharing,
+                    deadline: secs(settings.share_seconds),
+                },
+                RoundStage::Sharing => SecureNext::Stage {
+                    to: RoundStage::Collecting,
+                    deadline: secs(spec.collect_deadline_seconds),
+                },
+                _ => SecureNext::Stage {
+                    to: RoundStage::Unmasking,
+                    deadline: secs(settings.unmask_seconds),
+                },
+            },
+            Err(e) => SecureNext::Fail {
+                reason: e.to_string(),
+            },
+        }
+    };
+    match store
+        .advance_secure_round(exp, r, a, round.stage, &next, now)
+        .await
+    {
+        // Another coordinator moved the round first.
+        Ok(_) | Err(StoreError::Conflict(_)) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn secure_error(e: SecureRoundError) -> DriverError {
+    match e {
+        SecureRoundError::Store(s) => DriverError::Store(s),
+        other => DriverError::Aggregation(other.to_string()),
+    }
+}
+
+/// Rebuilds a secure round at aggregation, folds its stored masked inputs into their
+/// sum (one at a time, as they are read) and removes the masks. Runs on the blocking
+/// pool for the folding and unmasking.
+pub async fn unmask_round(
+    state: &AppState,
+    round: &Round,
+) -> Result<Result<Unmasked, SecAggError>, DriverError> {
+    let store = &state.store;
+    let (exp, r, a) = (round.experiment_id, round.round, round.attempt);
+    let parts = store.participations(exp, r, a).await?;
+    let mut session = rebuild(store, round, &parts).await.map_err(secure_error)?;
+    let uploads = store.uploads(exp, r, a).await?;
+    let index_of: std::collections::HashMap<uuid::Uuid, i64> = parts
+        .iter()
+        .filter_map(|p| Some((p.client_id, p.secagg_index?)))
+        .collect();
+    let survivors: std::collections::BTreeSet<u32> = session.masked().collect();
+    let blobs = state.blobs.clone();
+    let words = session.input_words();
+    tokio::task::spawn_blocking(move || {
+        let mut sum = vec![0u32; words];
+        let mut folded = std::collections::BTreeSet::new();
+        for upload in &uploads {
+            let index = index_of
+                .get(&upload.client_id)
+                .and_then(|&i| u32::try_from(i).ok())
+                .ok_or_else(|| DriverError::Aggregation("an upload from outside the round".into()))?;
+            if !survivors.contains(&index) || !folded.insert(index) {
+                return Err(DriverError::Aggregation(format!(
+                    "upload of client {index} is not a masked input of this round"
+                )));
+            }
+            let bytes = blobs.get_verified(&upload.blob_path, &upload.sha256)?;
+            let masked = secagg::messages::decode_words(&bytes, words)
+                .map_err(|e| DriverError::Aggregation(e.to_string()))?;
+            for (s, m) in sum.iter_mut().zip(&masked) {
+                *s = s.wrapping_add(*m);
+            }
+        }
+        if folded != survivors {
+            return Err(DriverError::Aggregation(
+                "a masked input of the round is missing from the uploads".into(),
+            ));
+        }
+        Ok(session.finish_with(sum))
+    })
+    .await
+    .map_err(|e| DriverError::Aggregation(e.to_string()))?
+}
+
+/// Marks an aggregating secure round failed (its sum could not be unmasked).
+pub async fn fail_aggregation(
+    state: &AppState,
+    round: &Round,
+    reason: String,
+) -> Result<(), DriverError> {
+    match state
+        .store
+        .advance_secure_round(
+            round.experiment_id,
+            round.round,
+            round.attempt,
+            RoundStage::Aggregating,
+            &SecureNext::Fail { reason },
+            now_millis(),
+        )
+        .await
+    {
+        Ok(_) | Err(StoreError::Conflict(_)) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
