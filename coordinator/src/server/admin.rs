@@ -673,8 +673,16 @@ pub(crate) fn routes() -> Router<AppState> {
         list_clients,
         revoke_client
     ),
-    components(schemas(ExperimentSpec, TrainSettings, NewEnrolmentToken, IssuedEnrolmentToken,
-        super::secure_rounds::SecureAggregationSpec, RoundDetail, SecureRoundView, DroppedAt,
-        super::secure_rounds::SecureProgress))
+    components(schemas(
+        ExperimentSpec,
+        TrainSettings,
+        NewEnrolmentToken,
+        IssuedEnrolmentToken,
+        super::secure_rounds::SecureAggregationSpec,
+        RoundDetail,
+        SecureRoundView,
+        DroppedAt,
+        super::secure_rounds::SecureProgress
+    ))
 )]
 pub(crate) struct AdminDoc;

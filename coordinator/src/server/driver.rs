@@ -318,7 +318,8 @@ async fn aggregate_secure(
             .zip(&unmasked.decoded.mean)
             .map(|(g, d)| g + d)
             .collect();
-        let mean = cohort_aggregation::ModelVector::new(layout.clone(), mean).map_err(|e| bad(&e))?;
+        let mean =
+            cohort_aggregation::ModelVector::new(layout.clone(), mean).map_err(|e| bad(&e))?;
         let mut optimizer = strategy.server_optimizer(None).map_err(|e| bad(&e))?;
         optimizer.step(&mut global, &mean).map_err(|e| bad(&e))?;
         blobs.put(&path, &wire::encode(&global))?;
@@ -336,7 +337,14 @@ async fn aggregate_secure(
     };
     match state
         .store
-        .publish_model(exp.id, round.round, round.attempt, &published, metrics, now_millis())
+        .publish_model(
+            exp.id,
+            round.round,
+            round.attempt,
+            &published,
+            metrics,
+            now_millis(),
+        )
         .await
     {
         Ok(()) | Err(StoreError::Conflict(_)) => Ok(()),

@@ -217,7 +217,10 @@ fn past(stage: RoundStage, of: RoundStage) -> bool {
 }
 
 /// Polls `fetch` until it yields a message or `wait` is over.
-async fn long_poll<T, F, Fut>(wait: Duration, mut fetch: F) -> Result<(RoundStage, Option<T>), ApiError>
+async fn long_poll<T, F, Fut>(
+    wait: Duration,
+    mut fetch: F,
+) -> Result<(RoundStage, Option<T>), ApiError>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<(RoundStage, Option<T>), ApiError>>,
@@ -394,7 +397,10 @@ async fn share(
 ) -> Result<(StatusCode, Json<Accepted>), ApiError> {
     let v = view(&state, client.0.id, &id, round, attempt).await?;
     require_stage(&v, RoundStage::Sharing)?;
-    let parts = state.store.participations(v.experiment, round, attempt).await?;
+    let parts = state
+        .store
+        .participations(v.experiment, round, attempt)
+        .await?;
     let mut session = rebuild(&state.store, &v.round, &parts)
         .await
         .map_err(round_error)?;
@@ -427,7 +433,10 @@ async fn shares(
         if !past(v.round.stage, RoundStage::Sharing) {
             return Ok((v.round.stage, None));
         }
-        let parts = state.store.participations(v.experiment, round, attempt).await?;
+        let parts = state
+            .store
+            .participations(v.experiment, round, attempt)
+            .await?;
         let session = rebuild(&state.store, &v.round, &parts)
             .await
             .map_err(round_error)?;
@@ -466,7 +475,10 @@ async fn survivors(
         if !past(v.round.stage, RoundStage::Collecting) {
             return Ok((v.round.stage, None));
         }
-        let parts = state.store.participations(v.experiment, round, attempt).await?;
+        let parts = state
+            .store
+            .participations(v.experiment, round, attempt)
+            .await?;
         let mut survivors: Vec<u32> = parts
             .iter()
             .filter(|p| matches!(p.secagg_stage.as_deref(), Some("masked" | "unmasked")))
@@ -474,7 +486,10 @@ async fn survivors(
             .collect();
         survivors.sort_unstable();
         if !survivors.contains(&v.index) {
-            return Err(not_in_round(&v.round, "did not upload a masked input in time"));
+            return Err(not_in_round(
+                &v.round,
+                "did not upload a masked input in time",
+            ));
         }
         Ok((v.round.stage, Some(UnmaskRequest { survivors })))
     })
@@ -500,7 +515,10 @@ async fn unmask(
 ) -> Result<(StatusCode, Json<Accepted>), ApiError> {
     let v = view(&state, client.0.id, &id, round, attempt).await?;
     require_stage(&v, RoundStage::Unmasking)?;
-    let parts = state.store.participations(v.experiment, round, attempt).await?;
+    let parts = state
+        .store
+        .participations(v.experiment, round, attempt)
+        .await?;
     let mut session = rebuild(&state.store, &v.round, &parts)
         .await
         .map_err(round_error)?;

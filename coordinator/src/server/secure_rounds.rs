@@ -261,7 +261,11 @@ pub fn progress(participations: &[Participation]) -> SecureProgress {
     let reached = |stages: &[&str]| {
         participations
             .iter()
-            .filter(|p| p.secagg_stage.as_deref().is_some_and(|s| stages.contains(&s)))
+            .filter(|p| {
+                p.secagg_stage
+                    .as_deref()
+                    .is_some_and(|s| stages.contains(&s))
+            })
             .count()
     };
     SecureProgress {
@@ -399,7 +403,9 @@ pub async fn unmask_round(
             let index = index_of
                 .get(&upload.client_id)
                 .and_then(|&i| u32::try_from(i).ok())
-                .ok_or_else(|| DriverError::Aggregation("an upload from outside the round".into()))?;
+                .ok_or_else(|| {
+                    DriverError::Aggregation("an upload from outside the round".into())
+                })?;
             if !survivors.contains(&index) || !folded.insert(index) {
                 return Err(DriverError::Aggregation(format!(
                     "upload of client {index} is not a masked input of this round"

@@ -1,0 +1,418 @@
+//! Secure aggregation end to end, over TLS, with real processes: `cohort serve` and 10
+//! `cohort-edge` processes on Dirichlet(0.5) partitions of digits run a SecAgg+
+//! experiment, and two edge clients are killed with SIGKILL in round 1: one right after
+//! it sent its key shares, one right after it uploaded its masked input.
+//!
+//! What it protects:
+//! - the round completes (the first client's pairwise masks are removed with its
+//!   rebuilt mask key; the second's self mask is rebuilt from its neighbours' shares);
+//! - the published model equals, within the quantisation bound, the plain FedAvg of the
+//!   survivors' updates, recomputed here from the same data, model and seeds (and it
+//!   visibly includes the client that died after uploading);
+//! - the round detail says who dropped at which stage;
+//! - nothing the coordinator stored (database, blobs) contains an unmasked update: no
+//!   survivor's update or trained model appears in any stored byte, and the stored
+//!   masked inputs agree with the quantised updates no more often than chance.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use cohort_aggregation::ModelVector;
+use cohort_aggregation::secagg::{EXTRA_WORDS, QuantizationParams, Quantizer};
+use cohort_coordinator::demo::write_digits_partitions;
+use cohort_coordinator::store::Store;
+use cohort_edge::agent::experiment_labels;
+use cohort_edge::model::{ModelKind, ModelSpec};
+use cohort_edge::partition::PartitionScheme;
+use cohort_edge::train::{LocalModel, TrainConfig, Trainer};
+use common::{admin, free_port, spawn_serve, wait_healthy};
+use reqwest::Method;
+
+const CLIENTS: usize = 10;
+const ROUNDS: u32 = 3;
+
+/// A `cohort edge` child whose stderr is copied to a log file line by line, each line
+/// also sent to the test as `(site, line)`.
+fn spawn_edge(
+    site: usize,
+    base: &str,
+    ca: &Path,
+    csv: &Path,
+    dir: &Path,
+    token: &str,
+    lines: mpsc::Sender<(usize, String)>,
+) -> (Child, PathBuf) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_cohort"))
+        .arg("edge")
+        .arg("--coordinator")
+        .arg(base)
+        .arg("--ca-cert")
+        .arg(ca)
+        .arg("--data")
+        .arg(csv)
+        .arg("--state-dir")
+        .arg(dir.join(format!("edge-state-{site}")))
+        .arg("--idle-exit")
+        .arg("25")
+        .arg("--seed")
+        .arg(site.to_string())
+        .env("COHORT_ENROL_TOKEN", token)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("cohort edge starts");
+    let log = dir.join(format!("edge-{site}.log"));
+    let mut file = std::fs::File::create(&log).unwrap();
+    let stderr = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        use std::io::Write;
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = writeln!(file, "{line}");
+            let _ = lines.send((site, line));
+        }
+    });
+    (child, log)
+}
+
+fn floats(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// Every file under `dir`, recursively.
+fn files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            out.extend(files(&path));
+        } else {
+            out.push(path);
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn secure_round_survives_two_clients_killed_mid_round() {
+    cohort_coordinator::server::install_crypto_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let data_dir = dir.path().join("coordinator");
+    let ca = data_dir.join("tls/ca.pem");
+    let port = free_port();
+    let base = format!("https://127.0.0.1:{port}");
+    let mut server = spawn_serve(&data_dir, port, None);
+    let http = wait_healthy(&base, &ca).await;
+
+    let (csvs, _test) = write_digits_partitions(
+        &dir.path().join("sites"),
+        CLIENTS,
+        &PartitionScheme::Dirichlet { alpha: 0.5 },
+        0,
+    )
+    .unwrap();
+    let exp = admin(
+        &http,
+        &base,
+        Method::POST,
+        "/experiments",
+        Some(serde_json::json!({
+            "name": "secure", "features": 64, "classes": 10, "model": "mlp",
+            "rounds": ROUNDS, "clients_per_round": CLIENTS, "min_participants": 6,
+            "collect_deadline_seconds": 15,
+            "secure_aggregation": {
+                "advertise_seconds": 8, "share_seconds": 15, "unmask_seconds": 15
+            }
+        })),
+    )
+    .await;
+    let id = exp["id"].as_str().unwrap().to_string();
+    let exp_id = uuid::Uuid::parse_str(&id).unwrap();
+    let (tx, rx) = mpsc::channel();
+    let mut edges: Vec<Option<Child>> = Vec::new();
+    for (site, csv) in csvs.iter().enumerate() {
+        let issued = admin(
+            &http,
+            &base,
+            Method::POST,
+            "/enrolment-tokens",
+            Some(serde_json::json!({"label": format!("site-{site}")})),
+        )
+        .await;
+        let (child, _) = spawn_edge(
+            site,
+            &base,
+            &ca,
+            csv,
+            dir.path(),
+            issued["token"].as_str().unwrap(),
+            tx.clone(),
+        );
+        edges.push(Some(child));
+    }
+    drop(tx);
+    admin(
+        &http,
+        &base,
+        Method::POST,
+        &format!("/experiments/{id}/start"),
+        None,
+    )
+    .await;
+
+    // Site 0 dies right after its key shares went out; the first other site to upload
+    // its masked input dies right after. Both in round 1.
+    let round_one = "round=1 attempt=1";
+    let mut after_share = None;
+    let mut after_upload = None;
+    let start = Instant::now();
+    while after_share.is_none() || after_upload.is_none() {
+        let (site, line) = rx
+            .recv_timeout(Duration::from_secs(120).saturating_sub(start.elapsed()))
+            .expect("round 1 reaches both kill points");
+        if !line.contains(round_one) {
+            continue;
+        }
+        let kill = if site == 0 && line.contains("secagg shared keys") {
+            after_share = Some(site);
+            true
+        } else if site != 0
+            && after_upload.is_none()
+            && line.contains("secagg uploaded masked input")
+        {
+            after_upload = Some(site);
+            true
+        } else {
+            false
+        };
+        if kill {
+            let mut child = edges[site].take().unwrap();
+            child.kill().unwrap(); // SIGKILL
+            child.wait().unwrap();
+            eprintln!("killed site {site} after: {line}");
+        }
+    }
+    let (killed_after_share, killed_after_upload) = (after_share.unwrap(), after_upload.unwrap());
+
+    common::wait_finished(&http, &base, &id, Duration::from_secs(240)).await;
+    for child in edges.iter_mut().flatten() {
+        let status = child.wait().unwrap();
+        assert!(status.success(), "an edge client failed");
+    }
+
+    // Who dropped where, as the admin API reports it.
+    let clients = admin(&http, &base, Method::GET, "/clients", None).await;
+    let client_of = |site: usize| -> uuid::Uuid {
+        let label = format!("site-{site}");
+        let c = clients
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["label"] == label.as_str())
+            .unwrap();
+        uuid::Uuid::parse_str(c["id"].as_str().unwrap()).unwrap()
+    };
+    let detail = admin(
+        &http,
+        &base,
+        Method::GET,
+        &format!("/experiments/{id}/rounds/1/attempts/1"),
+        None,
+    )
+    .await;
+    assert_eq!(detail["round"]["stage"], "published", "{detail}");
+    let secure = &detail["secure_aggregation"];
+    assert_eq!(secure["progress"]["advertised"], 10, "{secure}");
+    assert_eq!(secure["progress"]["shared"], 10, "{secure}");
+    assert_eq!(secure["progress"]["masked"], 9, "{secure}");
+    assert_eq!(secure["progress"]["unmasked"], 8, "{secure}");
+    assert_eq!(
+        secure["dropped"]["masked"],
+        serde_json::json!([client_of(killed_after_share)])
+    );
+    assert_eq!(
+        secure["dropped"]["unmask"],
+        serde_json::json!([client_of(killed_after_upload)])
+    );
+    let rounds = common::rounds(&http, &base, &id).await;
+    let published = rounds.iter().filter(|r| r["stage"] == "published").count();
+    assert_eq!(
+        published, ROUNDS as usize,
+        "every round published: {rounds:?}"
+    );
+    server.kill().unwrap();
+    server.wait().unwrap();
+
+    // Recompute every survivor's update of round 1 as its edge client did: the initial
+    // model, the experiment's training settings, the site's data, and the agent's seed
+    // for its first task (`--seed` + 1).
+    let spec = ModelSpec::new(&ModelKind::Mlp { hidden: vec![64] }, 64, 10).unwrap();
+    let initial = spec.init(0);
+    let train = TrainConfig::default();
+    let survivors: Vec<usize> = (0..CLIENTS).filter(|&s| s != killed_after_share).collect();
+    let mut updates: Vec<(usize, ModelVector, u64)> = Vec::new();
+    for &site in &survivors {
+        let data = cohort_edge::data::load_csv(&csvs[site]).unwrap();
+        let labels = experiment_labels(&data, 10).unwrap();
+        let local = LocalModel::from_parts(spec.clone(), data.features.clone(), labels).unwrap();
+        let u = local.train(&initial, &train, site as u64 + 1).unwrap();
+        updates.push((site, u.params, u.num_samples as u64));
+    }
+    let store = Store::connect("sqlite://cohort.db", &data_dir)
+        .await
+        .unwrap();
+    let model = store.latest_model(exp_id).await.unwrap().unwrap();
+    assert_eq!(model.round, i64::from(ROUNDS));
+    let blobs = cohort_coordinator::blobs::BlobStore::open(&data_dir.join("blobs")).unwrap();
+    let round_one_model = floats(&blobs.get(&format!("models/{id}/round-1.bin")).unwrap());
+
+    // Plain FedAvg of the survivors' (clipped) differences from the initial model.
+    let q = QuantizationParams::default();
+    let fedavg = |sites: &[usize]| -> Vec<f64> {
+        let total: f64 = updates
+            .iter()
+            .filter(|(s, _, _)| sites.contains(s))
+            .map(|(_, _, w)| (*w).min(u64::from(q.max_weight)) as f64)
+            .sum();
+        let mut mean: Vec<f64> = initial.values().iter().map(|&g| f64::from(g)).collect();
+        for (s, params, w) in &updates {
+            if !sites.contains(s) {
+                continue;
+            }
+            let w = (*w).min(u64::from(q.max_weight)) as f64;
+            for ((m, &p), &g) in mean.iter_mut().zip(params.values()).zip(initial.values()) {
+                let clip = f64::from(q.clip);
+                *m += w * f64::from(p - g).clamp(-clip, clip) / total;
+            }
+        }
+        mean
+    };
+    let max_diff = |reference: &[f64]| {
+        reference
+            .iter()
+            .zip(&round_one_model)
+            .map(|(r, &m)| (r - f64::from(m)).abs())
+            .fold(0.0, f64::max)
+    };
+    let quantizer = Quantizer::new(q, CLIENTS as u32).unwrap();
+    let total_weight: u64 = updates.iter().map(|(_, _, w)| *w).sum();
+    let bound = quantizer.error_bound(survivors.len(), total_weight);
+    // Float slack: the server's f32 arithmetic on parameters of size about 1.
+    let slack = 1e-5;
+    let diff = max_diff(&fedavg(&survivors));
+    eprintln!(
+        "round 1: {} survivors, largest difference from plain FedAvg {diff:.3e}, bound {bound:.3e}",
+        survivors.len()
+    );
+    assert!(
+        diff <= bound + slack,
+        "differs from FedAvg by {diff}, bound {bound}"
+    );
+    let without: Vec<usize> = survivors
+        .iter()
+        .copied()
+        .filter(|&s| s != killed_after_upload)
+        .collect();
+    let diff_without = max_diff(&fedavg(&without));
+    assert!(
+        diff_without > 100.0 * (bound + slack),
+        "the client killed after uploading must be in the sum ({diff_without})"
+    );
+
+    // Nothing stored holds an unmasked update. (1) No survivor's trained parameters or
+    // update, as little-endian floats, appear anywhere in the data directory (16-byte
+    // windows at 64 places along each vector).
+    let stored: Vec<(PathBuf, Vec<u8>)> = files(&data_dir)
+        .into_iter()
+        .map(|p| {
+            let bytes = std::fs::read(&p).unwrap();
+            (p, bytes)
+        })
+        .collect();
+    for (site, params, _) in &updates {
+        let delta: Vec<f32> = params
+            .values()
+            .iter()
+            .zip(initial.values())
+            .map(|(p, g)| p - g)
+            .collect();
+        for vector in [params.values(), &delta[..]] {
+            let bytes: Vec<u8> = vector.iter().flat_map(|v| v.to_le_bytes()).collect();
+            for k in 0..64 {
+                let at = (k * (bytes.len() - 16) / 63) & !3;
+                let needle = &bytes[at..at + 16];
+                for (path, hay) in &stored {
+                    assert!(
+                        !hay.windows(16).any(|w| w == needle),
+                        "site {site}'s update is in {}",
+                        path.display()
+                    );
+                }
+            }
+        }
+    }
+    // (2) The stored masked inputs are not the quantised updates: each coordinate of a
+    // quantised update is one of two neighbouring integers; a masked word lands on
+    // either with probability 2^-31.
+    let parts = store.participations(exp_id, 1, 1).await.unwrap();
+    let uploads = store.uploads(exp_id, 1, 1).await.unwrap();
+    assert_eq!(uploads.len(), 9);
+    let scale_levels = f64::from((1u32 << quantizer.bits()) - 1);
+    for upload in &uploads {
+        let p = parts
+            .iter()
+            .find(|p| p.client_id == upload.client_id)
+            .unwrap();
+        assert_eq!(p.num_samples, None, "the weight is not stored in the clear");
+        assert_eq!(p.train_loss, None, "the loss is not stored in the clear");
+        assert_eq!(upload.num_samples, 0);
+        let site = survivors
+            .iter()
+            .copied()
+            .find(|&s| client_of(s) == upload.client_id)
+            .unwrap();
+        let (_, params, w) = updates.iter().find(|(s, _, _)| *s == site).unwrap();
+        let words = blobs.get(&upload.blob_path).unwrap();
+        assert_eq!(words.len(), (spec.num_params() + EXTRA_WORDS) * 4);
+        let masked: Vec<u32> = words
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let clip = f64::from(q.clip);
+        let scale = (*w).min(u64::from(q.max_weight)) as f64 / f64::from(q.max_weight);
+        let matches = params
+            .values()
+            .iter()
+            .zip(initial.values())
+            .zip(&masked)
+            .filter(|((p, g), m)| {
+                let s = scale * f64::from(**p - **g).clamp(-clip, clip);
+                let z = (s + clip) * scale_levels / (2.0 * clip);
+                let lo = z.floor() as u32;
+                **m == lo || **m == lo.wrapping_add(1)
+            })
+            .count();
+        assert!(
+            matches <= 2,
+            "site {site}: {matches} of {} stored words equal the quantised update",
+            spec.num_params()
+        );
+    }
+    // (3) The protocol messages are public keys, ciphertexts and revealed shares only:
+    // none is as long as an update.
+    for (path, bytes) in &stored {
+        if path.extension().is_some_and(|e| e == "bin")
+            && path.to_string_lossy().contains("uploads")
+        {
+            assert_eq!(bytes.len(), (spec.num_params() + EXTRA_WORDS) * 4);
+        }
+    }
+}
