@@ -7,7 +7,7 @@ use std::str::FromStr;
 
 use cohort_coordinator::store::{
     Experiment, ExperimentState, JobKind, JobState, NewUpload, ParticipationState, PublishedModel,
-    RoundMetrics, RoundStage, Store, StoreError, now_millis,
+    RoundMetrics, RoundStage, SecAggMessageKind, SecureNext, Store, StoreError, now_millis,
 };
 use sqlx::postgres::PgConnectOptions;
 use uuid::Uuid;
@@ -113,6 +113,10 @@ conformance!(
     closing_into_aggregation_queues_exactly_one_job,
     concurrent_closes_close_once_and_queue_one_job,
     uploads_racing_the_close_are_either_refused_or_counted,
+    secure_round_moves_through_its_stages_and_records_who_dropped_where,
+    secure_messages_out_of_turn_are_refused_and_change_nothing,
+    secure_round_fails_with_its_reason_and_runs_again,
+    concurrent_secure_advances_move_the_round_once,
 );
 
 async fn experiments_round_trip_and_list_newest_first(store: &Store) {
@@ -873,4 +877,446 @@ async fn uploads_racing_the_close_are_either_refused_or_counted(store: &Store) {
             .count() as i64;
         assert_eq!(uploaded, acknowledged);
     }
+}
+
+const SECAGG: &str = r#"{"session":"AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA","parties":4,"threshold":2,"neighbours":3,"dimension":5,"quantization":{"clip":4.0,"max_weight":1000,"loss_clip":64.0}}"#;
+
+async fn advance(store: &Store, e: Uuid, from: RoundStage, next: SecureNext, at: i64) {
+    store
+        .advance_secure_round(e, 1, 1, from, &next, at)
+        .await
+        .unwrap();
+}
+
+async fn secure_round_moves_through_its_stages_and_records_who_dropped_where(store: &Store) {
+    let (e, c) = running_with_clients(store, 4).await;
+    let t0 = now_millis();
+    let r = store
+        .open_secure_round(e.id, 1, 1, &c, SECAGG, t0 + 60_000, t0)
+        .await
+        .unwrap();
+    assert_eq!(r.stage, RoundStage::Advertising);
+    assert_eq!(r.secagg.as_ref().unwrap()["parties"], 4);
+    // The pending task of a secure round carries the client's index and the settings.
+    let task = store.pending_task(c[2]).await.unwrap().unwrap();
+    assert_eq!(task.secagg_index, Some(3));
+    assert!(task.secagg.as_deref().unwrap().contains("\"threshold\":2"));
+    for &client in &c[..3] {
+        store
+            .record_secagg_message(
+                e.id,
+                1,
+                1,
+                client,
+                SecAggMessageKind::Advertise,
+                "{}",
+                t0 + 1,
+            )
+            .await
+            .unwrap();
+    }
+    // An advertised client has no task left to start; the silent one still has.
+    assert!(store.pending_task(c[0]).await.unwrap().is_none());
+    advance(
+        store,
+        e.id,
+        RoundStage::Advertising,
+        SecureNext::Stage {
+            to: RoundStage::Sharing,
+            deadline: t0 + 70_000,
+        },
+        t0 + 2,
+    )
+    .await;
+    assert!(
+        store.pending_task(c[3]).await.unwrap().is_none(),
+        "too late to join"
+    );
+    for &client in &c[..3] {
+        store
+            .record_secagg_message(
+                e.id,
+                1,
+                1,
+                client,
+                SecAggMessageKind::Share,
+                "{\"s\":1}",
+                t0 + 3,
+            )
+            .await
+            .unwrap();
+    }
+    advance(
+        store,
+        e.id,
+        RoundStage::Sharing,
+        SecureNext::Stage {
+            to: RoundStage::Collecting,
+            deadline: t0 + 80_000,
+        },
+        t0 + 4,
+    )
+    .await;
+    let mut masked = upload(c[0], 0);
+    masked.train_loss = None;
+    store
+        .record_upload(e.id, 1, 1, &masked, t0 + 5)
+        .await
+        .unwrap();
+    store
+        .record_upload(
+            e.id,
+            1,
+            1,
+            &NewUpload {
+                client_id: c[1],
+                ..masked.clone()
+            },
+            t0 + 5,
+        )
+        .await
+        .unwrap();
+    // c[3] never advertised, so it cannot add a masked input.
+    assert!(matches!(
+        store
+            .record_upload(
+                e.id,
+                1,
+                1,
+                &NewUpload {
+                    client_id: c[3],
+                    ..masked.clone()
+                },
+                t0 + 5
+            )
+            .await,
+        Err(StoreError::Conflict(_))
+    ));
+    advance(
+        store,
+        e.id,
+        RoundStage::Collecting,
+        SecureNext::Stage {
+            to: RoundStage::Unmasking,
+            deadline: t0 + 90_000,
+        },
+        t0 + 6,
+    )
+    .await;
+    store
+        .record_secagg_message(e.id, 1, 1, c[0], SecAggMessageKind::Unmask, "{}", t0 + 7)
+        .await
+        .unwrap();
+    let r = store
+        .advance_secure_round(
+            e.id,
+            1,
+            1,
+            RoundStage::Unmasking,
+            &SecureNext::Aggregate { job_attempts: 3 },
+            t0 + 8,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.stage, r.reported, r.dropped),
+        (RoundStage::Aggregating, 2, 2)
+    );
+    let jobs = store.jobs(e.id).await.unwrap();
+    assert_eq!(jobs.len(), 1, "one aggregation job, queued with the close");
+    let parts = store.participations(e.id, 1, 1).await.unwrap();
+    let of = |id: Uuid| parts.iter().find(|p| p.client_id == id).unwrap().clone();
+    assert_eq!(of(c[0]).secagg_stage.as_deref(), Some("unmasked"));
+    assert_eq!(of(c[0]).dropped_stage, None);
+    assert_eq!(of(c[1]).dropped_stage.as_deref(), Some("unmask"));
+    assert_eq!(
+        of(c[1]).state,
+        ParticipationState::Uploaded,
+        "its input still counts"
+    );
+    assert_eq!(of(c[2]).dropped_stage.as_deref(), Some("masked"));
+    assert_eq!(of(c[2]).state, ParticipationState::Dropped);
+    assert_eq!(of(c[3]).dropped_stage.as_deref(), Some("advertise"));
+    assert_eq!(
+        of(c[0]).num_samples,
+        None,
+        "a masked upload's weight is not stored"
+    );
+    let messages = store
+        .secagg_messages(e.id, 1, 1, SecAggMessageKind::Share)
+        .await
+        .unwrap();
+    let indices: Vec<u32> = messages.iter().map(|m| m.index).collect();
+    assert_eq!(indices, vec![1, 2, 3]);
+    assert_eq!(messages[0].body, "{\"s\":1}");
+}
+
+async fn secure_messages_out_of_turn_are_refused_and_change_nothing(store: &Store) {
+    let (e, c) = running_with_clients(store, 4).await;
+    let t0 = now_millis();
+    store
+        .open_secure_round(e.id, 1, 1, &c[..3], SECAGG, t0 + 1_000, t0)
+        .await
+        .unwrap();
+    let refused =
+        |r: Result<(), StoreError>| assert!(matches!(r, Err(StoreError::Conflict(_))), "{r:?}");
+    // Wrong stage, not selected, after the deadline, twice.
+    refused(
+        store
+            .record_secagg_message(e.id, 1, 1, c[0], SecAggMessageKind::Share, "{}", t0)
+            .await,
+    );
+    refused(
+        store
+            .record_secagg_message(e.id, 1, 1, c[3], SecAggMessageKind::Advertise, "{}", t0)
+            .await,
+    );
+    refused(
+        store
+            .record_secagg_message(
+                e.id,
+                1,
+                1,
+                c[0],
+                SecAggMessageKind::Advertise,
+                "{}",
+                t0 + 1_001,
+            )
+            .await,
+    );
+    store
+        .record_secagg_message(e.id, 1, 1, c[0], SecAggMessageKind::Advertise, "{}", t0 + 1)
+        .await
+        .unwrap();
+    refused(
+        store
+            .record_secagg_message(e.id, 1, 1, c[0], SecAggMessageKind::Advertise, "{}", t0 + 2)
+            .await,
+    );
+    assert!(matches!(
+        store
+            .record_secagg_message(e.id, 2, 1, c[0], SecAggMessageKind::Advertise, "{}", t0)
+            .await,
+        Err(StoreError::NotFound(_))
+    ));
+    // A plain round takes no protocol messages, and an upload before collection is refused.
+    assert!(matches!(
+        store
+            .record_upload(e.id, 1, 1, &upload(c[0], 1), t0 + 3)
+            .await,
+        Err(StoreError::Conflict(_))
+    ));
+    let messages = store
+        .secagg_messages(e.id, 1, 1, SecAggMessageKind::Advertise)
+        .await
+        .unwrap();
+    assert_eq!(messages.len(), 1);
+    let parts = store.participations(e.id, 1, 1).await.unwrap();
+    let progressed: Vec<_> = parts.iter().filter(|p| p.secagg_stage.is_some()).collect();
+    assert_eq!(progressed.len(), 1);
+    // Advancing from a stage the round is not at is a conflict and changes nothing.
+    assert!(matches!(
+        store
+            .advance_secure_round(
+                e.id,
+                1,
+                1,
+                RoundStage::Sharing,
+                &SecureNext::Aggregate { job_attempts: 1 },
+                t0
+            )
+            .await,
+        Err(StoreError::Conflict(_))
+    ));
+    assert_eq!(
+        store.round(e.id, 1, 1).await.unwrap().stage,
+        RoundStage::Advertising
+    );
+    assert!(store.jobs(e.id).await.unwrap().is_empty());
+    // A plain round refuses secure advances and messages.
+    let (p, pc) = running_with_clients_named(store, "plain", 2).await;
+    store
+        .open_round(p.id, 1, 1, &pc, t0 + 1_000, t0)
+        .await
+        .unwrap();
+    refused(
+        store
+            .record_secagg_message(p.id, 1, 1, pc[0], SecAggMessageKind::Advertise, "{}", t0)
+            .await,
+    );
+    assert!(matches!(
+        store
+            .advance_secure_round(
+                p.id,
+                1,
+                1,
+                RoundStage::Collecting,
+                &SecureNext::Aggregate { job_attempts: 1 },
+                t0
+            )
+            .await,
+        Err(StoreError::Conflict(_))
+    ));
+}
+
+async fn running_with_clients_named(store: &Store, name: &str, n: u8) -> (Experiment, Vec<Uuid>) {
+    let e = store
+        .create_experiment(name, &serde_json::json!({}))
+        .await
+        .unwrap();
+    store
+        .set_experiment_state(e.id, ExperimentState::Running, "admin")
+        .await
+        .unwrap();
+    let mut clients = Vec::new();
+    for i in 0..n {
+        let token = [b'p', i, name.len() as u8];
+        store
+            .create_enrolment_token(&token, "c", None)
+            .await
+            .unwrap();
+        clients.push(
+            store
+                .enrol(&token, &[i; 32], now_millis())
+                .await
+                .unwrap()
+                .id,
+        );
+    }
+    (e, clients)
+}
+
+async fn secure_round_fails_with_its_reason_and_runs_again(store: &Store) {
+    let (e, c) = running_with_clients(store, 4).await;
+    let t0 = now_millis();
+    store
+        .open_secure_round(e.id, 1, 1, &c, SECAGG, t0 + 1_000, t0)
+        .await
+        .unwrap();
+    // A second round cannot open while this one advertises.
+    assert!(matches!(
+        store.open_round(e.id, 2, 1, &c, t0 + 1_000, t0).await,
+        Err(StoreError::Conflict(_))
+    ));
+    let failed = store
+        .advance_secure_round(
+            e.id,
+            1,
+            1,
+            RoundStage::Advertising,
+            &SecureNext::Fail {
+                reason: "only 1 clients after the advertise stage, 3 needed".into(),
+            },
+            t0 + 1_001,
+        )
+        .await
+        .unwrap();
+    assert_eq!(failed.stage, RoundStage::Failed);
+    assert!(failed.failure.as_deref().unwrap().contains("3 needed"));
+    assert_eq!(failed.dropped, 4);
+    assert!(failed.finished_at.is_some());
+    let again = store
+        .open_secure_round(e.id, 1, 2, &c, SECAGG, t0 + 5_000, t0 + 1_002)
+        .await
+        .unwrap();
+    assert_eq!((again.attempt, again.stage), (2, RoundStage::Advertising));
+    // An aggregating round whose sum cannot be unmasked fails too, without dropping
+    // anyone.
+    for &client in &c {
+        store
+            .record_secagg_message(
+                e.id,
+                1,
+                2,
+                client,
+                SecAggMessageKind::Advertise,
+                "{}",
+                t0 + 1_003,
+            )
+            .await
+            .unwrap();
+    }
+    for (from, to) in [(RoundStage::Advertising, RoundStage::Sharing)] {
+        store
+            .advance_secure_round(
+                e.id,
+                1,
+                2,
+                from,
+                &SecureNext::Stage {
+                    to,
+                    deadline: t0 + 9_000,
+                },
+                t0 + 1_004,
+            )
+            .await
+            .unwrap();
+    }
+    assert!(matches!(
+        store
+            .advance_secure_round(
+                e.id,
+                1,
+                2,
+                RoundStage::Aggregating,
+                &SecureNext::Aggregate { job_attempts: 1 },
+                t0
+            )
+            .await,
+        Err(StoreError::Conflict(_))
+    ));
+}
+
+async fn concurrent_secure_advances_move_the_round_once(store: &Store) {
+    let (e, c) = running_with_clients(store, 3).await;
+    let t0 = now_millis();
+    store
+        .open_secure_round(e.id, 1, 1, &c, SECAGG, t0 + 1_000, t0)
+        .await
+        .unwrap();
+    for &client in &c {
+        store
+            .record_secagg_message(
+                e.id,
+                1,
+                1,
+                client,
+                SecAggMessageKind::Advertise,
+                "{}",
+                t0 + 1,
+            )
+            .await
+            .unwrap();
+    }
+    let next = SecureNext::Stage {
+        to: RoundStage::Sharing,
+        deadline: t0 + 2_000,
+    };
+    let tries: Vec<_> = (0..6)
+        .map(|_| {
+            let store = store.clone();
+            let next = next.clone();
+            tokio::spawn(async move {
+                retry_busy!(store.advance_secure_round(
+                    e.id,
+                    1,
+                    1,
+                    RoundStage::Advertising,
+                    &next,
+                    t0 + 2
+                ))
+            })
+        })
+        .collect();
+    let mut moved = 0;
+    for t in tries {
+        match t.await.unwrap() {
+            Ok(_) => moved += 1,
+            Err(StoreError::Conflict(_)) => {}
+            Err(other) => panic!("{other}"),
+        }
+    }
+    assert_eq!(moved, 1, "exactly one advance wins");
+    let audit = store.round(e.id, 1, 1).await.unwrap();
+    assert_eq!(audit.stage, RoundStage::Sharing);
 }
