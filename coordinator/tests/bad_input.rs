@@ -514,7 +514,411 @@ on_both_backends!(
     wrong_credential_is_401,
     revoked_client_is_403,
     used_enrolment_token_is_401,
+    secure_keys_that_are_not_valid_x25519_keys_are_422,
+    secure_message_for_another_stage_is_409,
+    secure_replayed_message_is_409_already_sent,
+    secure_message_from_a_client_not_selected_is_409,
+    secure_shares_for_the_wrong_neighbours_are_422,
+    secure_masked_input_of_the_wrong_length_or_with_a_weight_is_422,
+    secure_masked_input_from_a_client_that_did_not_share_is_409,
+    secure_unmask_with_shares_it_does_not_hold_is_422,
 );
+
+/// A running secure experiment (SecAgg+, 3 clients, full graph, threshold 2) with all
+/// three clients selected, each with its protocol session, plus an outsider.
+struct SecureRound {
+    clients: Vec<(String, cohort_aggregation::secagg::ClientSession)>,
+    outsider: String,
+    task: Task,
+}
+
+impl Harness {
+    async fn secure_round(&self) -> SecureRound {
+        use cohort_aggregation::secagg::{ClientSession, RoundConfig};
+        let credentials = [
+            self.enrolled().await,
+            self.enrolled().await,
+            self.enrolled().await,
+        ];
+        let outsider = self.enrolled().await;
+        for c in &credentials {
+            self.checkin(c, 0).await;
+        }
+        let spec = serde_json::json!({
+            "name": "secure", "features": 4, "classes": 2, "model": "logreg", "rounds": 1,
+            "clients_per_round": 3, "min_participants": 2, "collect_deadline_seconds": 60,
+            "secure_aggregation": {"threshold": 2, "neighbours": 2, "advertise_seconds": 60,
+                                   "share_seconds": 60, "unmask_seconds": 60}
+        });
+        let r = self
+            .admin(Method::POST, "/experiments")
+            .json(&spec)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            r.status(),
+            StatusCode::CREATED,
+            "{}",
+            r.text().await.unwrap()
+        );
+        let exp: serde_json::Value = r.json().await.unwrap();
+        let id = exp["id"].as_str().unwrap().to_string();
+        let r = self
+            .admin(Method::POST, &format!("/experiments/{id}/start"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        let mut clients = Vec::new();
+        let mut task = None;
+        for c in credentials {
+            let mut reply = serde_json::Value::Null;
+            for _ in 0..10 {
+                reply = self.checkin(&c, 3).await;
+                if !reply["task"].is_null() {
+                    break;
+                }
+            }
+            let t = &reply["task"];
+            let secure = &t["secure_aggregation"];
+            let config: RoundConfig = serde_json::from_value(secure["config"].clone()).unwrap();
+            let index = secure["index"].as_u64().unwrap() as u32;
+            let (session, _) = ClientSession::new(config, index, &mut rand::rng()).unwrap();
+            task = Some(Task {
+                experiment: t["experiment_id"].as_str().unwrap().to_string(),
+                round: t["round"].as_i64().unwrap(),
+                attempt: t["attempt"].as_i64().unwrap(),
+            });
+            clients.push((c, session));
+        }
+        SecureRound {
+            clients,
+            outsider,
+            task: task.unwrap(),
+        }
+    }
+
+    fn secagg(&self, credential: &str, task: &Task, what: &str) -> reqwest::RequestBuilder {
+        self.client
+            .post(self.url(&format!(
+                "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/secagg/{what}",
+                task.experiment, task.round, task.attempt
+            )))
+            .bearer_auth(credential)
+    }
+
+    async fn secagg_get(&self, credential: &str, task: &Task, what: &str) -> serde_json::Value {
+        let r = self
+            .client
+            .get(self.url(&format!(
+                "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/secagg/{what}?wait_seconds=10",
+                task.experiment, task.round, task.attempt
+            )))
+            .bearer_auth(credential)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        r.json().await.unwrap()
+    }
+
+    async fn accepted(&self, request: reqwest::RequestBuilder) {
+        let r = request.send().await.unwrap();
+        assert_eq!(
+            r.status(),
+            StatusCode::CREATED,
+            "{}",
+            r.text().await.unwrap()
+        );
+    }
+
+    /// Fresh key pairs for every client of `round`, advertised; returns when the
+    /// directory is out.
+    async fn advertise_all(
+        &self,
+        round: &mut SecureRound,
+    ) -> cohort_aggregation::secagg::KeyDirectory {
+        use cohort_aggregation::secagg::ClientSession;
+        for (c, session) in round.clients.iter_mut() {
+            let (fresh, keys) =
+                ClientSession::new(session.config().clone(), session.index(), &mut rand::rng())
+                    .unwrap();
+            *session = fresh;
+            self.accepted(self.secagg(c, &round.task, "keys").json(&keys))
+                .await;
+        }
+        let reply = self
+            .secagg_get(&round.clients[0].0, &round.task, "keys")
+            .await;
+        serde_json::from_value(reply["directory"].clone()).expect("advertising closed")
+    }
+
+    /// Advertises and shares for every client; returns when sharing has closed.
+    async fn share_all(&self, round: &mut SecureRound) {
+        let directory = self.advertise_all(round).await;
+        for (c, session) in round.clients.iter_mut() {
+            let shares = session.share_keys(&directory, &mut rand::rng()).unwrap();
+            self.accepted(self.secagg(c, &round.task, "shares").json(&shares))
+                .await;
+        }
+        let reply = self
+            .secagg_get(&round.clients[0].0, &round.task, "shares")
+            .await;
+        assert!(!reply["shares"].is_null(), "sharing closed: {reply}");
+    }
+
+    /// Runs the round to unmasking: every client shares and uploads its masked input.
+    async fn mask_all(&self, round: &mut SecureRound) {
+        self.share_all(round).await;
+        for (c, session) in round.clients.iter_mut() {
+            let reply = self.secagg_get(c, &round.task, "shares").await;
+            let forwarded = serde_json::from_value(reply["shares"].clone()).unwrap();
+            let masked = session
+                .mask(&forwarded, &[0.5; 10], 5, 0.1, &mut rand::rng())
+                .unwrap();
+            self.accepted(self.masked_upload(c, &round.task, &masked, ""))
+                .await;
+        }
+        let reply = self
+            .secagg_get(&round.clients[0].0, &round.task, "survivors")
+            .await;
+        assert!(!reply["request"].is_null(), "collection closed: {reply}");
+    }
+
+    fn masked_upload(
+        &self,
+        credential: &str,
+        task: &Task,
+        words: &[u32],
+        query: &str,
+    ) -> reqwest::RequestBuilder {
+        self.client
+            .post(self.url(&format!(
+                "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/update{query}",
+                task.experiment, task.round, task.attempt
+            )))
+            .bearer_auth(credential)
+            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+            .body(cohort_aggregation::secagg::messages::encode_words(words))
+    }
+}
+
+async fn secure_keys_that_are_not_valid_x25519_keys_are_422(h: &Harness) {
+    let round = h.secure_round().await;
+    let (c, _) = &round.clients[0];
+    // 31 bytes is not a key.
+    let short = serde_json::json!({"cipher_pk": "AQ", "mask_pk": "AQ"});
+    h.refused(
+        h.secagg(c, &round.task, "keys").json(&short),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_body",
+    )
+    .await;
+    // The all-zero point has low order: every agreement with it is public.
+    let zeros = "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA";
+    let weak = serde_json::json!({"cipher_pk": zeros, "mask_pk": zeros});
+    h.refused(
+        h.secagg(c, &round.task, "keys").json(&weak),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_message",
+    )
+    .await;
+}
+
+async fn secure_message_for_another_stage_is_409(h: &Harness) {
+    let round = h.secure_round().await;
+    let (c, _) = &round.clients[0];
+    let shares = serde_json::json!({"seed_commitment": "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA", "shares": []});
+    h.refused(
+        h.secagg(c, &round.task, "shares").json(&shares),
+        StatusCode::CONFLICT,
+        "conflict",
+    )
+    .await;
+    let unmask = serde_json::json!({"seed_shares": [], "key_shares": []});
+    h.refused(
+        h.secagg(c, &round.task, "unmask").json(&unmask),
+        StatusCode::CONFLICT,
+        "conflict",
+    )
+    .await;
+    // A masked input before collection.
+    h.refused(
+        h.masked_upload(c, &round.task, &[0; 12], ""),
+        StatusCode::CONFLICT,
+        "conflict",
+    )
+    .await;
+}
+
+async fn secure_replayed_message_is_409_already_sent(h: &Harness) {
+    use cohort_aggregation::secagg::ClientSession;
+    let round = h.secure_round().await;
+    let (c, session) = &round.clients[0];
+    let (_, keys) =
+        ClientSession::new(session.config().clone(), session.index(), &mut rand::rng()).unwrap();
+    h.accepted(h.secagg(c, &round.task, "keys").json(&keys))
+        .await;
+    for replay in [
+        keys.clone(),
+        ClientSession::new(session.config().clone(), session.index(), &mut rand::rng())
+            .unwrap()
+            .1,
+    ] {
+        h.refused(
+            h.secagg(c, &round.task, "keys").json(&replay),
+            StatusCode::CONFLICT,
+            "already_sent",
+        )
+        .await;
+    }
+}
+
+async fn secure_message_from_a_client_not_selected_is_409(h: &Harness) {
+    use cohort_aggregation::secagg::ClientSession;
+    let round = h.secure_round().await;
+    let (_, session) = &round.clients[0];
+    let (_, keys) =
+        ClientSession::new(session.config().clone(), session.index(), &mut rand::rng()).unwrap();
+    h.refused(
+        h.secagg(&round.outsider, &round.task, "keys").json(&keys),
+        StatusCode::CONFLICT,
+        "conflict",
+    )
+    .await;
+    let r = h
+        .client
+        .get(h.url(&format!(
+            "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/secagg/keys",
+            round.task.experiment, round.task.round, round.task.attempt
+        )))
+        .bearer_auth(&round.outsider);
+    h.refused(r, StatusCode::CONFLICT, "conflict").await;
+}
+
+async fn secure_shares_for_the_wrong_neighbours_are_422(h: &Harness) {
+    let mut round = h.secure_round().await;
+    let directory = h.advertise_all(&mut round).await;
+    let (c, session) = &mut round.clients[0];
+    let good = session.share_keys(&directory, &mut rand::rng()).unwrap();
+    let mut missing = good.clone();
+    missing.shares.pop();
+    h.refused(
+        h.secagg(c, &round.task, "shares").json(&missing),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_message",
+    )
+    .await;
+    let mut to_self = good.clone();
+    to_self.shares[0].to = session.index();
+    h.refused(
+        h.secagg(c, &round.task, "shares").json(&to_self),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_message",
+    )
+    .await;
+    let mut short = good.clone();
+    short.shares[0].ciphertext.truncate(10);
+    h.refused(
+        h.secagg(c, &round.task, "shares").json(&short),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_message",
+    )
+    .await;
+    h.accepted(h.secagg(c, &round.task, "shares").json(&good))
+        .await;
+}
+
+async fn secure_masked_input_of_the_wrong_length_or_with_a_weight_is_422(h: &Harness) {
+    let mut round = h.secure_round().await;
+    h.share_all(&mut round).await;
+    let (c, _) = &round.clients[0];
+    // A logreg of 4 features and 2 classes has 10 parameters: 12 words with the weight
+    // and the loss.
+    for words in [vec![7u32; 11], vec![7u32; 13], vec![]] {
+        h.refused(
+            h.masked_upload(c, &round.task, &words, ""),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_update",
+        )
+        .await;
+    }
+    h.refused(
+        h.masked_upload(c, &round.task, &[7u32; 12], "?num_samples=5"),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_query",
+    )
+    .await;
+    h.refused(
+        h.masked_upload(c, &round.task, &[7u32; 12], "?train_loss=0.5"),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_query",
+    )
+    .await;
+}
+
+async fn secure_masked_input_from_a_client_that_did_not_share_is_409(h: &Harness) {
+    let mut round = h.secure_round().await;
+    let directory = h.advertise_all(&mut round).await;
+    // A selected client that has not shared yet cannot upload while the round shares,
+    // and once collection is open a client that never shared (here: one never
+    // selected) cannot add a masked input.
+    let (c0, _) = &round.clients[0];
+    h.refused(
+        h.masked_upload(c0, &round.task, &[7u32; 12], ""),
+        StatusCode::CONFLICT,
+        "conflict",
+    )
+    .await;
+    for (c, session) in round.clients.iter_mut() {
+        let shares = session.share_keys(&directory, &mut rand::rng()).unwrap();
+        h.accepted(h.secagg(c, &round.task, "shares").json(&shares))
+            .await;
+    }
+    h.secagg_get(&round.clients[0].0, &round.task, "shares")
+        .await;
+    h.refused(
+        h.masked_upload(&round.outsider, &round.task, &[7u32; 12], ""),
+        StatusCode::CONFLICT,
+        "conflict",
+    )
+    .await;
+}
+
+async fn secure_unmask_with_shares_it_does_not_hold_is_422(h: &Harness) {
+    let mut round = h.secure_round().await;
+    h.mask_all(&mut round).await;
+    let reply = h
+        .secagg_get(&round.clients[0].0, &round.task, "survivors")
+        .await;
+    let request: cohort_aggregation::secagg::UnmaskRequest =
+        serde_json::from_value(reply["request"].clone()).unwrap();
+    let mut answers = Vec::new();
+    for (_, session) in round.clients.iter_mut() {
+        answers.push(session.unmask(&request).unwrap());
+    }
+    // Client 0 passes off client 1's shares as its own.
+    let (c0, _) = &round.clients[0];
+    h.refused(
+        h.secagg(c0, &round.task, "unmask").json(&answers[1]),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_message",
+    )
+    .await;
+    // A survivor's key share (the wrong kind) is refused too.
+    let mut wrong_kind = answers[0].clone();
+    wrong_kind.key_shares = wrong_kind.seed_shares.clone();
+    wrong_kind.seed_shares.clear();
+    h.refused(
+        h.secagg(c0, &round.task, "unmask").json(&wrong_kind),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_message",
+    )
+    .await;
+    h.accepted(h.secagg(c0, &round.task, "unmask").json(&answers[0]))
+        .await;
+}
 
 async fn malformed_json_is_400_and_enrols_nobody(h: &Harness) {
     let token = h.issue_token().await;

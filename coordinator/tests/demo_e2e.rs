@@ -1,7 +1,8 @@
 //! The whole system end to end: `cohort demo` starts a coordinator over TLS and 10
 //! `cohort-edge` processes, each on its own Dirichlet(0.5) partition of digits, and runs
-//! 15 rounds of FedAvg with the MLP. On SQLite always, on PostgreSQL when
-//! `COHORT_TEST_POSTGRES_URL` is set (each run in a schema of its own).
+//! 15 rounds of FedAvg with the MLP (also with secure aggregation, on PostgreSQL). On
+//! SQLite always, on PostgreSQL when `COHORT_TEST_POSTGRES_URL` is set (each run in a
+//! schema of its own).
 
 mod common;
 
@@ -44,6 +45,22 @@ async fn ten_edge_processes_train_digits_to_ninety_percent_on_postgres() {
     let accuracy = tokio::task::spawn_blocking(move || run_demo(&["--database-url", &scoped]))
         .await
         .unwrap();
+    common::drop_schema(&pool, &schema).await;
+    assert!(accuracy >= 0.90, "final test accuracy {accuracy}");
+}
+
+/// The same experiment with secure aggregation (SecAgg+) on PostgreSQL: the coordinator
+/// sees only masked vectors, and the model learns as well.
+#[tokio::test]
+async fn ten_edge_processes_train_digits_to_ninety_percent_with_secure_aggregation_on_postgres() {
+    let Some((pool, schema, scoped)) = common::postgres_schema("cohort_secure_e2e").await else {
+        return;
+    };
+    let accuracy = tokio::task::spawn_blocking(move || {
+        run_demo(&["--database-url", &scoped, "--secure-aggregation"])
+    })
+    .await
+    .unwrap();
     common::drop_schema(&pool, &schema).await;
     assert!(accuracy >= 0.90, "final test accuracy {accuracy}");
 }

@@ -819,13 +819,16 @@ pub struct PendingTask {
     pub secagg_index: Option<i64>,
 }
 
+/// experiment_id, round, attempt, stage_deadline, secagg, secagg_index.
+type PendingRow = (String, i64, i64, Option<i64>, Option<String>, Option<i64>);
+
 impl Store {
     /// The oldest round attempt that `client` is selected for and should start now: a
     /// plain round collecting uploads it has not uploaded to, or a secure round
     /// collecting public keys it has not advertised.
     pub async fn pending_task(&self, client: Uuid) -> Result<Option<PendingTask>, StoreError> {
         with_pool!(self, p => {
-            let row: Option<(String, i64, i64, Option<i64>, Option<String>, Option<i64>)> = sqlx::query_as(
+            let row: Option<PendingRow> = sqlx::query_as(
                 "SELECT p.experiment_id, p.round, p.attempt, r.stage_deadline, r.secagg, p.secagg_index \
                  FROM participations p JOIN rounds r ON r.experiment_id = p.experiment_id \
                    AND r.round = p.round AND r.attempt = p.attempt \
