@@ -91,9 +91,10 @@ fn should_succeed(cfg: &RoundConfig, drop_at: &BTreeMap<u32, Stage>) -> bool {
     })
 }
 
-fn stage_strategy() -> impl Strategy<Value = Option<Stage>> {
+/// A client's dropout stage: none with weight `stay`, each stage with weight 1.
+fn stage_strategy(stay: u32) -> impl Strategy<Value = Option<Stage>> {
     prop_oneof![
-        12 => Just(None),
+        stay => Just(None),
         1 => Just(Some(Stage::Advertise)),
         1 => Just(Some(Stage::Share)),
         1 => Just(Some(Stage::Masked)),
@@ -101,36 +102,63 @@ fn stage_strategy() -> impl Strategy<Value = Option<Stage>> {
     ]
 }
 
-/// n, k, t, d and a dropout stage per client; full graphs only for small n.
-fn round_strategy() -> impl Strategy<Value = (u32, usize, usize, usize, Vec<Option<Stage>>)> {
+/// n, k, t, d and a dropout stage per client; full graphs only for small n. `stay`
+/// weighs staying against dropping at each of the four stages.
+fn round_strategy(
+    stay: u32,
+) -> impl Strategy<Value = (u32, usize, usize, usize, Vec<Option<Stage>>)> {
     (3u32..=200)
         .prop_flat_map(|n| {
             let kmax = if n <= 40 { n as usize - 1 } else { 24 };
             (Just(n), 1usize..=kmax)
         })
-        .prop_flat_map(|(n, k)| {
+        .prop_flat_map(move |(n, k)| {
             let keff = effective_degree(n as usize, k);
             (
                 Just(n),
                 Just(k),
                 (keff / 2 + 1)..=keff,
                 1usize..24,
-                prop::collection::vec(stage_strategy(), n as usize),
+                prop::collection::vec(stage_strategy(stay), n as usize),
             )
         })
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
     /// The heart of the protocol: whoever drops wherever, the unmasked sum is exactly
     /// the survivors' quantised inputs, the mean is FedAvg within the documented bound,
     /// and a round that cannot be completed fails with an error, not a wrong sum.
     #[test]
     fn unmasked_sum_is_exactly_the_survivors_sum(
-        (n, k, t, d, stages) in round_strategy(),
+        (n, k, t, d, stages) in round_strategy(12),
         salt in any::<u64>(),
     ) {
+        check_round(n, k, t, d, &stages, salt)?;
+    }
+
+    /// The same with heavy dropout (about 60% of clients leave at some stage), where
+    /// most rounds cannot complete: each must then fail with a clean error, and one
+    /// with fewer than t survivors must fail before any share is revealed.
+    #[test]
+    fn rounds_with_too_few_survivors_fail_cleanly(
+        (n, k, t, d, stages) in round_strategy(3),
+        salt in any::<u64>(),
+    ) {
+        check_round(n, k, t, d, &stages, salt)?;
+    }
+}
+
+fn check_round(
+    n: u32,
+    k: usize,
+    t: usize,
+    d: usize,
+    stages: &[Option<Stage>],
+    salt: u64,
+) -> Result<(), TestCaseError> {
+    {
         let cfg = config(n, k, t, d);
         let drop_at: BTreeMap<u32, Stage> = stages
             .iter()
@@ -142,7 +170,12 @@ proptest! {
             .map(|u| {
                 let mut rng = ChaCha20Rng::seed_from_u64(salt ^ u64::from(u));
                 let q = quantizer
-                    .encode(&update_of(u, d, salt), weight_of(u), f64::from(u % 5), &mut rng)
+                    .encode(
+                        &update_of(u, d, salt),
+                        weight_of(u),
+                        f64::from(u % 5),
+                        &mut rng,
+                    )
                     .unwrap();
                 (u, q)
             })
@@ -179,7 +212,11 @@ proptest! {
                     let got = f64::from(out.decoded.mean[j]);
                     prop_assert!(
                         (got - fedavg).abs() <= out.decoded.error_bound + 1e-6,
-                        "coordinate {}: {} vs {} (bound {})", j, got, fedavg, out.decoded.error_bound
+                        "coordinate {}: {} vs {} (bound {})",
+                        j,
+                        got,
+                        fedavg,
+                        out.decoded.error_bound
                     );
                 }
                 // Dropouts are reported at the stage they happened.
@@ -200,11 +237,90 @@ proptest! {
                         e,
                         SecAggError::TooFewParticipants { .. } | SecAggError::CannotRecover { .. }
                     ),
-                    "a clean failure, got {}", e
+                    "a clean failure, got {}",
+                    e
                 );
+                if matches!(e, SecAggError::TooFewParticipants { .. }) {
+                    // Failed at a close before unmasking: no client was asked for, or
+                    // timed, a single revealed share.
+                    prop_assert!(round.timings.client_unmask.is_empty());
+                }
             }
         }
     }
+    Ok(())
+}
+
+/// A coordinator keeps masked inputs on disk and rebuilds the session from stored
+/// messages (`restore_keys`, `restore_masked`) and folds the inputs itself
+/// (`finish_with`): the result is the live session's, exactly.
+#[test]
+fn a_session_rebuilt_from_stored_messages_unmasks_the_same_sum() {
+    let cfg = config(12, 8, 5, 9);
+    let mut live = ServerSession::new(cfg.clone()).unwrap();
+    let mut rng = ChaCha20Rng::seed_from_u64(11);
+    let mut clients = BTreeMap::new();
+    let mut keys = BTreeMap::new();
+    for u in 1..=12 {
+        let (c, k) = ClientSession::new(cfg.clone(), u, &mut rng).unwrap();
+        live.receive_keys(u, &k).unwrap();
+        clients.insert(u, c);
+        keys.insert(u, k);
+    }
+    let dir = live.close_advertise().unwrap();
+    let mut shares = BTreeMap::new();
+    for (&u, c) in clients.iter_mut().filter(|(u, _)| **u != 5) {
+        let m = c.share_keys(&dir, &mut rng).unwrap();
+        live.receive_shares(u, &m).unwrap();
+        shares.insert(u, m);
+    }
+    live.close_sharing().unwrap();
+    let mut inputs = BTreeMap::new();
+    for (&u, c) in clients.iter_mut().filter(|(u, _)| ![5, 8].contains(*u)) {
+        let f = live.forwarded_for(u).unwrap();
+        let m = c
+            .mask(&f, &update_of(u, 9, 3), weight_of(u), 1.0, &mut rng)
+            .unwrap();
+        live.receive_masked(u, &m).unwrap();
+        inputs.insert(u, m);
+    }
+    let request = live.close_collection().unwrap();
+    let mut replies = BTreeMap::new();
+    for (&u, c) in clients
+        .iter_mut()
+        .filter(|(u, _)| inputs.contains_key(*u) && **u != 2)
+    {
+        let r = c.unmask(&request).unwrap();
+        live.receive_unmask(u, &r).unwrap();
+        replies.insert(u, r);
+    }
+    let expected = live.finish().unwrap();
+
+    let mut rebuilt = ServerSession::new(cfg).unwrap();
+    for (&u, k) in &keys {
+        rebuilt.restore_keys(u, k).unwrap();
+    }
+    rebuilt.close_advertise().unwrap();
+    for (&u, m) in &shares {
+        rebuilt.receive_shares(u, m).unwrap();
+    }
+    rebuilt.close_sharing().unwrap();
+    let mut sum = vec![0u32; 9 + EXTRA_WORDS];
+    for (&u, m) in &inputs {
+        rebuilt.restore_masked(u).unwrap();
+        for (s, w) in sum.iter_mut().zip(m) {
+            *s = s.wrapping_add(*w);
+        }
+    }
+    rebuilt.close_collection().unwrap();
+    for (&u, r) in &replies {
+        rebuilt.receive_unmask(u, r).unwrap();
+    }
+    assert!(
+        matches!(rebuilt.finish(), Err(SecAggError::BadMessage(_))),
+        "the sum is the caller's"
+    );
+    assert_eq!(rebuilt.finish_with(sum).unwrap(), expected);
 }
 
 #[test]
