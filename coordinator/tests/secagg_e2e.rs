@@ -159,6 +159,26 @@ async fn secure_round_survives_two_clients_killed_mid_round() {
         edges.push(Some(child));
     }
     drop(tx);
+    // Start once all ten have enrolled and checked in, so that round 1 selects them all
+    // (a round selects among the clients available when it opens).
+    let start = Instant::now();
+    loop {
+        let clients = admin(&http, &base, Method::GET, "/clients", None).await;
+        let seen = clients
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|c| !c["last_seen_at"].is_null())
+            .count();
+        if seen == CLIENTS {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "only {seen} clients checked in"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     admin(
         &http,
         &base,
@@ -202,7 +222,28 @@ async fn secure_round_survives_two_clients_killed_mid_round() {
     }
     let (killed_after_share, killed_after_upload) = (after_share.unwrap(), after_upload.unwrap());
 
-    common::wait_finished(&http, &base, &id, Duration::from_secs(240)).await;
+    // Wait for the end, showing every attempt's stage and failure if it does not come.
+    let start = Instant::now();
+    loop {
+        let exp = admin(
+            &http,
+            &base,
+            Method::GET,
+            &format!("/experiments/{id}"),
+            None,
+        )
+        .await;
+        if exp["state"] == "finished" {
+            break;
+        }
+        let rounds = common::rounds(&http, &base, &id).await;
+        assert!(
+            exp["state"] == "running" && start.elapsed() < Duration::from_secs(240),
+            "experiment is {}: {rounds:#?}",
+            exp["state"]
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     for child in edges.iter_mut().flatten() {
         let status = child.wait().unwrap();
         assert!(status.success(), "an edge client failed");

@@ -38,7 +38,7 @@
 //! | share encryption | ChaCha20-Poly1305, one key per direction and round | Flower: Fernet |
 //! | secret sharing | Shamir over GF(2^61 - 1), perfect secrecy per limb | Flower: GF(2^128) |
 //! | threshold | `t > k / 2` of each neighbourhood, enforced | Bell et al.: `t > k/2` |
-//! | neighbours | `k` configurable, `O(log n)` by default ([`default_neighbours`]) | Bell et al.: `O(log n)` |
+//! | neighbours | `k` configurable; by default `O(log n)`, sized so that 10% dropout fails a round with probability at most 10^-3 ([`default_neighbours`]) | Bell et al.: `O(log n)` |
 //!
 //! The threshold above half a neighbourhood means the server cannot collect `t` seed
 //! shares and `t` key shares of one client from disjoint sets of honest neighbours, so
@@ -224,11 +224,54 @@ pub enum SecAggError {
 /// Largest model a secure round takes: `2^28` parameters, as for plain models.
 pub const MAX_DIMENSION: usize = 1 << 28;
 
-/// The default neighbours for `n` clients, as in SecAgg+ practice: `2 * ceil(log2 n)`
-/// (14 for 100 clients, 18 for 500), or every other client when that is fewer.
+/// The dropout rate the default neighbourhood is sized for: each client leaves the
+/// round, at any stage, with this probability.
+pub const DESIGN_DROPOUT: f64 = 0.1;
+
+/// The round failure probability the default neighbourhood is sized to stay under at
+/// [`DESIGN_DROPOUT`].
+pub const DESIGN_FAILURE: f64 = 1e-3;
+
+/// `P[X < t]` for `X ~ Binomial(k, p)`.
+fn binomial_below(k: usize, p: f64, t: usize) -> f64 {
+    let mut pmf = (1.0 - p).powi(k as i32); // P[X = 0]
+    let mut sum = 0.0;
+    for x in 0..t.min(k + 1) {
+        sum += pmf;
+        // P[X = x + 1] from P[X = x].
+        pmf *= (k - x) as f64 / (x + 1) as f64 * p / (1.0 - p);
+    }
+    sum.min(1.0)
+}
+
+/// An upper bound (the union bound over clients) on the probability that a round of `n`
+/// clients with `k` neighbours and threshold `t` cannot be unmasked when each client drops
+/// out independently with probability `dropout`: some client's secret finds fewer than
+/// `t` of its `k` neighbours to reveal shares.
+pub fn failure_bound(n: usize, k: usize, t: usize, dropout: f64) -> f64 {
+    let k = effective_degree(n, k);
+    (n as f64 * binomial_below(k, 1.0 - dropout, t)).min(1.0)
+}
+
+/// The default neighbours for `n` clients: the smallest even `k >= 2 * ceil(log2 n)`
+/// (the usual SecAgg+ choice, `O(log n)`) for which, with the default threshold, a round
+/// fails with probability at most [`DESIGN_FAILURE`] when clients drop out at
+/// [`DESIGN_DROPOUT`]; the complete graph when that is no smaller. 20 for 100 clients,
+/// 24 for 500, the complete graph for 10.
 pub fn default_neighbours(n: usize) -> usize {
-    let log = usize::BITS - n.saturating_sub(1).leading_zeros();
-    (2 * log as usize).min(n.saturating_sub(1)).max(1)
+    if n < 2 {
+        return 1;
+    }
+    let log = (usize::BITS - (n - 1).leading_zeros()) as usize;
+    let mut k = (2 * log).max(2);
+    while k < n - 1 {
+        let t = effective_degree(n, k) / 2 + 1;
+        if failure_bound(n, k, t, DESIGN_DROPOUT) <= DESIGN_FAILURE {
+            return k;
+        }
+        k += 2;
+    }
+    n - 1
 }
 
 /// The default threshold for `k` neighbours among `n` clients: just over half the

@@ -648,6 +648,47 @@ fn a_wrong_share_is_caught_by_the_commitment_not_turned_into_a_wrong_sum() {
     );
 }
 
+/// The default graph keeps rounds alive at the design dropout rate, and the bound that
+/// sizes it matches what simulated rounds show.
+#[test]
+fn default_neighbourhoods_survive_the_design_dropout() {
+    for n in [4, 10, 20, 50, 100, 500, 1000, 5000] {
+        let k = default_neighbours(n);
+        let t = default_threshold(n, k);
+        assert!(k <= n - 1);
+        if k < n - 1 {
+            // (A tiny round can miss the target even with the complete graph.)
+            assert!(
+                failure_bound(n, k, t, DESIGN_DROPOUT) <= DESIGN_FAILURE,
+                "n={n} k={k}"
+            );
+            assert!(
+                k >= 2 * (usize::BITS - (n - 1).leading_zeros()) as usize,
+                "n={n}"
+            );
+            // ... and it is the smallest even such k.
+            let smaller = default_threshold(n, k - 2);
+            assert!(
+                failure_bound(n, k - 2, smaller, DESIGN_DROPOUT) > DESIGN_FAILURE
+                    || k - 2 < 2 * (usize::BITS - (n - 1).leading_zeros()) as usize
+            );
+        }
+    }
+    // The Flower harness's 2 * ceil(log2 n) = 14 for 100 clients fails about one round
+    // in 50 at 10% dropout; 20 neighbours about one in 1,600.
+    let b14 = failure_bound(100, 14, 8, 0.1);
+    assert!((0.01..0.03).contains(&b14), "{b14}");
+    assert!(failure_bound(100, 20, 11, 0.1) < 1e-3);
+    // Binomial tail against a hand-computed value: P[Bin(4, 0.5) < 2] = 5/16.
+    assert!((super::binomial_below(4, 0.5, 2) - 5.0 / 16.0).abs() < 1e-12);
+    assert!((super::binomial_below(3, 0.9, 4) - 1.0).abs() < 1e-12);
+    assert_eq!(
+        failure_bound(5, 4, 2, 0.5),
+        1.0,
+        "the union bound is capped at 1"
+    );
+}
+
 #[test]
 fn config_checks_name_the_setting() {
     assert!(config(10, 4, 3, 5).validate().is_ok());
@@ -661,10 +702,15 @@ fn config_checks_name_the_setting() {
         let e = bad.validate().unwrap_err().to_string();
         assert!(e.contains(word), "{e}");
     }
-    assert_eq!(default_neighbours(100), 14);
-    assert_eq!(default_neighbours(500), 18);
-    assert_eq!(default_neighbours(10), 8);
+    assert_eq!(default_neighbours(100), 20);
+    assert_eq!(default_neighbours(500), 24);
+    assert_eq!(
+        default_neighbours(10),
+        9,
+        "small rounds use the complete graph"
+    );
     assert_eq!(default_neighbours(3), 2);
+    assert_eq!(default_neighbours(2), 1);
     assert_eq!(default_threshold(100, 14), 8);
     assert_eq!(default_threshold(10, 9), 5);
     assert_eq!("unmask".parse::<Stage>(), Ok(Stage::Unmask));

@@ -16,8 +16,7 @@ use std::time::Instant;
 
 use clap::Args;
 use cohort_aggregation::secagg::{
-    self, QuantizationParams, RoundConfig, Stage, default_neighbours, default_threshold,
-    effective_degree, local, prg,
+    self, QuantizationParams, RoundConfig, Stage, default_threshold, effective_degree, local, prg,
 };
 use rand::{Rng, RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -32,8 +31,8 @@ pub struct SecAggBenchArgs {
     /// Parameters per update (comma-separated; 1e5 style accepted)
     #[arg(long, value_name = "D", value_delimiter = ',', default_value = "100000", value_parser = parse_count)]
     pub d: Vec<usize>,
-    /// Neighbours per client [default: 2*ceil(log2 n)]; `full` or n-1 for the complete
-    /// graph (the original SecAgg)
+    /// Neighbours per client [default: 2*ceil(log2 n), as in the Flower harness]; `full`
+    /// or n-1 for the complete graph (the original SecAgg)
     #[arg(long, value_name = "K", value_delimiter = ',')]
     pub neighbours: Option<Vec<String>>,
     /// Shares needed to rebuild a secret [default: just over half the neighbours]
@@ -66,6 +65,13 @@ fn parse_count(text: &str) -> Result<usize, String> {
         ));
     }
     Ok(v as usize)
+}
+
+/// The Flower harness's neighbours for `n` clients, `2 * ceil(log2 n)` (14 for 100), so
+/// that default runs compare like with like.
+fn flower_neighbours(n: usize) -> usize {
+    let log = (usize::BITS - n.saturating_sub(1).leading_zeros()) as usize;
+    (2 * log).min(n.saturating_sub(1)).max(1)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -126,7 +132,7 @@ pub fn run(args: &SecAggBenchArgs) -> Result<(), String> {
             return Err(format!("--n must be at least 2, got {n}"));
         }
         let ks: Vec<usize> = match &args.neighbours {
-            None => vec![default_neighbours(n as usize)],
+            None => vec![flower_neighbours(n as usize)],
             Some(list) => list
                 .iter()
                 .map(|k| match k.trim() {

@@ -149,7 +149,8 @@ pub struct SimulationConfig {
     /// over half the neighbours.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub threshold: Option<usize>,
-    /// Secure aggregation: neighbours per client; `None` is `2 * ceil(log2 n)`.
+    /// Secure aggregation: neighbours per client; `None` sizes it for 10% dropout (20
+    /// for 100 clients per round).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub neighbours: Option<usize>,
     /// Secure aggregation: each update coordinate is clipped to `[-clip, clip]` before
