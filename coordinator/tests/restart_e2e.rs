@@ -7,7 +7,7 @@
 mod common;
 
 use std::collections::HashSet;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use cohort_coordinator::demo::write_digits_partitions;
@@ -90,26 +90,18 @@ async fn sigkill_during_a_round_loses_no_acknowledged_upload() {
         )
         .await;
         let log = dir.path().join(format!("edge-{i}.log"));
-        let child = Command::new(env!("CARGO_BIN_EXE_cohort"))
-            .arg("edge")
-            .arg("--coordinator")
-            .arg(&base)
-            .arg("--ca-cert")
-            .arg(&ca)
-            .arg("--data")
-            .arg(csv)
-            .arg("--state-dir")
-            .arg(dir.path().join(format!("edge-state-{i}")))
-            .arg("--idle-exit")
-            .arg("20")
-            .arg("--seed")
-            .arg(i.to_string())
-            .env("COHORT_ENROL_TOKEN", issued["token"].as_str().unwrap())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("cohort edge starts");
+        let child = common::edge_command(
+            i,
+            &base,
+            &ca,
+            csv,
+            dir.path(),
+            issued["token"].as_str().unwrap(),
+            20,
+        )
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("cohort edge starts");
         edges.push((child, log));
     }
 

@@ -18,7 +18,7 @@ mod common;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -47,23 +47,7 @@ fn spawn_edge(
     token: &str,
     lines: mpsc::Sender<(usize, String)>,
 ) -> (Child, PathBuf) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_cohort"))
-        .arg("edge")
-        .arg("--coordinator")
-        .arg(base)
-        .arg("--ca-cert")
-        .arg(ca)
-        .arg("--data")
-        .arg(csv)
-        .arg("--state-dir")
-        .arg(dir.join(format!("edge-state-{site}")))
-        .arg("--idle-exit")
-        .arg("25")
-        .arg("--seed")
-        .arg(site.to_string())
-        .env("COHORT_ENROL_TOKEN", token)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
+    let mut child = common::edge_command(site, base, ca, csv, dir, token, 25)
         .stderr(Stdio::piped())
         .spawn()
         .expect("cohort edge starts");

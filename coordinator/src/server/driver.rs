@@ -335,13 +335,24 @@ async fn aggregate_secure(
         train_loss: Some(mean_loss),
         ..RoundMetrics::default()
     };
+    publish(state, exp.id, round, &published, metrics).await
+}
+
+/// Publishes a round's model; a conflict means an earlier run of the job already did.
+async fn publish(
+    state: &AppState,
+    experiment: Uuid,
+    round: &Round,
+    model: &PublishedModel,
+    metrics: RoundMetrics,
+) -> Result<(), DriverError> {
     match state
         .store
         .publish_model(
-            exp.id,
+            experiment,
             round.round,
             round.attempt,
-            &published,
+            model,
             metrics,
             now_millis(),
         )
@@ -415,18 +426,5 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
         train_loss: (samples > 0.0).then(|| weighted / samples),
         ..RoundMetrics::default()
     };
-    match store
-        .publish_model(
-            exp.id,
-            round.round,
-            round.attempt,
-            &published,
-            metrics,
-            now_millis(),
-        )
-        .await
-    {
-        Ok(()) | Err(StoreError::Conflict(_)) => Ok(()),
-        Err(e) => Err(e.into()),
-    }
+    publish(state, exp.id, &round, &published, metrics).await
 }

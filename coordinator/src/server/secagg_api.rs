@@ -216,6 +216,53 @@ fn past(stage: RoundStage, of: RoundStage) -> bool {
     rank(stage) > rank(of)
 }
 
+/// The `wait_seconds` query of a long poll, or why it did not parse.
+type WaitParam = Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>;
+
+/// The round's protocol state rebuilt from the store, as the caller's request sees it.
+async fn rebuilt(state: &AppState, v: &ClientView) -> Result<ServerSession, ApiError> {
+    let parts = state
+        .store
+        .participations(v.experiment, v.round.round, v.round.attempt)
+        .await?;
+    rebuild(&state.store, &v.round, &parts)
+        .await
+        .map_err(round_error)
+}
+
+/// A long-polling `GET` for what stage `after` produces: waits (up to the query's
+/// `wait_seconds`) until the round is past `after`, then answers with `fetch`'s message;
+/// `None` when the wait ends first, a 409 when the round failed.
+async fn poll_after<'a, T, F, Fut>(
+    state: &'a AppState,
+    client: &'a AuthenticatedClient,
+    (id, round, attempt): (&'a str, i64, i64),
+    query: WaitParam,
+    after: RoundStage,
+    fetch: F,
+) -> Result<(RoundStage, Option<T>), ApiError>
+where
+    F: Fn(ClientView) -> Fut,
+    Fut: std::future::Future<Output = Result<T, ApiError>>,
+{
+    let Query(q) = query.map_err(|e| ApiError::unprocessable("invalid_query", e.body_text()))?;
+    let wait = check_wait(&q)?;
+    let found = long_poll(wait, || async {
+        let v = view(state, client.0.id, id, round, attempt).await?;
+        if v.round.stage == RoundStage::Failed {
+            return Err(failed(&v.round));
+        }
+        let stage = v.round.stage;
+        if !past(stage, after) {
+            return Ok((stage, None));
+        }
+        Ok((stage, Some(fetch(v).await?)))
+    })
+    .await?;
+    client_seen(state, client).await;
+    Ok(found)
+}
+
 /// Polls `fetch` until it yields a message or `wait` is over.
 async fn long_poll<T, F, Fut>(
     wait: Duration,
@@ -339,39 +386,38 @@ async fn directory(
     State(state): State<AppState>,
     client: AuthenticatedClient,
     Path((id, round, attempt)): Path<(String, i64, i64)>,
-    query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
+    query: WaitParam,
 ) -> Result<Json<DirectoryReply>, ApiError> {
-    let Query(q) = query.map_err(|e| ApiError::unprocessable("invalid_query", e.body_text()))?;
-    let wait = check_wait(&q)?;
-    let (stage, directory) = long_poll(wait, || async {
-        let v = view(&state, client.0.id, &id, round, attempt).await?;
-        if v.round.stage == RoundStage::Failed {
-            return Err(failed(&v.round));
-        }
-        if !past(v.round.stage, RoundStage::Advertising) {
-            return Ok((v.round.stage, None));
-        }
-        if v.me.secagg_stage.is_none() {
-            return Err(not_in_round(&v.round, "did not advertise keys in time"));
-        }
-        let entries = state
-            .store
-            .secagg_messages(v.experiment, round, attempt, SecAggMessageKind::Advertise)
-            .await?
-            .into_iter()
-            .map(|m| {
-                serde_json::from_str::<AdvertiseKeys>(&m.body)
-                    .map(|keys| DirectoryEntry {
-                        index: m.index,
-                        keys,
-                    })
-                    .map_err(ApiError::internal)
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok((v.round.stage, Some(KeyDirectory { entries })))
-    })
+    let state = &state;
+    let at = (id.as_str(), round, attempt);
+    let (stage, directory) = poll_after(
+        state,
+        &client,
+        at,
+        query,
+        RoundStage::Advertising,
+        |v| async move {
+            if v.me.secagg_stage.is_none() {
+                return Err(not_in_round(&v.round, "did not advertise keys in time"));
+            }
+            let entries = state
+                .store
+                .secagg_messages(v.experiment, round, attempt, SecAggMessageKind::Advertise)
+                .await?
+                .into_iter()
+                .map(|m| {
+                    serde_json::from_str::<AdvertiseKeys>(&m.body)
+                        .map(|keys| DirectoryEntry {
+                            index: m.index,
+                            keys,
+                        })
+                        .map_err(ApiError::internal)
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(KeyDirectory { entries })
+        },
+    )
     .await?;
-    client_seen(&state, &client).await;
     Ok(Json(DirectoryReply { stage, directory }))
 }
 
@@ -397,14 +443,8 @@ async fn share(
 ) -> Result<(StatusCode, Json<Accepted>), ApiError> {
     let v = view(&state, client.0.id, &id, round, attempt).await?;
     require_stage(&v, RoundStage::Sharing)?;
-    let parts = state
-        .store
-        .participations(v.experiment, round, attempt)
-        .await?;
-    let mut session = rebuild(&state.store, &v.round, &parts)
-        .await
-        .map_err(round_error)?;
-    session
+    rebuilt(&state, &v)
+        .await?
         .receive_shares(v.index, &message)
         .map_err(protocol_error)?;
     let body = serde_json::to_string(&message).map_err(ApiError::internal)?;
@@ -421,35 +461,27 @@ async fn shares(
     State(state): State<AppState>,
     client: AuthenticatedClient,
     Path((id, round, attempt)): Path<(String, i64, i64)>,
-    query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
+    query: WaitParam,
 ) -> Result<Json<SharesReply>, ApiError> {
-    let Query(q) = query.map_err(|e| ApiError::unprocessable("invalid_query", e.body_text()))?;
-    let wait = check_wait(&q)?;
-    let (stage, shares) = long_poll(wait, || async {
-        let v = view(&state, client.0.id, &id, round, attempt).await?;
-        if v.round.stage == RoundStage::Failed {
-            return Err(failed(&v.round));
-        }
-        if !past(v.round.stage, RoundStage::Sharing) {
-            return Ok((v.round.stage, None));
-        }
-        let parts = state
-            .store
-            .participations(v.experiment, round, attempt)
-            .await?;
-        let session = rebuild(&state.store, &v.round, &parts)
-            .await
-            .map_err(round_error)?;
-        match session.forwarded_for(v.index) {
-            Ok(f) => Ok((v.round.stage, Some(f))),
-            Err(SecAggError::NotInRound(_)) => {
-                Err(not_in_round(&v.round, "did not share keys in time"))
+    let state = &state;
+    let at = (id.as_str(), round, attempt);
+    let (stage, shares) = poll_after(
+        state,
+        &client,
+        at,
+        query,
+        RoundStage::Sharing,
+        |v| async move {
+            match rebuilt(state, &v).await?.forwarded_for(v.index) {
+                Ok(f) => Ok(f),
+                Err(SecAggError::NotInRound(_)) => {
+                    Err(not_in_round(&v.round, "did not share keys in time"))
+                }
+                Err(e) => Err(protocol_error(e)),
             }
-            Err(e) => Err(protocol_error(e)),
-        }
-    })
+        },
+    )
     .await?;
-    client_seen(&state, &client).await;
     Ok(Json(SharesReply { stage, shares }))
 }
 
@@ -463,38 +495,37 @@ async fn survivors(
     State(state): State<AppState>,
     client: AuthenticatedClient,
     Path((id, round, attempt)): Path<(String, i64, i64)>,
-    query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
+    query: WaitParam,
 ) -> Result<Json<SurvivorsReply>, ApiError> {
-    let Query(q) = query.map_err(|e| ApiError::unprocessable("invalid_query", e.body_text()))?;
-    let wait = check_wait(&q)?;
-    let (stage, request) = long_poll(wait, || async {
-        let v = view(&state, client.0.id, &id, round, attempt).await?;
-        if v.round.stage == RoundStage::Failed {
-            return Err(failed(&v.round));
-        }
-        if !past(v.round.stage, RoundStage::Collecting) {
-            return Ok((v.round.stage, None));
-        }
-        let parts = state
-            .store
-            .participations(v.experiment, round, attempt)
-            .await?;
-        let mut survivors: Vec<u32> = parts
-            .iter()
-            .filter(|p| matches!(p.secagg_stage.as_deref(), Some("masked" | "unmasked")))
-            .filter_map(|p| p.secagg_index.and_then(|i| u32::try_from(i).ok()))
-            .collect();
-        survivors.sort_unstable();
-        if !survivors.contains(&v.index) {
-            return Err(not_in_round(
-                &v.round,
-                "did not upload a masked input in time",
-            ));
-        }
-        Ok((v.round.stage, Some(UnmaskRequest { survivors })))
-    })
+    let state = &state;
+    let at = (id.as_str(), round, attempt);
+    let (stage, request) = poll_after(
+        state,
+        &client,
+        at,
+        query,
+        RoundStage::Collecting,
+        |v| async move {
+            let parts = state
+                .store
+                .participations(v.experiment, round, attempt)
+                .await?;
+            let mut survivors: Vec<u32> = parts
+                .iter()
+                .filter(|p| matches!(p.secagg_stage.as_deref(), Some("masked" | "unmasked")))
+                .filter_map(|p| p.secagg_index.and_then(|i| u32::try_from(i).ok()))
+                .collect();
+            survivors.sort_unstable();
+            if !survivors.contains(&v.index) {
+                return Err(not_in_round(
+                    &v.round,
+                    "did not upload a masked input in time",
+                ));
+            }
+            Ok(UnmaskRequest { survivors })
+        },
+    )
     .await?;
-    client_seen(&state, &client).await;
     Ok(Json(SurvivorsReply { stage, request }))
 }
 
@@ -515,14 +546,8 @@ async fn unmask(
 ) -> Result<(StatusCode, Json<Accepted>), ApiError> {
     let v = view(&state, client.0.id, &id, round, attempt).await?;
     require_stage(&v, RoundStage::Unmasking)?;
-    let parts = state
-        .store
-        .participations(v.experiment, round, attempt)
-        .await?;
-    let mut session = rebuild(&state.store, &v.round, &parts)
-        .await
-        .map_err(round_error)?;
-    session
+    rebuilt(&state, &v)
+        .await?
         .receive_unmask(v.index, &message)
         .map_err(protocol_error)?;
     let body = serde_json::to_string(&message).map_err(ApiError::internal)?;

@@ -37,6 +37,40 @@ pub fn spawn_serve(data_dir: &Path, port: u16, database_url: Option<&str>) -> Ch
     command.spawn().expect("cohort serve starts")
 }
 
+/// The real `cohort edge` for site `site` against the coordinator at `base` (trusting
+/// `ca`), on the data `csv`, with its state in `dir/edge-state-<site>`, the enrolment
+/// token in its environment, `--seed <site>`, and exiting after `idle_exit` seconds
+/// without a task. The caller decides where stderr goes.
+pub fn edge_command(
+    site: usize,
+    base: &str,
+    ca: &Path,
+    csv: &Path,
+    dir: &Path,
+    token: &str,
+    idle_exit: u64,
+) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_cohort"));
+    command
+        .arg("edge")
+        .arg("--coordinator")
+        .arg(base)
+        .arg("--ca-cert")
+        .arg(ca)
+        .arg("--data")
+        .arg(csv)
+        .arg("--state-dir")
+        .arg(dir.join(format!("edge-state-{site}")))
+        .arg("--idle-exit")
+        .arg(idle_exit.to_string())
+        .arg("--seed")
+        .arg(site.to_string())
+        .env("COHORT_ENROL_TOKEN", token)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null());
+    command
+}
+
 /// A client that trusts only the CA in `ca`.
 pub fn client(ca: &Path) -> reqwest::Client {
     let ca = reqwest::Certificate::from_pem(&std::fs::read(ca).unwrap()).unwrap();
