@@ -211,7 +211,7 @@ fn check_round(
                         / total as f64;
                     let got = f64::from(out.decoded.mean[j]);
                     prop_assert!(
-                        (got - fedavg).abs() <= out.decoded.error_bound + 1e-6,
+                        (got - fedavg).abs() <= out.decoded.error_bound + 1e-12,
                         "coordinate {}: {} vs {} (bound {})",
                         j,
                         got,

@@ -1,0 +1,81 @@
+//! `cohort bench secagg` as other tools run it: JSON lines with the fields the issue
+//! names (`client_mask_s`, `server_unmask_s`, `round_s`, `bytes_per_client`,
+//! `expansion`), a result checked against plain FedAvg, and bad flags refused with
+//! status 2 before anything is measured.
+
+use std::process::Command;
+
+fn bench(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_cohort"))
+        .args(["bench", "secagg"])
+        .args(args)
+        .output()
+        .expect("cohort runs")
+}
+
+#[test]
+fn secagg_bench_prints_the_named_fields_for_every_case() {
+    let out = bench(&[
+        "--n",
+        "8",
+        "--d",
+        "1e3",
+        "--dropout",
+        "0,0.25",
+        "--repeats",
+        "2",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("every line is JSON"))
+        .collect();
+    let cases: Vec<&serde_json::Value> = lines.iter().filter(|l| l["bench"] == "secagg").collect();
+    assert_eq!(cases.len(), 2);
+    for (case, dropped) in cases.iter().zip([0, 2]) {
+        for field in [
+            "client_mask_s",
+            "server_unmask_s",
+            "round_s",
+            "bytes_per_client",
+        ] {
+            assert!(case[field].as_f64().unwrap() > 0.0, "{field}: {case}");
+        }
+        // d words plus weight and loss, plus the protocol messages: a little over 1.
+        let expansion = case["expansion"].as_f64().unwrap();
+        assert!(expansion > 1.0 && expansion < 3.0, "{case}");
+        assert_eq!(case["dropped"], dropped);
+        assert_eq!(case["d"], 1000);
+        assert!(case["max_abs_err"].as_f64().unwrap() <= case["error_bound"].as_f64().unwrap());
+    }
+    // The Flower harness's records are there to join with compare.py.
+    for bench in [
+        "secagg_client_mask",
+        "secagg_server_unmask",
+        "secagg_round",
+        "membw_probe",
+    ] {
+        assert!(lines.iter().any(|l| l["bench"] == bench), "{bench} missing");
+    }
+}
+
+#[test]
+fn secagg_bench_refuses_bad_flags() {
+    for args in [
+        vec!["--n", "1"],
+        vec!["--d", "0"],
+        vec!["--dropout", "1"],
+        vec!["--n", "10", "--neighbours", "4", "--threshold", "2"],
+        vec!["--neighbours", "none"],
+        vec!["--repeats", "0"],
+    ] {
+        let out = bench(&args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(out.stdout.is_empty(), "{args:?}: nothing measured");
+    }
+}
