@@ -330,11 +330,14 @@ async fn secure_round_survives_two_clients_killed_mid_round() {
     let quantizer = Quantizer::new(q, CLIENTS as u32).unwrap();
     let total_weight: u64 = updates.iter().map(|(_, _, w)| *w).sum();
     let bound = quantizer.error_bound(survivors.len(), total_weight);
-    // Float slack: the server's f32 arithmetic on parameters of size about 1.
-    let slack = 1e-5;
+    // The server's own f32 arithmetic after decoding (global + mean difference, then the
+    // optimizer's step): at most four roundings of half an ulp of the largest parameter.
+    let largest = round_one_model.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let slack = 4.0 * f64::from(largest) * f64::from(f32::EPSILON) / 2.0;
     let diff = max_diff(&fedavg(&survivors));
     eprintln!(
-        "round 1: {} survivors, largest difference from plain FedAvg {diff:.3e}, bound {bound:.3e}",
+        "round 1: {} survivors, largest difference from plain FedAvg {diff:.3e}, bound \
+         {bound:.3e} + f32 slack {slack:.3e}",
         survivors.len()
     );
     assert!(

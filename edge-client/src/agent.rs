@@ -341,8 +341,18 @@ async fn serve_secure_task(
     .await
     .map_err(|e| AgentError::Task(e.to_string()))?;
     let masked = masked?;
-    with_retries(|| client.upload_masked(cred, task, &masked)).await?;
-    note(&format!("secagg uploaded masked input {round}"));
+    match with_retries(|| client.upload_masked(cred, task, &masked)).await {
+        Ok(()) => note(&format!("secagg uploaded masked input {round}")),
+        // A retry whose first try was stored (its answer lost) is refused as a replay;
+        // the survivor list says whether the input is in the sum, and a client left out
+        // gets a 409 there too.
+        Err(ProtocolError::Refused { status: 409, .. }) => {
+            note(&format!(
+                "secagg masked input refused as a replay or late {round}"
+            ));
+        }
+        Err(e) => return Err(e.into()),
+    }
     let request = wait_stage(|| client.survivors(cred, task, 10)).await?;
     let reveal = session.unmask(&request)?;
     with_retries(|| client.send_unmask(cred, task, &reveal)).await?;
