@@ -7,6 +7,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::model_vector::{Layout, ModelVector};
+use crate::reduce::{self, Reducer, WeightedSum};
 
 /// Why an update, a mean or a server step was refused.
 ///
@@ -54,6 +55,10 @@ pub enum AggregationError {
         /// The accepted range, in words.
         expected: &'static str,
     },
+    /// The reducer failed (a device error); the CPU reducer cannot, once the checks
+    /// above have passed.
+    #[error("reducer: {0}")]
+    Reducer(String),
     /// A server step would produce a NaN or infinite parameter or optimizer state.
     #[error("the server step would make parameter {index} non-finite")]
     NonFiniteResult {
@@ -97,37 +102,55 @@ pub(crate) fn first_non_finite(values: &[f32]) -> Option<usize> {
 /// weight that would push it past `f64::MAX`. Since a weighted mean never exceeds the
 /// largest folded magnitude, which is at most `f32::MAX`, [`finish`](Self::finish) then
 /// always yields finite `f32` values.
-#[derive(Clone)]
+///
+/// The sums run on a [`Reducer`] (the CPU's cores by default); batches of updates go
+/// through [`fold_batch`](Self::fold_batch) so that the reducer reads each once while the
+/// sums stay in cache.
 pub struct WeightedMean {
     layout: Arc<Layout>,
-    sum: Vec<f64>,
+    sum: Box<dyn WeightedSum>,
     total_weight: f64,
     abs_bound: f64,
     count: usize,
+    reducer: &'static str,
 }
 
 impl fmt::Debug for WeightedMean {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // The sums can be millions of numbers; they would drown any log line.
         f.debug_struct("WeightedMean")
-            .field("len", &self.sum.len())
+            .field("len", &self.layout.len())
             .field("count", &self.count)
             .field("total_weight", &self.total_weight)
+            .field("reducer", &self.reducer)
             .finish()
     }
 }
 
 impl WeightedMean {
-    /// An empty accumulator for updates in `layout`.
+    /// An empty accumulator for updates in `layout`, summing on the CPU.
     pub fn new(layout: Arc<Layout>) -> Self {
-        let sum = vec![0.0; layout.len()];
-        Self {
+        Self::with_reducer(layout, reduce::cpu().as_ref())
+            .expect("the CPU reducer makes accumulators of any size")
+    }
+
+    /// An empty accumulator for updates in `layout`, summing on `reducer` (a device
+    /// backend keeps the sums in device memory).
+    pub fn with_reducer(
+        layout: Arc<Layout>,
+        reducer: &dyn Reducer,
+    ) -> Result<Self, AggregationError> {
+        let sum = reducer
+            .weighted_sum(layout.len())
+            .map_err(|e| AggregationError::Reducer(e.to_string()))?;
+        Ok(Self {
             layout,
             sum,
             total_weight: 0.0,
             abs_bound: 0.0,
             count: 0,
-        }
+            reducer: reducer.name(),
+        })
     }
 
     /// The layout every folded update must have.
@@ -142,32 +165,42 @@ impl WeightedMean {
     /// when a value is NaN or infinite, or when `weight` is so large the sums would
     /// overflow.
     pub fn fold(&mut self, update: &ModelVector, weight: f64) -> Result<(), AggregationError> {
-        check_layout(&self.layout, update.layout())?;
-        if !weight.is_finite() || weight <= 0.0 {
-            return Err(AggregationError::InvalidWeight(weight));
-        }
-        let values = update.values();
-        let mut max_abs = 0.0_f32;
-        for (index, &v) in values.iter().enumerate() {
-            if !v.is_finite() {
-                return Err(AggregationError::NonFinite { index });
-            }
-            max_abs = max_abs.max(v.abs());
-        }
-        let total_weight = self.total_weight + weight;
-        let abs_bound = self.abs_bound + weight * f64::from(max_abs);
-        if !total_weight.is_finite() || !abs_bound.is_finite() {
-            return Err(AggregationError::WeightOverflow(weight));
-        }
+        self.fold_batch(&[(update, weight)])
+    }
 
-        // A plain multiply and add over zipped slices: no bounds checks, so it vectorises.
-        // `mul_add` would be a libm call on targets built without FMA, far slower.
-        for (s, &v) in self.sum.iter_mut().zip(values) {
-            *s += weight * f64::from(v);
+    /// Adds every `(update, weight)` of a batch, as [`fold`](Self::fold) one after another
+    /// would (the same additions in the same order), reading each update once.
+    ///
+    /// Validates the whole batch first, so a batch with one bad update changes nothing.
+    pub fn fold_batch(&mut self, batch: &[(&ModelVector, f64)]) -> Result<(), AggregationError> {
+        let mut total_weight = self.total_weight;
+        let mut abs_bound = self.abs_bound;
+        for &(update, weight) in batch {
+            check_layout(&self.layout, update.layout())?;
+            if !weight.is_finite() || weight <= 0.0 {
+                return Err(AggregationError::InvalidWeight(weight));
+            }
+            let mut max_abs = 0.0_f32;
+            for (index, &v) in update.values().iter().enumerate() {
+                if !v.is_finite() {
+                    return Err(AggregationError::NonFinite { index });
+                }
+                max_abs = max_abs.max(v.abs());
+            }
+            total_weight += weight;
+            abs_bound += weight * f64::from(max_abs);
+            if !total_weight.is_finite() || !abs_bound.is_finite() {
+                return Err(AggregationError::WeightOverflow(weight));
+            }
         }
+        let values: Vec<&[f32]> = batch.iter().map(|(u, _)| u.values()).collect();
+        let weights: Vec<f64> = batch.iter().map(|(_, w)| *w).collect();
+        self.sum
+            .add(&values, &weights)
+            .map_err(|e| AggregationError::Reducer(e.to_string()))?;
         self.total_weight = total_weight;
         self.abs_bound = abs_bound;
-        self.count += 1;
+        self.count += batch.len();
         Ok(())
     }
 
@@ -188,7 +221,11 @@ impl WeightedMean {
             return Err(AggregationError::Empty);
         }
         let inv = 1.0 / self.total_weight;
-        let values = self.sum.iter().map(|&s| (s * inv) as f32).collect();
+        let sums = self
+            .sum
+            .read()
+            .map_err(|e| AggregationError::Reducer(e.to_string()))?;
+        let values = sums.iter().map(|&s| (s * inv) as f32).collect();
         let mean = ModelVector::new(self.layout.clone(), values)
             .expect("the sums are sized to the layout");
         Ok(mean)
@@ -197,7 +234,16 @@ impl WeightedMean {
     /// The weighted mean of everything folded; fails with [`AggregationError::Empty`]
     /// when nothing was folded.
     pub fn finish(self) -> Result<ModelVector, AggregationError> {
-        self.mean()
+        if self.count == 0 {
+            return Err(AggregationError::Empty);
+        }
+        let inv = 1.0 / self.total_weight;
+        let sums = self
+            .sum
+            .into_sums()
+            .map_err(|e| AggregationError::Reducer(e.to_string()))?;
+        let values = sums.iter().map(|&s| (s * inv) as f32).collect();
+        Ok(ModelVector::new(self.layout, values).expect("the sums are sized to the layout"))
     }
 }
 
@@ -211,8 +257,26 @@ mod tests {
         ModelVector::new(layout.clone(), values.to_vec()).unwrap()
     }
 
+    #[test]
+    fn a_batch_with_one_bad_update_changes_nothing() {
+        let layout = Arc::new(Layout::flat(3));
+        let mut acc = WeightedMean::new(layout.clone());
+        acc.fold(&vector(&layout, &[1.0, 2.0, 3.0]), 2.0).unwrap();
+        let before = snapshot(&acc);
+        let good = vector(&layout, &[1.0, 1.0, 1.0]);
+        let bad = vector(&layout, &[1.0, f32::NAN, 1.0]);
+        assert!(acc.fold_batch(&[(&good, 1.0), (&bad, 1.0)]).is_err());
+        assert!(acc.fold_batch(&[(&good, 1.0), (&good, -1.0)]).is_err());
+        assert_eq!(snapshot(&acc), before);
+    }
+
     fn snapshot(acc: &WeightedMean) -> (Vec<f64>, f64, f64, usize) {
-        (acc.sum.clone(), acc.total_weight, acc.abs_bound, acc.count)
+        (
+            acc.sum.read().unwrap(),
+            acc.total_weight,
+            acc.abs_bound,
+            acc.count,
+        )
     }
 
     /// The weighted mean computed from all updates at once, normalising the weights first
@@ -254,6 +318,23 @@ mod tests {
     }
 
     proptest! {
+        /// A batch folds to exactly what the same updates folded one by one give.
+        #[test]
+        fn fold_batch_equals_folding_one_at_a_time(updates in updates()) {
+            let layout = Arc::new(Layout::flat(updates[0].0.len()));
+            let vectors: Vec<ModelVector> =
+                updates.iter().map(|(v, _)| vector(&layout, v)).collect();
+            let mut one = WeightedMean::new(layout.clone());
+            for (v, (_, w)) in vectors.iter().zip(&updates) {
+                one.fold(v, *w).unwrap();
+            }
+            let mut batch = WeightedMean::new(layout.clone());
+            let pairs: Vec<(&ModelVector, f64)> =
+                vectors.iter().zip(&updates).map(|(v, (_, w))| (v, *w)).collect();
+            batch.fold_batch(&pairs).unwrap();
+            prop_assert_eq!(snapshot(&one), snapshot(&batch));
+        }
+
         #[test]
         fn streaming_mean_equals_batch_weighted_mean(updates in updates()) {
             let streamed = fold_all(&updates, 0..updates.len());

@@ -10,9 +10,14 @@
 //! - [`Strategy`]: the named federated strategies a user picks from.
 //! - [`wire`]: the little-endian `f32` body in which vectors travel.
 //! - [`secagg`]: secure aggregation (SecAgg+): the server learns only the sum.
+//! - [`reduce`]: the hot loops (weighted sums, modular sums, mask expansion) behind one
+//!   [`reduce::Reducer`] interface with a CPU backend.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod fedavg;
 mod model_vector;
+pub mod reduce;
 pub mod secagg;
 mod server_optimizer;
 mod strategy;

@@ -9,6 +9,7 @@ use std::collections::BTreeSet;
 use std::fmt;
 use std::sync::Arc;
 
+use cohort_aggregation::reduce::Reducer;
 use cohort_aggregation::{AggregationError, ModelVector, ServerOptimizer, Strategy, WeightedMean};
 use cohort_edge::train::TrainConfig;
 use rand::Rng;
@@ -84,6 +85,9 @@ pub enum EngineError {
         /// The sender.
         client: ClientId,
     },
+    /// The reducer (a device) could not hold the round's sums.
+    #[error("reducer: {0}")]
+    Reducer(String),
     /// The update does not fit the global model, or has non-finite values.
     #[error("update from {client} rejected: {source}")]
     BadUpdate {
@@ -198,6 +202,7 @@ pub struct RoundEngine {
     optimizer: ServerOptimizer,
     rounds_closed: u32,
     open: Option<Collecting>,
+    reducer: Arc<dyn Reducer>,
 }
 
 impl fmt::Debug for RoundEngine {
@@ -243,7 +248,14 @@ impl RoundEngine {
             optimizer,
             rounds_closed: 0,
             open: None,
+            reducer: cohort_aggregation::reduce::cpu(),
         })
+    }
+
+    /// Sums the rounds' updates on `reducer` from the next round on (the CPU's cores by
+    /// default).
+    pub fn set_reducer(&mut self, reducer: Arc<dyn Reducer>) {
+        self.reducer = reducer;
     }
 
     /// The engine's settings.
@@ -310,7 +322,8 @@ impl RoundEngine {
             round,
             selected,
             reported: BTreeSet::new(),
-            mean: WeightedMean::new(self.global.layout().clone()),
+            mean: WeightedMean::with_reducer(self.global.layout().clone(), self.reducer.as_ref())
+                .map_err(|e| EngineError::Reducer(e.to_string()))?,
             samples: 0,
             loss_sum: 0.0,
         });

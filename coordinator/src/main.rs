@@ -50,6 +50,9 @@ enum BenchCommand {
     /// One secure aggregation round with every party in this process: client masking,
     /// server unmasking, the whole round, bytes per client.
     Secagg(cohort_coordinator::bench::secagg::SecAggBenchArgs),
+    /// The reducer's hot loops (FedAvg sum, masked sum, mask expansion) next to a memory
+    /// read probe of the same run.
+    Reduce(cohort_coordinator::bench::reduce::ReduceBenchArgs),
 }
 
 /// Flags override the keys of the same name in `--config`.
@@ -127,6 +130,10 @@ struct SimulateArgs {
     /// largest client's sample count]
     #[arg(long, value_name = "W")]
     max_weight: Option<u32>,
+    /// Where aggregation runs: auto (the GPU when a CUDA driver and device are present,
+    /// else the CPU) | cpu | cuda [default: auto]
+    #[arg(long, value_name = "auto|cpu|cuda")]
+    reducer: Option<cohort_aggregation::reduce::ReducerChoice>,
     /// Fraction of the data held out for testing [default: 0.2]
     #[arg(long)]
     test_fraction: Option<f64>,
@@ -169,6 +176,7 @@ impl SimulateArgs {
             dropout,
             dropout_stage,
             clip,
+            reducer,
             test_fraction,
             seed
         );
@@ -215,6 +223,23 @@ fn main() -> ExitCode {
         Command::Demo(args) => run_demo(&args),
         Command::Partition(args) => run_partition(&args),
         Command::Edge(args) => cohort_edge::cli::run(args),
+        Command::Bench(BenchCommand::Reduce(args)) => {
+            let selected = match cohort_aggregation::reduce::select(args.reducer) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("error: --reducer {}: {e}", args.reducer);
+                    return ExitCode::from(2);
+                }
+            };
+            eprintln!("{}", selected.line);
+            match cohort_coordinator::bench::reduce::run(&args, selected.reducer.as_ref()) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(2)
+                }
+            }
+        }
         Command::Bench(BenchCommand::Secagg(args)) => {
             match cohort_coordinator::bench::secagg::run(&args) {
                 Ok(()) => ExitCode::SUCCESS,
@@ -264,6 +289,14 @@ fn run_simulate(args: SimulateArgs) -> ExitCode {
         {
             eprintln!("error: cannot start {n} worker threads: {e}");
             return ExitCode::from(1);
+        }
+    }
+    // The one line that says where aggregation runs (and why, when `auto` falls back).
+    match cohort_aggregation::reduce::select(cfg.reducer) {
+        Ok(selected) => eprintln!("{}", selected.line),
+        Err(e) => {
+            eprintln!("error: --reducer {}: {e}", cfg.reducer);
+            return ExitCode::from(2);
         }
     }
     let bar = std::io::stderr().is_terminal().then(|| {

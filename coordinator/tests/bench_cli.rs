@@ -79,3 +79,65 @@ fn secagg_bench_refuses_bad_flags() {
         assert!(out.stdout.is_empty(), "{args:?}: nothing measured");
     }
 }
+
+/// `cohort bench reduce`: one line per measurement with the named fields, next to the
+/// probe of the same run; `--reducer cuda` where no GPU is usable is refused, and `auto`
+/// says which reducer it took.
+#[test]
+fn reduce_bench_prints_the_named_fields() {
+    let out = Command::new(env!("CARGO_BIN_EXE_cohort"))
+        .args([
+            "bench",
+            "reduce",
+            "--n",
+            "6",
+            "--d",
+            "1e4",
+            "--repeats",
+            "1",
+            "--reducer",
+            "auto",
+        ])
+        .output()
+        .expect("cohort runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).starts_with("reducer: "));
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let benches: Vec<&str> = lines.iter().map(|l| l["bench"].as_str().unwrap()).collect();
+    assert_eq!(benches, ["fedavg", "masked_sum", "mask_expand"]);
+    for l in &lines {
+        assert_eq!((l["n"].as_u64(), l["d"].as_u64()), (Some(6), Some(10_000)));
+        assert!(l["reducer"].is_string());
+        for field in ["median_s", "gbps", "probe_read_gbps", "ratio"] {
+            assert!(l[field].as_f64().unwrap() > 0.0, "{field}: {l}");
+        }
+        let ratio = l["gbps"].as_f64().unwrap() / l["probe_read_gbps"].as_f64().unwrap();
+        assert!((ratio - l["ratio"].as_f64().unwrap()).abs() < 1e-9);
+    }
+    let cpu_only = !cfg!(feature = "cuda") || lines[0]["reducer"] == "cpu";
+    if cpu_only {
+        let cuda = Command::new(env!("CARGO_BIN_EXE_cohort"))
+            .args([
+                "bench",
+                "reduce",
+                "--n",
+                "2",
+                "--d",
+                "10",
+                "--reducer",
+                "cuda",
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(cuda.status.code(), Some(2));
+        assert!(cuda.stdout.is_empty());
+    }
+}

@@ -92,6 +92,21 @@ pub fn run_round<F>(
 where
     F: Fn(u32) -> ClientInput + Sync,
 {
+    run_round_on(crate::reduce::cpu(), config, seed, drop_at, parallel, input)
+}
+
+/// [`run_round`] with the server's mask removal on `reducer`.
+pub fn run_round_on<F>(
+    reducer: std::sync::Arc<dyn crate::reduce::Reducer>,
+    config: &RoundConfig,
+    seed: [u8; 32],
+    drop_at: &BTreeMap<u32, Stage>,
+    parallel: bool,
+    input: F,
+) -> LocalRound
+where
+    F: Fn(u32) -> ClientInput + Sync,
+{
     let started = Instant::now();
     let mut timings = Timings::default();
     let mut bytes: BTreeMap<u32, usize> = BTreeMap::new();
@@ -115,6 +130,7 @@ where
         Ok(s) => s,
         Err(e) => return finish(Err(e), timings, bytes, aborted),
     };
+    server.set_reducer(reducer);
 
     // Stage 1.
     let indices: Vec<u32> = (1..=config.parties).collect();

@@ -219,6 +219,9 @@ pub enum SecAggError {
     /// The mask generator refused (a vector too long for one keystream).
     #[error(transparent)]
     Prg(#[from] prg::PrgError),
+    /// The reducer (a device backend) failed.
+    #[error("reducer: {0}")]
+    Reducer(String),
 }
 
 /// Largest model a secure round takes: `2^28` parameters, as for plain models.

@@ -9,7 +9,11 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use std::sync::Arc;
+
 use rayon::prelude::*;
+
+use crate::reduce::Reducer;
 
 use super::crypto::{self, KEY_BYTES, KeyPair};
 use super::graph::{NeighbourGraph, effective_degree};
@@ -17,7 +21,7 @@ use super::messages::{
     AdvertiseKeys, DirectoryEntry, ForwardedShare, ForwardedShares, KeyDirectory, RoundConfig,
     SHARE_CIPHERTEXT_BYTES, ShareKeys, UnmaskRequest, UnmaskShares,
 };
-use super::prg::{self, Mask, MaskSign};
+use super::prg::{Mask, MaskSign};
 use super::quantize::{Decoded, EXTRA_WORDS, Quantizer};
 use super::shamir::{Interpolator, Share};
 use super::{SecAggError, Stage};
@@ -66,6 +70,9 @@ pub struct Unmasked {
     /// Masks the server expanded and removed: one self mask per survivor and one
     /// pairwise mask per (dropped client, surviving neighbour) pair.
     pub masks_removed: usize,
+    /// Seconds spent expanding and removing those masks (the rest of unmasking is
+    /// rebuilding secrets, key agreements and decoding).
+    pub mask_seconds: f64,
 }
 
 /// The server's part in one secure round.
@@ -82,6 +89,7 @@ pub struct ServerSession {
     /// inputs itself and hands the sum to [`ServerSession::finish_with`].
     external_sum: bool,
     revealed: BTreeMap<u32, Revealed>,
+    reducer: Arc<dyn Reducer>,
 }
 
 impl std::fmt::Debug for ServerSession {
@@ -117,7 +125,13 @@ impl ServerSession {
             sum: Vec::new(),
             external_sum: false,
             revealed: BTreeMap::new(),
+            reducer: crate::reduce::cpu(),
         })
+    }
+
+    /// Runs the sums and the mask removal on `reducer` (the CPU's cores by default).
+    pub fn set_reducer(&mut self, reducer: Arc<dyn Reducer>) {
+        self.reducer = reducer;
     }
 
     /// The round's settings.
@@ -361,9 +375,8 @@ impl ServerSession {
         if self.sum.is_empty() {
             self.sum = masked.to_vec();
         } else {
-            for (s, &m) in self.sum.iter_mut().zip(masked) {
-                *s = s.wrapping_add(m);
-            }
+            crate::reduce::modular_sum_into(&mut self.sum, &[masked])
+                .map_err(|e| SecAggError::Reducer(e.to_string()))?;
         }
         self.masked.insert(from);
         Ok(())
@@ -559,7 +572,7 @@ impl ServerSession {
 
     fn finish_sum(&mut self, mut sum: Vec<u32>) -> Result<Unmasked, SecAggError> {
         match self.unmask_sum(&mut sum) {
-            Ok(masks_removed) => {
+            Ok((masks_removed, mask_seconds)) => {
                 let survivors: Vec<u32> = self.masked.iter().copied().collect();
                 let decoded = match self.quantizer.decode(&sum, survivors.len()) {
                     Ok(d) => d,
@@ -572,13 +585,14 @@ impl ServerSession {
                     survivors,
                     dropouts: self.dropouts(),
                     masks_removed,
+                    mask_seconds,
                 })
             }
             Err(e) => Err(self.fail(e)),
         }
     }
 
-    fn unmask_sum(&self, sum: &mut [u32]) -> Result<usize, SecAggError> {
+    fn unmask_sum(&self, sum: &mut [u32]) -> Result<(usize, f64), SecAggError> {
         let t = self.config.threshold;
         let session = &self.config.session;
         let mut interpolators: HashMap<Vec<u32>, Interpolator> = HashMap::new();
@@ -672,7 +686,13 @@ impl ServerSession {
                 .iter()
                 .map(|(seed, sign)| Mask { seed, sign: *sign }),
         );
-        prg::apply_masks_parallel(&masks, 0, sum)?;
-        Ok(masks.len())
+        let started = std::time::Instant::now();
+        self.reducer
+            .apply_masks(&masks, 0, sum)
+            .map_err(|e| match e {
+                crate::reduce::ReduceError::Prg(p) => SecAggError::Prg(p),
+                other => SecAggError::Reducer(other.to_string()),
+            })?;
+        Ok((masks.len(), started.elapsed().as_secs_f64()))
     }
 }

@@ -3,5 +3,7 @@
 //! - [`secagg`]: one secure aggregation round at a chosen size, with every party in this
 //!   process: client masking, server unmasking, the whole round and the bytes each
 //!   client sends.
+//! - [`reduce`]: the reducer's hot loops against a memory read probe.
 
+pub mod reduce;
 pub mod secagg;

@@ -53,7 +53,8 @@ pub struct SecAggBenchArgs {
     pub seed: u64,
 }
 
-fn parse_count(text: &str) -> Result<usize, String> {
+/// A count such as `1000000` or `1e6`.
+pub fn parse_count(text: &str) -> Result<usize, String> {
     let v: f64 = text
         .trim()
         .parse()
@@ -74,7 +75,8 @@ fn flower_neighbours(n: usize) -> usize {
     (2 * log).min(n.saturating_sub(1)).max(1)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// The median (the mean of the middle two for an even count); NaN when empty.
+pub fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }
@@ -229,6 +231,7 @@ fn run_case(
     let mut client_mask = Vec::new();
     let mut client_share = Vec::new();
     let mut server_unmask = Vec::new();
+    let mut server_mask = Vec::new();
     let mut rounds = Vec::new();
     let mut bytes_per_client = 0.0;
     let mut max_err = 0.0f64;
@@ -255,6 +258,7 @@ fn run_case(
         client_mask.extend(round.timings.client_mask.iter().copied());
         client_share.extend(round.timings.client_share.iter().copied());
         server_unmask.push(round.timings.server_unmask);
+        server_mask.push(out.mask_seconds);
         rounds.push(round.timings.round - input_time);
         let survivors = &out.survivors;
         bytes_per_client = survivors
@@ -307,6 +311,8 @@ fn run_case(
         "suite": suite, "bench": "secagg", "impl": "cohort",
         "client_mask_s": client_mask_s,
         "server_unmask_s": server_unmask_s,
+        "server_mask_s": median(server_mask.clone()),
+        "mask_share": median(server_mask) / server_unmask_s,
         "round_s": round_s,
         "bytes_per_client": bytes_per_client,
         "expansion": bytes_per_client / plain_bytes,

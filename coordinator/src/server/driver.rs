@@ -21,6 +21,9 @@ use crate::store::{
     StoreError, now_millis,
 };
 
+/// Uploads an aggregation job reads and folds at a time.
+pub const FOLD_BATCH: usize = 16;
+
 /// How often the driver looks at the experiments.
 pub const TICK: Duration = Duration::from_millis(250);
 /// A client counts as available when it checked in this recently.
@@ -394,16 +397,27 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
     let strategy = spec.strategy;
     let exp_id = exp.id;
     let round_no = round.round;
+    let reducer = state.reducer.clone();
     let published = tokio::task::spawn_blocking(move || -> Result<PublishedModel, DriverError> {
         let bad = |e: &dyn std::fmt::Display| DriverError::Aggregation(e.to_string());
         let mut global =
             wire::decode(&layout, &blobs.get(&current.blob_path)?).map_err(|e| bad(&e))?;
-        let mut mean = WeightedMean::new(layout.clone());
-        for upload in &uploads {
-            let bytes = blobs.get_verified(&upload.blob_path, &upload.sha256)?;
-            let update = wire::decode(&layout, &bytes).map_err(|e| bad(&e))?;
-            mean.fold(&update, upload.num_samples as f64)
-                .map_err(|e| bad(&e))?;
+        let mut mean =
+            WeightedMean::with_reducer(layout.clone(), reducer.as_ref()).map_err(|e| bad(&e))?;
+        // A batch at a time: the reducer reads each update once while the sums stay in
+        // cache (or on the device), and memory holds one batch, not the round.
+        for batch in uploads.chunks(FOLD_BATCH) {
+            let updates = batch
+                .iter()
+                .map(|upload| {
+                    let bytes = blobs.get_verified(&upload.blob_path, &upload.sha256)?;
+                    let update = wire::decode(&layout, &bytes).map_err(|e| bad(&e))?;
+                    Ok((update, upload.num_samples as f64))
+                })
+                .collect::<Result<Vec<_>, DriverError>>()?;
+            let pairs: Vec<(&cohort_aggregation::ModelVector, f64)> =
+                updates.iter().map(|(u, w)| (u, *w)).collect();
+            mean.fold_batch(&pairs).map_err(|e| bad(&e))?;
         }
         let mean = mean.finish().map_err(|e| bad(&e))?;
         let mut optimizer = strategy.server_optimizer(None).map_err(|e| bad(&e))?;

@@ -59,16 +59,26 @@ pub struct AppState {
     pub store: Store,
     /// Uploaded updates and published models on disk.
     pub blobs: BlobStore,
+    /// Where aggregation's hot loops run (the CPU's cores or a GPU).
+    pub reducer: Arc<dyn cohort_aggregation::reduce::Reducer>,
 }
 
 impl AppState {
-    /// State from settings, the admin token verifier, the store and the blob store.
-    pub fn new(settings: ServeSettings, admin: AdminToken, store: Store, blobs: BlobStore) -> Self {
+    /// State from settings, the admin token verifier, the store, the blob store and the
+    /// reducer.
+    pub fn new(
+        settings: ServeSettings,
+        admin: AdminToken,
+        store: Store,
+        blobs: BlobStore,
+        reducer: Arc<dyn cohort_aggregation::reduce::Reducer>,
+    ) -> Self {
         Self {
             settings: Arc::new(settings),
             admin: Arc::new(admin),
             store,
             blobs,
+            reducer,
         }
     }
 }
@@ -110,6 +120,9 @@ pub enum ServeError {
     /// The database could not be opened or migrated.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// `--reducer cuda` without a usable GPU.
+    #[error("reducer: {0}")]
+    Reducer(String),
 }
 
 impl ServeError {
@@ -117,7 +130,7 @@ impl ServeError {
     /// files (fix the input), 1 otherwise.
     pub fn exit_code(&self) -> u8 {
         match self {
-            ServeError::Tls(_) => 2,
+            ServeError::Tls(_) | ServeError::Reducer(_) => 2,
             _ => 1,
         }
     }
@@ -223,9 +236,12 @@ fn prepare_blocking(settings: ServeSettings, store: Store) -> Result<Prepared, S
         addr: settings.listen,
         source,
     })?;
+    let selected = cohort_aggregation::reduce::select(settings.reducer)
+        .map_err(|e| ServeError::Reducer(format!("--reducer {}: {e}", settings.reducer)))?;
+    tracing::info!("{}", selected.line);
     Ok(Prepared {
         listener,
-        state: AppState::new(settings, admin, store, blobs),
+        state: AppState::new(settings, admin, store, blobs, selected.reducer),
         tls,
         local_addr,
         dev_ca_cert,

@@ -398,34 +398,39 @@ pub async fn unmask_round(
     let survivors: std::collections::BTreeSet<u32> = session.masked().collect();
     let blobs = state.blobs.clone();
     let words = session.input_words();
+    let reducer = state.reducer.clone();
+    session.set_reducer(reducer.clone());
     tokio::task::spawn_blocking(move || {
-        let mut sum = vec![0u32; words];
+        let bad = |e: &dyn std::fmt::Display| DriverError::Aggregation(e.to_string());
+        let mut sum = reducer.modular_sum(words).map_err(|e| bad(&e))?;
         let mut folded = std::collections::BTreeSet::new();
-        for upload in &uploads {
-            let index = index_of
-                .get(&upload.client_id)
-                .and_then(|&i| u32::try_from(i).ok())
-                .ok_or_else(|| {
-                    DriverError::Aggregation("an upload from outside the round".into())
-                })?;
-            if !survivors.contains(&index) || !folded.insert(index) {
-                return Err(DriverError::Aggregation(format!(
-                    "upload of client {index} is not a masked input of this round"
-                )));
+        // A batch at a time, as the plain job does: one batch in memory, not the round.
+        for batch in uploads.chunks(super::driver::FOLD_BATCH) {
+            let mut inputs = Vec::with_capacity(batch.len());
+            for upload in batch {
+                let index = index_of
+                    .get(&upload.client_id)
+                    .and_then(|&i| u32::try_from(i).ok())
+                    .ok_or_else(|| {
+                        DriverError::Aggregation("an upload from outside the round".into())
+                    })?;
+                if !survivors.contains(&index) || !folded.insert(index) {
+                    return Err(DriverError::Aggregation(format!(
+                        "upload of client {index} is not a masked input of this round"
+                    )));
+                }
+                let bytes = blobs.get_verified(&upload.blob_path, &upload.sha256)?;
+                inputs.push(secagg::messages::decode_words(&bytes, words).map_err(|e| bad(&e))?);
             }
-            let bytes = blobs.get_verified(&upload.blob_path, &upload.sha256)?;
-            let masked = secagg::messages::decode_words(&bytes, words)
-                .map_err(|e| DriverError::Aggregation(e.to_string()))?;
-            for (s, m) in sum.iter_mut().zip(&masked) {
-                *s = s.wrapping_add(*m);
-            }
+            let refs: Vec<&[u32]> = inputs.iter().map(Vec::as_slice).collect();
+            sum.add(&refs).map_err(|e| bad(&e))?;
         }
         if folded != survivors {
             return Err(DriverError::Aggregation(
                 "a masked input of the round is missing from the uploads".into(),
             ));
         }
-        Ok(session.finish_with(sum))
+        Ok(session.finish_with(sum.read().map_err(|e| bad(&e))?))
     })
     .await
     .map_err(|e| DriverError::Aggregation(e.to_string()))?

@@ -92,6 +92,9 @@ pub struct ServeSettings {
     pub admin_token: Option<Secret>,
     /// Largest accepted request body in bytes.
     pub max_body_bytes: usize,
+    /// Where aggregation's hot loops run: `auto` (the GPU when one is usable), `cpu` or
+    /// `cuda`.
+    pub reducer: cohort_aggregation::reduce::ReducerChoice,
 }
 
 /// Why the settings cannot be used. Messages name the setting and, except for secrets,
@@ -200,6 +203,10 @@ pub struct ServeFlags {
     /// Largest accepted request body in bytes [env: COHORT_MAX_BODY_BYTES] [default: 67108864]
     #[arg(long, value_name = "N")]
     pub max_body_bytes: Option<usize>,
+    /// Where aggregation runs: auto (the GPU when a CUDA driver and device are present,
+    /// else the CPU), cpu or cuda [env: COHORT_REDUCER] [default: auto]
+    #[arg(long, value_name = "auto|cpu|cuda")]
+    pub reducer: Option<cohort_aggregation::reduce::ReducerChoice>,
 }
 
 /// `cohort serve`'s command line: an optional config file plus the flags.
@@ -226,6 +233,7 @@ struct Layer {
     insecure_http: Option<bool>,
     admin_token: Option<String>,
     max_body_bytes: Option<usize>,
+    reducer: Option<cohort_aggregation::reduce::ReducerChoice>,
 }
 
 impl Layer {
@@ -241,6 +249,7 @@ impl Layer {
             insecure_http: over.insecure_http.or(self.insecure_http),
             admin_token: over.admin_token.or(self.admin_token),
             max_body_bytes: over.max_body_bytes.or(self.max_body_bytes),
+            reducer: over.reducer.or(self.reducer),
         }
     }
 
@@ -304,6 +313,14 @@ impl Layer {
                     })
                 })
                 .transpose()?,
+            reducer: get("COHORT_REDUCER")
+                .map(|v| {
+                    v.parse().map_err(|message| SettingsError::InvalidEnv {
+                        var: "COHORT_REDUCER",
+                        message,
+                    })
+                })
+                .transpose()?,
         })
     }
 
@@ -319,6 +336,7 @@ impl Layer {
             insecure_http: flags.insecure_http.then_some(true),
             admin_token: flags.admin_token,
             max_body_bytes: flags.max_body_bytes,
+            reducer: flags.reducer,
         }
     }
 }
@@ -405,13 +423,14 @@ impl ServeSettings {
             tls,
             admin_token,
             max_body_bytes,
+            reducer: layer.reducer.unwrap_or_default(),
         })
     }
 }
 
 /// Maps an arbitrary `COHORT_*` name to the static name used in errors.
 fn known_var(key: &str) -> &'static str {
-    const KNOWN: [&str; 9] = [
+    const KNOWN: [&str; 10] = [
         "COHORT_LISTEN",
         "COHORT_DATA_DIR",
         "COHORT_DATABASE_URL",
@@ -421,6 +440,7 @@ fn known_var(key: &str) -> &'static str {
         "COHORT_INSECURE_HTTP",
         "COHORT_ADMIN_TOKEN",
         "COHORT_MAX_BODY_BYTES",
+        "COHORT_REDUCER",
     ];
     KNOWN
         .iter()

@@ -160,6 +160,8 @@ pub struct SimulationConfig {
     /// client's sample count, so no weight is capped.
     #[serde(alias = "max_weight", skip_serializing_if = "Option::is_none")]
     pub max_weight: Option<u32>,
+    /// Where aggregation runs: `auto` (the GPU when one is usable), `cpu` or `cuda`.
+    pub reducer: cohort_aggregation::reduce::ReducerChoice,
     /// Fraction of the data held out as the global test set.
     #[serde(alias = "test_fraction")]
     pub test_fraction: f64,
@@ -196,6 +198,7 @@ impl Default for SimulationConfig {
             neighbours: None,
             clip: secagg::QuantizationParams::default().clip,
             max_weight: None,
+            reducer: cohort_aggregation::reduce::ReducerChoice::Auto,
             test_fraction: 0.2,
             seed: 0,
             out: None,

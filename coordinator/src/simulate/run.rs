@@ -230,6 +230,10 @@ pub fn run_rounds(
             server_lr: cfg.server_lr.map(|lr| lr as f32),
         },
     )?;
+    let reducer = cohort_aggregation::reduce::select(cfg.reducer)
+        .map_err(|e| ConfigError(format!("--reducer {}: {e}", cfg.reducer)))?
+        .reducer;
+    engine.set_reducer(reducer.clone());
     let all: Vec<ClientId> = (0..prepared.clients.len() as u64).map(ClientId).collect();
     let threads = rayon::current_num_threads();
     // Updates are trained a chunk at a time and folded in selection order: memory stays
@@ -258,7 +262,15 @@ pub fn run_rounds(
                 .iter()
                 .map(|_| drop_rng.random::<f64>() < cfg.dropout)
                 .collect();
-            let outcome = secure_round(cfg, prepared, &mut engine, &plan, &dropping, round_no)?;
+            let outcome = secure_round(
+                cfg,
+                prepared,
+                &mut engine,
+                &plan,
+                &dropping,
+                round_no,
+                reducer.clone(),
+            )?;
             training_seconds += round_start.elapsed().as_secs_f64();
             total_updates += outcome.participants;
             let record = record_round(prepared, &engine, &outcome, round_start)?;
@@ -349,6 +361,7 @@ fn secure_round(
     plan: &RoundPlan,
     dropping: &[bool],
     round_no: u32,
+    reducer: std::sync::Arc<dyn cohort_aggregation::reduce::Reducer>,
 ) -> Result<RoundOutcome, SimulationError> {
     let (neighbours, threshold) = cfg.secure_graph();
     let max_weight = cfg.max_weight.unwrap_or(
@@ -383,7 +396,7 @@ fn secure_round(
     let failure = std::sync::Mutex::new(None);
     let mut keys = derive_seed_bytes(cfg.seed, Stream::SecureAggregation, round_no);
     keys[0] ^= 1; // the clients' key stream, apart from the public session id
-    let round = local::run_round(&config, keys, &drop_at, true, |u| {
+    let round = local::run_round_on(reducer, &config, keys, &drop_at, true, |u| {
         let id = plan.selected[u as usize - 1];
         let seed = derive_seed(cfg.seed, Stream::LocalTraining, round_no, id.0);
         match prepared.clients[id.0 as usize].train(&task.global, &task.train, seed) {
