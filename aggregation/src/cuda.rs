@@ -202,16 +202,19 @@ impl CudaReducer {
             return Err(CudaError::NoDevice);
         }
         let ctx = CudaContext::new(0).map_err(driver)?;
+        let (major, minor) = ctx.compute_capability().map_err(driver)?;
+        // Compiled for this device's own architecture (sm_90 on Hopper), not NVRTC's
+        // oldest default.
         let ptx = compile_ptx_with_opts(
             KERNELS,
             CompileOptions {
                 fmad: Some(false),
+                options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
                 ..CompileOptions::default()
             },
         )
         .map_err(driver)?;
         let module = ctx.load_module(ptx).map_err(driver)?;
-        let (major, minor) = ctx.compute_capability().map_err(driver)?;
         let memory = ctx.total_mem().map_err(driver)?;
         let name = format!(
             "{} (compute {major}.{minor}, {} GiB)",

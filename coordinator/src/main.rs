@@ -291,14 +291,15 @@ fn run_simulate(args: SimulateArgs) -> ExitCode {
             return ExitCode::from(1);
         }
     }
-    // The one line that says where aggregation runs (and why, when `auto` falls back).
-    match cohort_aggregation::reduce::select(cfg.reducer) {
-        Ok(selected) => eprintln!("{}", selected.line),
+    // The one line that says where aggregation runs (and why, when `auto` falls back),
+    // shown with the first round, so that bad input still gets its single error line.
+    let reducer_line = match cohort_aggregation::reduce::select(cfg.reducer) {
+        Ok(selected) => std::cell::Cell::new(Some(selected.line)),
         Err(e) => {
             eprintln!("error: --reducer {}: {e}", cfg.reducer);
             return ExitCode::from(2);
         }
-    }
+    };
     let bar = std::io::stderr().is_terminal().then(|| {
         let bar = ProgressBar::new(u64::from(cfg.rounds));
         bar.set_style(
@@ -317,6 +318,12 @@ fn run_simulate(args: SimulateArgs) -> ExitCode {
         );
         if r.status != cohort_coordinator::engine::RoundStatus::Published {
             line.push_str(&format!(" ({})", r.status.as_str()));
+        }
+        if let Some(first) = reducer_line.take() {
+            match &bar {
+                Some(bar) => bar.println(first),
+                None => eprintln!("{first}"),
+            }
         }
         match &bar {
             Some(bar) => {

@@ -51,6 +51,9 @@ pub struct SecAggBenchArgs {
     /// Seed of the updates, weights and who drops
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Where the server removes the masks: auto | cpu | cuda
+    #[arg(long, default_value = "cpu")]
+    pub reducer: cohort_aggregation::reduce::ReducerChoice,
 }
 
 /// A count such as `1000000` or `1e6`.
@@ -159,6 +162,10 @@ pub fn run(args: &SecAggBenchArgs) -> Result<(), String> {
             }
         }
     }
+    let selected =
+        cohort_aggregation::reduce::select(args.reducer).map_err(|e| format!("--reducer: {e}"))?;
+    eprintln!("{}", selected.line);
+    let reducer = selected.reducer;
     let suite = std::env::var("BENCH_SUITE").unwrap_or_else(|_| "cohort".into());
     let threads = rayon::current_num_threads();
     let probe_gbps = memory_probe(256 << 20, 5);
@@ -168,7 +175,7 @@ pub fn run(args: &SecAggBenchArgs) -> Result<(), String> {
                "gbps": probe_gbps, "median_s": (256u64 << 20) as f64 / probe_gbps / 1e9})
     );
     for case in &cases {
-        run_case(args, &suite, threads, probe_gbps, case)?;
+        run_case(args, &suite, threads, probe_gbps, case, &reducer)?;
     }
     Ok(())
 }
@@ -194,6 +201,7 @@ fn run_case(
     threads: usize,
     probe_gbps: f64,
     case: &Case,
+    reducer: &std::sync::Arc<dyn cohort_aggregation::reduce::Reducer>,
 ) -> Result<(), String> {
     let &Case { n, d, k, t, f } = case;
     let graph = if k >= n as usize - 1 {
@@ -241,7 +249,7 @@ fn run_case(
         let mut seed = [0u8; 32];
         rand::rng().fill_bytes(&mut seed);
         let input_time = Mutex::new(0.0f64);
-        let round = local::run_round(&config, seed, &drop_at, false, |u| {
+        let round = local::run_round_on(reducer.clone(), &config, seed, &drop_at, false, |u| {
             let start = Instant::now();
             let values = update(u);
             *input_time.lock().expect("no panics while held") += start.elapsed().as_secs_f64();
@@ -321,6 +329,7 @@ fn run_case(
         "server_keystream_gbps": keystream_gbps,
         "membw_probe_gbps": probe_gbps,
         "prg_backend": prg::backend(),
+        "reducer": reducer.name(),
         "threads": threads,
     });
     merge(&mut record, &common);
