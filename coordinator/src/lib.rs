@@ -12,10 +12,12 @@
 //! - [`model_files`]: global models as safetensors files.
 //! - [`store`]: the system of record (SQLite embedded, PostgreSQL in production).
 //! - [`server`]: `cohort serve`, the HTTP API over TLS.
+//! - [`dashboard`]: the admin web dashboard `cohort serve` shows at `/`.
 //! - [`bench`]: `cohort bench`, measurements a user can rerun.
 
 pub mod bench;
 pub mod blobs;
+pub mod dashboard;
 pub mod demo;
 pub mod engine;
 pub mod model_files;

@@ -123,63 +123,118 @@ impl ExperimentSpec {
         ((self.clients_per_round as f64 * self.over_selection).ceil() as usize).max(1)
     }
 
-    /// Checks the spec as a whole; the message names the offending field.
+    /// Checks the spec as a whole; the message names the offending field. The first of
+    /// [`problems`](Self::problems), as the API's 422.
     pub fn validate(&self) -> Result<(), ApiError> {
-        let bad = |msg: String| Err(ApiError::unprocessable("invalid_experiment", msg));
-        if self.name.trim().is_empty() || self.name.len() > 200 {
-            return bad("name must be 1 to 200 characters".into());
+        match self.problems().into_iter().next() {
+            None => Ok(()),
+            Some(problem) => Err(ApiError::unprocessable(
+                "invalid_experiment",
+                problem.message,
+            )),
         }
-        if let Err(e) = ModelSpec::new(&self.model, self.features, self.classes) {
-            return bad(format!("model: {e}"));
+    }
+
+    /// Every problem with the spec, each tied to the field it is about, so that a form
+    /// can show all of them next to their fields at once. Empty when the spec is valid.
+    pub fn problems(&self) -> Vec<SpecProblem> {
+        let mut problems = Vec::new();
+        let mut bad = |field: &'static str, message: String| {
+            problems.push(SpecProblem { field, message })
+        };
+        if self.name.trim().is_empty() || self.name.len() > 200 {
+            bad("name", "name must be 1 to 200 characters".into());
+        }
+        let model = ModelSpec::new(&self.model, self.features, self.classes);
+        if let Err(e) = &model {
+            let field = if self.features == 0 {
+                "features"
+            } else if self.classes < 2 {
+                "classes"
+            } else {
+                "model"
+            };
+            bad(field, format!("model: {e}"));
         }
         if self.rounds == 0 || self.rounds > 100_000 {
-            return bad(format!(
-                "rounds must be between 1 and 100000, got {}",
-                self.rounds
-            ));
+            bad(
+                "rounds",
+                format!("rounds must be between 1 and 100000, got {}", self.rounds),
+            );
         }
         if self.clients_per_round == 0 {
-            return bad("clients_per_round must be at least 1".into());
+            bad(
+                "clients_per_round",
+                "clients_per_round must be at least 1".into(),
+            );
         }
         if self.min_participants == 0 || self.min_participants > self.clients_per_round {
-            return bad(format!(
-                "min_participants must be between 1 and clients_per_round ({}), got {}",
-                self.clients_per_round, self.min_participants
-            ));
+            bad(
+                "min_participants",
+                format!(
+                    "min_participants must be between 1 and clients_per_round ({}), got {}",
+                    self.clients_per_round, self.min_participants
+                ),
+            );
         }
         if !(self.over_selection.is_finite() && (1.0..=10.0).contains(&self.over_selection)) {
-            return bad(format!(
-                "over_selection must be between 1 and 10, got {}",
-                self.over_selection
-            ));
+            bad(
+                "over_selection",
+                format!(
+                    "over_selection must be between 1 and 10, got {}",
+                    self.over_selection
+                ),
+            );
         }
         if self.collect_deadline_seconds == 0 || self.collect_deadline_seconds > 86_400 {
-            return bad("collect_deadline_seconds must be between 1 and 86400".into());
+            bad(
+                "collect_deadline_seconds",
+                "collect_deadline_seconds must be between 1 and 86400".into(),
+            );
         }
         if self.max_round_attempts == 0 {
-            return bad("max_round_attempts must be at least 1".into());
+            bad(
+                "max_round_attempts",
+                "max_round_attempts must be at least 1".into(),
+            );
         }
-        if let Err(e) = self.strategy.server_optimizer(None) {
-            return bad(format!("strategy: {e}"));
-        }
-        if self
-            .strategy
-            .server_optimizer(None)
-            .is_ok_and(|o| o.name() != "average")
-        {
+        match self.strategy.server_optimizer(None) {
+            Err(e) => bad("strategy", format!("strategy: {e}")),
             // The coordinator does not store the adaptive optimizers' moments yet, and
             // without them every round would restart Adam from zero.
-            return bad(format!(
-                "strategy: {} is available in `cohort simulate` only for now; use fedavg or fedprox:MU",
-                self.strategy
-            ));
+            Ok(o) if o.name() != "average" => bad(
+                "strategy",
+                format!(
+                    "strategy: {} is available in `cohort simulate` only for now; use fedavg or fedprox:MU",
+                    self.strategy
+                ),
+            ),
+            Ok(_) => {}
         }
         if let Some(secure) = &self.secure_aggregation {
-            let params = ModelSpec::new(&self.model, self.features, self.classes)
-                .map(|m| m.num_params())
-                .unwrap_or(1);
+            let params = model.as_ref().map(|m| m.num_params()).unwrap_or(1);
             if let Err(e) = secure.validate(self.selected_per_round(), params) {
-                return bad(format!("secure_aggregation: {e}"));
+                let field = [
+                    "advertise_seconds",
+                    "share_seconds",
+                    "unmask_seconds",
+                    "neighbours",
+                    "threshold",
+                    "clip",
+                    "max_weight",
+                ]
+                .into_iter()
+                .find(|name| e.starts_with(name))
+                .map_or("secure_aggregation", |name| match name {
+                    "advertise_seconds" => "secure_aggregation.advertise_seconds",
+                    "share_seconds" => "secure_aggregation.share_seconds",
+                    "unmask_seconds" => "secure_aggregation.unmask_seconds",
+                    "neighbours" => "secure_aggregation.neighbours",
+                    "threshold" => "secure_aggregation.threshold",
+                    "clip" => "secure_aggregation.clip",
+                    _ => "secure_aggregation.max_weight",
+                });
+                bad(field, format!("secure_aggregation: {e}"));
             }
         }
         let train = cohort_edge::train::TrainConfig {
@@ -190,8 +245,33 @@ impl ExperimentSpec {
             weight_decay: self.train.weight_decay,
             proximal_mu: self.strategy.proximal_mu(),
         };
-        train.validate().or_else(|e| bad(format!("train: {e}")))
+        if let Err(e) = train.validate() {
+            let text = e.to_string();
+            let field = [
+                ("local epochs", "train.local_epochs"),
+                ("batch size", "train.batch_size"),
+                ("learning rate", "train.lr"),
+                ("momentum", "train.momentum"),
+                ("weight decay", "train.weight_decay"),
+                ("proximal mu", "strategy"),
+            ]
+            .into_iter()
+            .find(|(words, _)| text.contains(words))
+            .map_or("train", |(_, field)| field);
+            bad(field, format!("train: {e}"));
+        }
+        problems
     }
+}
+
+/// One thing wrong with an [`ExperimentSpec`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpecProblem {
+    /// The field, as the form names it: `rounds`, `train.lr`,
+    /// `secure_aggregation.threshold`, ...
+    pub field: &'static str,
+    /// What is wrong, naming the field.
+    pub message: String,
 }
 
 /// A request for a new enrolment token.
@@ -608,7 +688,17 @@ async fn download_safetensors(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<axum::response::Response, ApiError> {
-    let (exp, round, bytes) = current_model(&state, &id).await?;
+    let (file, round, name) = current_safetensors(&state, &id).await?;
+    octets(file, round, Some(name))
+}
+
+/// The current global model as a safetensors file, its round and a file name; shared by
+/// the API and the dashboard.
+pub(crate) async fn current_safetensors(
+    state: &AppState,
+    id: &str,
+) -> Result<(Vec<u8>, i64, String), ApiError> {
+    let (exp, round, bytes) = current_model(state, id).await?;
     let (_, model) = super::driver::experiment_model(&exp).map_err(ApiError::internal)?;
     let vector =
         cohort_aggregation::wire::decode(model.layout(), &bytes).map_err(ApiError::internal)?;
@@ -617,11 +707,7 @@ async fn download_safetensors(
         ("round".to_string(), round.to_string()),
     ]);
     let file = crate::model_files::to_safetensors(&vector, metadata);
-    octets(
-        file,
-        round,
-        Some(format!("{}-round-{round}.safetensors", exp.id)),
-    )
+    Ok((file, round, format!("{}-round-{round}.safetensors", exp.id)))
 }
 
 /// The admin routes for experiments, tokens and clients, relative to the admin prefix.

@@ -154,17 +154,32 @@ pub fn app_with_admin(state: AppState, admin: Router<AppState>) -> Router {
             state.clone(),
             api::require_admin,
         ));
-    api::public_router()
+    // Every API answer, errors included, is JSON; the dashboard answers in HTML, so the
+    // rewriting of non-JSON errors stays on the API's side.
+    let api = api::public_router()
         .nest(ADMIN_PREFIX, admin)
-        .fallback(error::not_found)
+        .layer(middleware::map_response(error::json_errors));
+    Router::new()
+        .merge(api)
+        .merge(crate::dashboard::router(state.clone()))
+        .fallback(fallback)
         .layer(DefaultBodyLimit::max(state.settings.max_body_bytes))
-        .layer(middleware::map_response(error::json_errors))
         .layer(
             TraceLayer::new_for_http()
                 .make_span_with(DefaultMakeSpan::new().level(Level::INFO))
                 .on_response(DefaultOnResponse::new().level(Level::INFO)),
         )
         .with_state(state)
+}
+
+/// Paths no route matches: a JSON 404 under `/api/`, the dashboard's HTML 404 elsewhere.
+async fn fallback(method: axum::http::Method, uri: axum::http::Uri) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    if uri.path() == "/api" || uri.path().starts_with("/api/") {
+        let _ = method;
+        return error::json_errors(error::not_found(uri).await.into_response()).await;
+    }
+    crate::dashboard::not_found(uri).await
 }
 
 /// A server that has done all its start-up work and is bound, but not yet serving.

@@ -92,7 +92,7 @@ pub struct Job {
     pub last_error: Option<String>,
 }
 
-type JobRow = (
+pub(super) type JobRow = (
     i64,
     String,
     String,
@@ -107,7 +107,7 @@ type JobRow = (
 );
 
 impl Job {
-    fn from_row(row: JobRow) -> Result<Self, StoreError> {
+    pub(super) fn from_row(row: JobRow) -> Result<Self, StoreError> {
         let (id, kind, exp, round, state, attempts, max_attempts, run_after, by, until, err) = row;
         Ok(Self {
             id,

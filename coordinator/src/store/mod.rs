@@ -11,6 +11,7 @@
 //! Every method is one transaction: it either makes its whole change or returns an error
 //! and changes nothing.
 
+mod dashboard;
 mod jobs;
 mod rounds;
 mod secagg;
@@ -26,7 +27,10 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 use uuid::Uuid;
 
+pub use dashboard::{ClientPage, JobSummary, LatestAccuracy, SESSION_IDLE_MS};
 pub use jobs::{Job, JobKind, JobState};
+use jobs::JobRow;
+use tokens::{ClientRow, TokenRow};
 pub use rounds::{
     NewUpload, Participation, ParticipationState, PendingTask, PublishedModel, Round, RoundMetrics,
     RoundStage, Upload,

@@ -25,7 +25,7 @@ pub struct EnrolmentToken {
     pub revoked_at: Option<i64>,
 }
 
-type TokenRow = (
+pub(super) type TokenRow = (
     String,
     String,
     i64,
@@ -36,7 +36,7 @@ type TokenRow = (
 );
 
 impl EnrolmentToken {
-    fn from_row(row: TokenRow) -> Result<Self, StoreError> {
+    pub(super) fn from_row(row: TokenRow) -> Result<Self, StoreError> {
         let (id, label, created_at, expires_at, used_at, used_by, revoked_at) = row;
         Ok(Self {
             id: parse_uuid(&id)?,
@@ -65,7 +65,7 @@ pub struct Client {
     pub revoked_at: Option<i64>,
 }
 
-type ClientRow = (String, String, i64, Option<i64>, Option<i64>);
+pub(super) type ClientRow = (String, String, i64, Option<i64>, Option<i64>);
 
 /// A token as enrolment checks it: id, label, expires_at, used_at, revoked_at.
 type SpendableToken = (String, String, Option<i64>, Option<i64>, Option<i64>);
@@ -74,7 +74,7 @@ type SpendableToken = (String, String, Option<i64>, Option<i64>, Option<i64>);
 type CredentialRow = (Vec<u8>, String, String, i64, Option<i64>, Option<i64>);
 
 impl Client {
-    fn from_row(row: ClientRow) -> Result<Self, StoreError> {
+    pub(super) fn from_row(row: ClientRow) -> Result<Self, StoreError> {
         let (id, label, enrolled_at, last_seen_at, revoked_at) = row;
         Ok(Self {
             id: parse_uuid(&id)?,

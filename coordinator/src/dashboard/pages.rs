@@ -1,0 +1,835 @@
+//! The dashboard's pages and the actions their forms post to. Every page is rendered
+//! whole on the server; the parts marked `data-live` are what the page script refreshes.
+
+use std::collections::HashMap;
+
+use askama::Template;
+use axum::Extension;
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Redirect, Response};
+use chrono::{TimeZone, Utc};
+use serde::Deserialize;
+use uuid::Uuid;
+
+use super::chart::{self, Chart, Series};
+use super::form::{self, Fieldset, Parsed};
+use super::session::{Session, field, form_fields};
+use super::{Chrome, PageError, render};
+use crate::server::AppState;
+use crate::server::admin::{ExperimentSpec, current_model, current_safetensors, octets};
+use crate::server::auth::{generate_secret, hash_secret};
+use crate::server::error::ApiError;
+use crate::store::{ExperimentState, Round, RoundStage, now_millis};
+
+/// Rounds per page of the experiment page's round table.
+pub const ROUNDS_PER_PAGE: usize = 50;
+/// Clients per page of the clients page.
+pub const CLIENTS_PER_PAGE: i64 = 100;
+/// Enrolment tokens the clients page lists (newest first).
+pub const TOKENS_SHOWN: i64 = 50;
+/// Jobs the experiment page lists (newest first).
+pub const JOBS_SHOWN: i64 = 20;
+
+impl From<ApiError> for PageError {
+    fn from(e: ApiError) -> Self {
+        match e {
+            ApiError::NotFound(what) => PageError::NotFound(what),
+            other => PageError::internal(other.client_message()),
+        }
+    }
+}
+
+fn parse_id(text: &str, what: &str) -> Result<Uuid, PageError> {
+    Uuid::parse_str(text).map_err(|_| PageError::NotFound(format!("{what} `{text}`")))
+}
+
+/// A Unix-ms time as `2026-12-03 12:00:05 UTC`.
+fn when(ms: i64) -> String {
+    Utc.timestamp_millis_opt(ms)
+        .single()
+        .map(|t| t.format("%Y-%m-%d %H:%M:%S UTC").to_string())
+        .unwrap_or_else(|| "-".into())
+}
+
+/// A Unix-ms time relative to `now`: `12 s ago`, `3 min ago`, ...
+fn ago(ms: Option<i64>, now: i64) -> String {
+    let Some(ms) = ms else {
+        return "never".into();
+    };
+    let s = (now - ms).max(0) / 1000;
+    match s {
+        0..60 => format!("{s} s ago"),
+        60..3600 => format!("{} min ago", s / 60),
+        3600..86_400 => format!("{} h ago", s / 3600),
+        _ => format!("{} d ago", s / 86_400),
+    }
+}
+
+fn percent(x: Option<f64>) -> String {
+    x.map(|a| format!("{:.1}%", a * 100.0))
+        .unwrap_or_else(|| "-".into())
+}
+
+fn number(x: Option<f64>) -> String {
+    x.map(|v| format!("{v:.4}")).unwrap_or_else(|| "-".into())
+}
+
+/// `GET /`: the experiments.
+pub async fn home() -> Redirect {
+    Redirect::to("/experiments")
+}
+
+/// A row of the experiments table.
+#[derive(Debug, Clone)]
+pub struct ExperimentRow {
+    id: String,
+    name: String,
+    state: &'static str,
+    round: i64,
+    rounds: i64,
+    accuracy: String,
+    created: String,
+}
+
+#[derive(Template)]
+#[template(path = "experiments.html")]
+struct ExperimentsPage {
+    page: Chrome,
+    rows: Vec<ExperimentRow>,
+}
+
+/// `GET /experiments`: every experiment with its state, round progress and latest
+/// accuracy.
+pub async fn experiments(
+    State(state): State<AppState>,
+    Extension(session): Extension<Session>,
+) -> Result<Response, PageError> {
+    let (list, accuracy) = tokio::try_join!(
+        state.store.experiments(),
+        state.store.latest_accuracies()
+    )?;
+    let rows = list
+        .into_iter()
+        .map(|e| {
+            let rounds = e.spec.get("rounds").and_then(|r| r.as_i64()).unwrap_or(0);
+            ExperimentRow {
+                id: e.id.to_string(),
+                name: e.name,
+                state: e.state.as_str(),
+                round: e.current_round.min(rounds.max(e.current_round)),
+                rounds,
+                accuracy: accuracy
+                    .get(&e.id)
+                    .map(|a| percent(a.test_accuracy))
+                    .unwrap_or_else(|| "-".into()),
+                created: when(e.created_at),
+            }
+        })
+        .collect();
+    Ok(render(&ExperimentsPage {
+        page: Chrome::signed_in(&session, "experiments"),
+        rows,
+    }))
+}
+
+#[derive(Template)]
+#[template(path = "new_experiment.html")]
+struct NewExperimentPage {
+    page: Chrome,
+    fieldsets: Vec<Fieldset>,
+    invalid: bool,
+}
+
+/// `GET /experiments/new`: the form.
+pub async fn new_experiment(Extension(session): Extension<Session>) -> Response {
+    render(&NewExperimentPage {
+        page: Chrome::signed_in(&session, "experiments"),
+        fieldsets: form::blank(),
+        invalid: false,
+    })
+}
+
+/// `POST /experiments`: creates an experiment from the form, or shows the form again
+/// with a message next to each bad field.
+pub async fn create(
+    State(state): State<AppState>,
+    Extension(session): Extension<Session>,
+    body: Bytes,
+) -> Result<Response, PageError> {
+    let fields = form_fields(&body)?;
+    match form::parse(&fields) {
+        Parsed::Spec(spec) => {
+            let value = serde_json::to_value(&*spec).map_err(PageError::internal)?;
+            let exp = state.store.create_experiment(&spec.name, &value).await?;
+            Ok(Redirect::to(&format!("/experiments/{}", exp.id)).into_response())
+        }
+        Parsed::Invalid(fieldsets) => {
+            let mut response = render(&NewExperimentPage {
+                page: Chrome::signed_in(&session, "experiments"),
+                fieldsets,
+                invalid: true,
+            });
+            *response.status_mut() = StatusCode::UNPROCESSABLE_ENTITY;
+            Ok(response)
+        }
+    }
+}
+
+/// A row of the rounds table.
+#[derive(Debug, Clone)]
+pub struct RoundRow {
+    round: i64,
+    attempt: i64,
+    stage: &'static str,
+    selected: i64,
+    reported: i64,
+    dropped: i64,
+    train_loss: String,
+    test_loss: String,
+    accuracy: String,
+    duration: String,
+    failure: String,
+}
+
+/// The round in progress.
+#[derive(Debug, Clone)]
+pub struct LiveRound {
+    round: i64,
+    attempt: i64,
+    stage: &'static str,
+    deadline: String,
+    selected: i64,
+    reported: i64,
+    /// For a secure round: (stage, clients that reached it).
+    secure_progress: Vec<(&'static str, usize)>,
+    /// For a secure round: (stage missed, clients, a few of their ids).
+    dropped_at: Vec<(&'static str, usize, String)>,
+    secure: bool,
+    threshold: usize,
+    neighbours: usize,
+}
+
+/// A row of the jobs table.
+#[derive(Debug, Clone)]
+pub struct JobRow {
+    id: i64,
+    kind: &'static str,
+    round: i64,
+    state: &'static str,
+    attempts: String,
+    error: String,
+}
+
+#[derive(Template)]
+#[template(path = "experiment.html")]
+struct ExperimentPage {
+    page: Chrome,
+    id: String,
+    name: String,
+    state: &'static str,
+    can_start: bool,
+    can_pause: bool,
+    can_resume: bool,
+    can_stop: bool,
+    round: i64,
+    rounds: i64,
+    latest_accuracy: String,
+    best_accuracy: String,
+    latest_loss: String,
+    privacy: String,
+    model_round: Option<i64>,
+    accuracy_chart: String,
+    loss_chart: String,
+    loss_legend: String,
+    participation_chart: String,
+    participation_legend: String,
+    live: Option<LiveRound>,
+    round_rows: Vec<RoundRow>,
+    round_page: usize,
+    round_pages: usize,
+    job_counts: String,
+    jobs: Vec<JobRow>,
+    settings: Vec<(String, String)>,
+}
+
+/// `?page=` of a paged table.
+#[derive(Debug, Deserialize)]
+pub struct PageQuery {
+    page: Option<String>,
+}
+
+impl PageQuery {
+    /// The page asked for, from 1; anything unreadable is page 1.
+    fn number(&self) -> usize {
+        self.page
+            .as_deref()
+            .and_then(|p| p.parse::<usize>().ok())
+            .filter(|p| *p >= 1)
+            .unwrap_or(1)
+    }
+}
+
+/// The settings of a spec as (label, value) lines.
+fn settings_lines(spec: &serde_json::Value) -> Vec<(String, String)> {
+    let mut lines = Vec::new();
+    fn walk(prefix: &str, value: &serde_json::Value, out: &mut Vec<(String, String)>) {
+        match value {
+            serde_json::Value::Object(map) => {
+                for (k, v) in map {
+                    let key = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    walk(&key, v, out);
+                }
+            }
+            serde_json::Value::String(s) => out.push((prefix.to_string(), s.clone())),
+            serde_json::Value::Null => out.push((prefix.to_string(), "default".into())),
+            // Settings such as the learning rate are f32: show 0.1, not 0.10000000149.
+            serde_json::Value::Number(n) if n.is_f64() => {
+                let v = n.as_f64().unwrap_or(f64::NAN);
+                let short = v as f32;
+                let text = if f64::from(short) == v {
+                    short.to_string()
+                } else {
+                    v.to_string()
+                };
+                out.push((prefix.to_string(), text))
+            }
+            other => out.push((prefix.to_string(), other.to_string())),
+        }
+    }
+    walk("", spec, &mut lines);
+    lines
+}
+
+/// `GET /experiments/{id}`: charts, the round in progress, rounds, jobs, settings.
+pub async fn experiment(
+    State(state): State<AppState>,
+    Extension(session): Extension<Session>,
+    Path(id): Path<String>,
+    Query(query): Query<PageQuery>,
+) -> Result<Response, PageError> {
+    let id = parse_id(&id, "experiment")?;
+    let exp = state.store.experiment(id).await?;
+    let (rounds, jobs, model) = tokio::try_join!(
+        state.store.rounds(id),
+        state.store.job_summary(id, JOBS_SHOWN),
+        state.store.latest_model(id)
+    )?;
+    let spec: Option<ExperimentSpec> = serde_json::from_value(exp.spec.clone()).ok();
+    let total_rounds = spec.as_ref().map_or(0, |s| i64::from(s.rounds));
+    let now = now_millis();
+
+    // The last attempt of each round carries the round's outcome.
+    let mut last_attempts: Vec<&Round> = Vec::new();
+    for r in &rounds {
+        match last_attempts.last_mut() {
+            Some(last) if last.round == r.round => *last = r,
+            _ => last_attempts.push(r),
+        }
+    }
+    let published: Vec<&Round> = last_attempts
+        .iter()
+        .copied()
+        .filter(|r| r.stage == RoundStage::Published)
+        .collect();
+    let series_of = |f: fn(&Round) -> Option<f64>| -> Vec<(f64, f64)> {
+        published
+            .iter()
+            .filter_map(|r| f(r).map(|v| (r.round as f64, v)))
+            .collect()
+    };
+    let accuracy_series = [Series {
+        name: "Test accuracy",
+        class: "s-accuracy",
+        points: series_of(|r| r.test_accuracy),
+    }];
+    let accuracy_chart = chart::render(
+        &Chart {
+            title: "Test accuracy per round",
+            x_label: "round",
+            y_label: "accuracy",
+            y_range: Some((0.0, 1.0)),
+            y_format: |y| format!("{:.0}%", y * 100.0),
+        },
+        &accuracy_series,
+    );
+    let loss_series = [
+        Series {
+            name: "Test loss",
+            class: "s-test-loss",
+            points: series_of(|r| r.test_loss),
+        },
+        Series {
+            name: "Training loss (clients, weighted)",
+            class: "s-train-loss",
+            points: series_of(|r| r.train_loss),
+        },
+    ];
+    let loss_chart = chart::render(
+        &Chart {
+            title: "Loss per round",
+            x_label: "round",
+            y_label: "loss",
+            y_range: None,
+            y_format: |y| format!("{y:.2}"),
+        },
+        &loss_series,
+    );
+    let participation_series = [
+        Series {
+            name: "Uploaded",
+            class: "s-uploaded",
+            points: last_attempts
+                .iter()
+                .filter(|r| !r.stage.in_progress())
+                .map(|r| (r.round as f64, r.reported as f64))
+                .collect(),
+        },
+        Series {
+            name: "Dropped",
+            class: "s-dropped",
+            points: last_attempts
+                .iter()
+                .filter(|r| !r.stage.in_progress())
+                .map(|r| (r.round as f64, r.dropped as f64))
+                .collect(),
+        },
+    ];
+    let participation_chart = chart::render(
+        &Chart {
+            title: "Participants and dropouts per round",
+            x_label: "round",
+            y_label: "clients",
+            y_range: None,
+            y_format: |y| format!("{y:.0}"),
+        },
+        &participation_series,
+    );
+
+    let live = match rounds.last() {
+        Some(r) if r.stage.in_progress() => Some(live_round(&state, r, now).await?),
+        _ => None,
+    };
+
+    // Newest first, paged.
+    let round_pages = rounds.len().div_ceil(ROUNDS_PER_PAGE).max(1);
+    let round_page = query.number().min(round_pages);
+    let round_rows = rounds
+        .iter()
+        .rev()
+        .skip((round_page - 1) * ROUNDS_PER_PAGE)
+        .take(ROUNDS_PER_PAGE)
+        .map(|r| RoundRow {
+            round: r.round,
+            attempt: r.attempt,
+            stage: r.stage.as_str(),
+            selected: r.selected,
+            reported: r.reported,
+            dropped: r.dropped,
+            train_loss: number(r.train_loss),
+            test_loss: number(r.test_loss),
+            accuracy: percent(r.test_accuracy),
+            duration: r
+                .finished_at
+                .map(|f| format!("{:.1} s", (f - r.started_at) as f64 / 1000.0))
+                .unwrap_or_else(|| "running".into()),
+            failure: r.failure.clone().unwrap_or_default(),
+        })
+        .collect();
+
+    let best = published
+        .iter()
+        .filter_map(|r| r.test_accuracy)
+        .fold(None, |best: Option<f64>, a| Some(best.map_or(a, |b| b.max(a))));
+    let latest = published.last();
+    let state_now = exp.state;
+    let page = ExperimentPage {
+        page: Chrome::signed_in(&session, "experiments"),
+        id: exp.id.to_string(),
+        name: exp.name.clone(),
+        state: state_now.as_str(),
+        can_start: state_now == ExperimentState::Created,
+        can_pause: state_now == ExperimentState::Running,
+        can_resume: state_now == ExperimentState::Paused,
+        can_stop: ExperimentState::Stopped.allowed_from().contains(&state_now),
+        round: exp.current_round,
+        rounds: total_rounds,
+        latest_accuracy: percent(latest.and_then(|r| r.test_accuracy)),
+        best_accuracy: percent(best),
+        latest_loss: number(latest.and_then(|r| r.test_loss)),
+        // Differential privacy is not built yet; nothing is spent, and nothing is
+        // claimed.
+        privacy: "not tracked".into(),
+        model_round: model.map(|m| m.round),
+        accuracy_chart,
+        loss_chart,
+        loss_legend: chart::legend(&loss_series),
+        participation_chart,
+        participation_legend: chart::legend(&participation_series),
+        live,
+        round_rows,
+        round_page,
+        round_pages,
+        job_counts: if jobs.counts.is_empty() {
+            "none yet".into()
+        } else {
+            jobs.counts
+                .iter()
+                .map(|(state, n)| format!("{n} {state}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        },
+        jobs: jobs
+            .recent
+            .iter()
+            .map(|j| JobRow {
+                id: j.id,
+                kind: j.kind.as_str(),
+                round: j.round,
+                state: match j.state {
+                    crate::store::JobState::Queued => "queued",
+                    crate::store::JobState::Running => "running",
+                    crate::store::JobState::Done => "done",
+                    crate::store::JobState::Failed => "failed",
+                },
+                attempts: format!("{}/{}", j.attempts, j.max_attempts),
+                error: j.last_error.clone().unwrap_or_default(),
+            })
+            .collect(),
+        settings: settings_lines(&exp.spec),
+    };
+    Ok(render(&page))
+}
+
+/// The round in progress, with a secure round's protocol progress and who dropped where.
+async fn live_round(state: &AppState, r: &Round, now: i64) -> Result<LiveRound, PageError> {
+    let participants = state
+        .store
+        .participations(r.experiment_id, r.round, r.attempt)
+        .await?;
+    let config = crate::server::secure_rounds::round_config(r).map_err(PageError::internal)?;
+    let deadline = r
+        .stage_deadline
+        .map(|d| {
+            let left = (d - now) / 1000;
+            if left >= 0 {
+                format!("{left} s left")
+            } else {
+                format!("passed {} s ago", -left)
+            }
+        })
+        .unwrap_or_else(|| "-".into());
+    let mut live = LiveRound {
+        round: r.round,
+        attempt: r.attempt,
+        stage: r.stage.as_str(),
+        deadline,
+        selected: r.selected,
+        reported: r.reported,
+        secure_progress: Vec::new(),
+        dropped_at: Vec::new(),
+        secure: config.is_some(),
+        threshold: 0,
+        neighbours: 0,
+    };
+    if let Some(config) = config {
+        let p = crate::server::secure_rounds::progress(&participants);
+        live.threshold = config.threshold;
+        live.neighbours = config.neighbours;
+        live.secure_progress = vec![
+            ("selected", p.selected),
+            ("advertised keys", p.advertised),
+            ("shared keys", p.shared),
+            ("uploaded masked input", p.masked),
+            ("revealed shares", p.unmasked),
+        ];
+        let mut by_stage: HashMap<&str, Vec<String>> = HashMap::new();
+        for part in &participants {
+            if let Some(stage) = part.dropped_stage.as_deref() {
+                by_stage
+                    .entry(stage)
+                    .or_default()
+                    .push(part.client_id.to_string()[..8].to_string());
+            }
+        }
+        for (stage, label) in [
+            ("advertise", "advertising keys"),
+            ("share", "sharing keys"),
+            ("masked", "uploading the masked input"),
+            ("unmask", "unmasking"),
+        ] {
+            let ids = by_stage.remove(stage).unwrap_or_default();
+            let shown = ids.iter().take(8).cloned().collect::<Vec<_>>().join(", ");
+            let more = if ids.len() > 8 {
+                format!(" and {} more", ids.len() - 8)
+            } else {
+                String::new()
+            };
+            live.dropped_at.push((label, ids.len(), format!("{shown}{more}")));
+        }
+    }
+    Ok(live)
+}
+
+/// `POST /experiments/{id}/{start|pause|resume|stop}`.
+pub async fn act(
+    State(state): State<AppState>,
+    Path((id, action)): Path<(String, String)>,
+) -> Result<Response, PageError> {
+    let uuid = parse_id(&id, "experiment")?;
+    let current = state.store.experiment(uuid).await?;
+    let (to, needs) = match action.as_str() {
+        "start" => (ExperimentState::Running, Some(ExperimentState::Created)),
+        "pause" => (ExperimentState::Paused, None),
+        "resume" => (ExperimentState::Running, Some(ExperimentState::Paused)),
+        "stop" => (ExperimentState::Stopped, None),
+        other => return Err(PageError::NotFound(format!("action `{other}`"))),
+    };
+    if let Some(needs) = needs
+        && current.state != needs
+    {
+        return Err(PageError::Conflict(format!(
+            "experiment `{}` is {}; only a {} experiment can {action}",
+            current.name,
+            current.state.as_str(),
+            needs.as_str()
+        )));
+    }
+    state.store.set_experiment_state(uuid, to, "admin").await?;
+    Ok(Redirect::to(&format!("/experiments/{uuid}")).into_response())
+}
+
+/// `GET /experiments/{id}/model`: the current global model as little-endian `f32`.
+pub async fn model_raw(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Response, PageError> {
+    let (exp, round, bytes) = current_model(&state, &id).await?;
+    Ok(octets(
+        bytes,
+        round,
+        Some(format!("{}-round-{round}.f32", exp.id)),
+    )?)
+}
+
+/// `GET /experiments/{id}/model.safetensors`: the current global model as safetensors.
+pub async fn model_safetensors(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Response, PageError> {
+    let (file, round, name) = current_safetensors(&state, &id).await?;
+    Ok(octets(file, round, Some(name))?)
+}
+
+/// A row of the clients table.
+#[derive(Debug, Clone)]
+pub struct ClientRow {
+    id: String,
+    label: String,
+    enrolled: String,
+    last_seen: String,
+    rounds: i64,
+    revoked: bool,
+}
+
+/// A row of the tokens table.
+#[derive(Debug, Clone)]
+pub struct TokenRow {
+    id: String,
+    label: String,
+    created: String,
+    expires: String,
+    status: &'static str,
+    revocable: bool,
+}
+
+/// A token just issued, shown once.
+#[derive(Debug, Clone)]
+pub struct Issued {
+    label: String,
+    token: String,
+}
+
+#[derive(Template)]
+#[template(path = "clients.html")]
+struct ClientsPage {
+    page: Chrome,
+    clients: Vec<ClientRow>,
+    total: i64,
+    page_number: i64,
+    pages: i64,
+    tokens: Vec<TokenRow>,
+    issued: Option<Issued>,
+    token_error: Option<String>,
+    token_label: String,
+}
+
+async fn clients_page(
+    state: &AppState,
+    session: &Session,
+    page_number: usize,
+    issued: Option<Issued>,
+    token_error: Option<String>,
+    token_label: String,
+) -> Result<Response, PageError> {
+    let now = now_millis();
+    let total = state.store.client_count().await?;
+    let pages = ((total + CLIENTS_PER_PAGE - 1) / CLIENTS_PER_PAGE).max(1);
+    let page_number = (page_number as i64).clamp(1, pages);
+    let (page, tokens) = tokio::try_join!(
+        state
+            .store
+            .client_page((page_number - 1) * CLIENTS_PER_PAGE, CLIENTS_PER_PAGE),
+        state.store.recent_enrolment_tokens(TOKENS_SHOWN)
+    )?;
+    let clients = page
+        .clients
+        .iter()
+        .map(|c| ClientRow {
+            id: c.id.to_string(),
+            label: c.label.clone(),
+            enrolled: when(c.enrolled_at),
+            last_seen: ago(c.last_seen_at, now),
+            rounds: page.rounds_taken.get(&c.id).copied().unwrap_or(0),
+            revoked: c.revoked_at.is_some(),
+        })
+        .collect();
+    let tokens = tokens
+        .iter()
+        .map(|t| {
+            let expired = t.expires_at.is_some_and(|e| e <= now);
+            let status = if t.revoked_at.is_some() {
+                "revoked"
+            } else if t.used_at.is_some() {
+                "used"
+            } else if expired {
+                "expired"
+            } else {
+                "unused"
+            };
+            TokenRow {
+                id: t.id.to_string(),
+                label: t.label.clone(),
+                created: when(t.created_at),
+                expires: t.expires_at.map(when).unwrap_or_else(|| "never".into()),
+                status,
+                revocable: status == "unused",
+            }
+        })
+        .collect();
+    let status = if token_error.is_some() {
+        StatusCode::UNPROCESSABLE_ENTITY
+    } else {
+        StatusCode::OK
+    };
+    let mut response = render(&ClientsPage {
+        page: Chrome::signed_in(session, "clients"),
+        clients,
+        total: page.total,
+        page_number,
+        pages,
+        tokens,
+        issued,
+        token_error,
+        token_label,
+    });
+    *response.status_mut() = status;
+    Ok(response)
+}
+
+/// `GET /clients`: enrolled clients (a page at a time) and enrolment tokens.
+pub async fn clients(
+    State(state): State<AppState>,
+    Extension(session): Extension<Session>,
+    Query(query): Query<PageQuery>,
+) -> Result<Response, PageError> {
+    clients_page(&state, &session, query.number(), None, None, String::new()).await
+}
+
+/// `POST /clients/{id}/revoke`: the client's credential is refused from now on.
+pub async fn revoke_client(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, PageError> {
+    let id = parse_id(&id, "client")?;
+    state.store.revoke_client(id).await?;
+    Ok(Redirect::to(&back_to_clients(&body)).into_response())
+}
+
+/// `POST /tokens/{id}/revoke`: an unused enrolment token stops working.
+pub async fn revoke_token(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, PageError> {
+    let id = parse_id(&id, "enrolment token")?;
+    state.store.revoke_enrolment_token(id).await?;
+    Ok(Redirect::to(&back_to_clients(&body)).into_response())
+}
+
+/// The clients page the form was on (its `page` field), to go back to.
+fn back_to_clients(body: &[u8]) -> String {
+    let page = form_fields(body)
+        .ok()
+        .and_then(|f| field(&f, "page").and_then(|p| p.parse::<u32>().ok()))
+        .filter(|p| *p > 1);
+    match page {
+        Some(p) => format!("/clients?page={p}"),
+        None => "/clients".into(),
+    }
+}
+
+/// `POST /tokens`: issues an enrolment token and shows it, once, on the clients page.
+/// The token is in this answer only (never in a URL, never stored but hashed).
+pub async fn create_token(
+    State(state): State<AppState>,
+    Extension(session): Extension<Session>,
+    body: Bytes,
+) -> Result<Response, PageError> {
+    let fields = form_fields(&body)?;
+    let label = field(&fields, "label").unwrap_or("").trim().to_string();
+    let hours = field(&fields, "expires_in_hours").unwrap_or("").trim();
+    let error = if label.is_empty() || label.len() > 200 {
+        Some("The label must be 1 to 200 characters.".to_string())
+    } else {
+        None
+    };
+    let expires_at = match hours {
+        "" => Ok(None),
+        h => match h.parse::<u64>() {
+            Ok(h) if (1..=24 * 3650).contains(&h) => Ok(Some(now_millis() + h as i64 * 3_600_000)),
+            _ => Err(format!(
+                "Expiry must be a whole number of hours from 1 to 87600, not `{h}`."
+            )),
+        },
+    };
+    let (error, expires_at) = match (error, expires_at) {
+        (Some(e), _) | (None, Err(e)) => (Some(e), None),
+        (None, Ok(at)) => (None, at),
+    };
+    if error.is_some() {
+        return clients_page(&state, &session, 1, None, error, label).await;
+    }
+    let token = generate_secret().map_err(PageError::internal)?;
+    state
+        .store
+        .create_enrolment_token(&hash_secret(&token), &label, expires_at)
+        .await?;
+    let mut response = clients_page(
+        &state,
+        &session,
+        1,
+        Some(Issued { label, token }),
+        None,
+        String::new(),
+    )
+    .await?;
+    *response.status_mut() = StatusCode::CREATED;
+    Ok(response)
+}

@@ -1,0 +1,389 @@
+//! Signing in to the dashboard, and the guard in front of every other page.
+//!
+//! Signing in with the admin token creates a session: a random 256-bit id in a cookie
+//! that is `HttpOnly` (no script reads it), `SameSite=Strict` (no other site's page sends
+//! it) and `Secure` when the server speaks TLS. Only the id's SHA-256 is stored.
+//!
+//! Every state-changing request also carries a CSRF token in its form body: the SHA-256 of
+//! the session id under a fixed label, which only a page of this server (rendered for
+//! this session) can know. The guard checks it, and refuses a request whose `Origin` or
+//! `Sec-Fetch-Site` says it comes from another site, before any handler runs, so a
+//! handler cannot forget. The sign-in form, which has no session yet, is protected the
+//! same way by a one-time cookie whose value the form repeats (double submit).
+
+use askama::Template;
+use axum::body::Body;
+use axum::extract::{Query, Request, State};
+use axum::http::{HeaderMap, HeaderValue, Method, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Redirect, Response};
+use serde::Deserialize;
+
+use super::{Chrome, PageError, render};
+use crate::server::AppState;
+use crate::server::auth::{generate_secret, hash_secret, to_hex};
+use crate::server::settings::TlsMode;
+use crate::store::now_millis;
+
+/// The session cookie's name.
+pub const SESSION_COOKIE: &str = "cohort_session";
+/// The sign-in form's double-submit cookie.
+pub const SIGN_IN_COOKIE: &str = "cohort_sign_in";
+/// The form field that carries the CSRF token.
+pub const CSRF_FIELD: &str = "csrf";
+/// A session ends this long after sign-in, whatever happens, Unix ms.
+pub const SESSION_LIFETIME_MS: i64 = 12 * 60 * 60 * 1000;
+/// The most a dashboard form body may hold.
+const MAX_FORM_BYTES: usize = 64 * 1024;
+
+/// A signed-in request's session, as handlers see it.
+#[derive(Debug, Clone)]
+pub struct Session {
+    /// The CSRF token to put in this session's forms.
+    pub csrf: String,
+}
+
+/// The CSRF token of the session whose id is `session_id`.
+pub fn csrf_token(session_id: &str) -> String {
+    to_hex(&hash_secret(&format!("cohort-dashboard-csrf\0{session_id}")))
+}
+
+/// Compares two tokens in time that does not depend on where they differ.
+fn same_token(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a
+            .bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
+}
+
+/// The value of cookie `name`, if the request sent exactly one cookie of that name.
+pub fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    let mut found = None;
+    for value in headers.get_all(header::COOKIE) {
+        let Ok(text) = value.to_str() else { continue };
+        for pair in text.split(';') {
+            if let Some((key, value)) = pair.trim().split_once('=')
+                && key == name
+            {
+                if found.is_some() {
+                    // Two cookies of one name (e.g. one planted for a parent domain):
+                    // trust neither.
+                    return None;
+                }
+                found = Some(value);
+            }
+        }
+    }
+    found
+}
+
+fn secure_attr(state: &AppState) -> &'static str {
+    match state.settings.tls {
+        TlsMode::InsecureHttp => "",
+        _ => "; Secure",
+    }
+}
+
+fn set_cookie(state: &AppState, name: &str, value: &str, max_age_s: i64) -> HeaderValue {
+    let text = format!(
+        "{name}={value}; Path=/; HttpOnly; SameSite=Strict; Max-Age={max_age_s}{}",
+        secure_attr(state)
+    );
+    HeaderValue::from_str(&text).unwrap_or_else(|_| HeaderValue::from_static(""))
+}
+
+/// Whether `headers` say the request comes from a page of another site. Browsers send
+/// `Sec-Fetch-Site` and, on POST, `Origin`; a request with neither (a script, curl) is
+/// judged by its CSRF token alone.
+fn cross_site(headers: &HeaderMap) -> bool {
+    if let Some(site) = headers.get("sec-fetch-site").and_then(|v| v.to_str().ok())
+        && !matches!(site, "same-origin" | "none")
+    {
+        return true;
+    }
+    if let Some(origin) = headers.get(header::ORIGIN) {
+        let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
+        let origin_host = origin
+            .to_str()
+            .ok()
+            .and_then(|o| o.split_once("://"))
+            .map(|(_, authority)| authority);
+        return match (origin_host, host) {
+            (Some(o), Some(h)) => !o.eq_ignore_ascii_case(h),
+            _ => true,
+        };
+    }
+    false
+}
+
+/// Where to go after signing in: a local path only, never another site.
+fn safe_next(next: Option<&str>) -> String {
+    match next {
+        Some(path)
+            if path.starts_with('/')
+                && !path.starts_with("//")
+                && !path.starts_with("/\\")
+                && !path.contains(['\r', '\n'])
+                && path != "/sign-in" =>
+        {
+            path.to_string()
+        }
+        _ => "/experiments".to_string(),
+    }
+}
+
+/// The form fields of an urlencoded body.
+pub fn form_fields(body: &[u8]) -> Result<Vec<(String, String)>, PageError> {
+    serde_urlencoded::from_bytes::<Vec<(String, String)>>(body)
+        .map_err(|e| PageError::BadRequest(format!("malformed form: {e}")))
+}
+
+/// The one value of `name` among `fields`.
+pub fn field<'a>(fields: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    fields
+        .iter()
+        .find(|(key, _)| key == name)
+        .map(|(_, value)| value.as_str())
+}
+
+/// Middleware: lets a request through only with a live session; a state-changing request
+/// also needs the session's CSRF token and must not come from another site. Signed-out
+/// page views go to the sign-in page (and back afterwards); anything else is refused.
+pub async fn require_session(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Result<Response, PageError> {
+    let session_id = cookie(request.headers(), SESSION_COOKIE)
+        .filter(|id| id.len() == 64 && id.bytes().all(|b| b.is_ascii_hexdigit()))
+        .map(str::to_string);
+    let live = match &session_id {
+        Some(id) => {
+            state
+                .store
+                .dashboard_session_live(&hash_secret(id), now_millis())
+                .await?
+        }
+        None => false,
+    };
+    let safe = matches!(*request.method(), Method::GET | Method::HEAD);
+    let Some(session_id) = session_id.filter(|_| live) else {
+        if safe {
+            let target = request
+                .uri()
+                .path_and_query()
+                .map(|pq| pq.as_str())
+                .unwrap_or("/");
+            let next: String =
+                url_encode(target);
+            return Ok(Redirect::to(&format!("/sign-in?next={next}")).into_response());
+        }
+        return Err(PageError::Forbidden(
+            "you are not signed in (or your session ended); sign in and try again".into(),
+        ));
+    };
+    let csrf = csrf_token(&session_id);
+    let request = if safe {
+        request
+    } else {
+        if cross_site(request.headers()) {
+            return Err(PageError::Forbidden(
+                "cross-site request refused".into(),
+            ));
+        }
+        let (parts, body) = request.into_parts();
+        let bytes = axum::body::to_bytes(body, MAX_FORM_BYTES)
+            .await
+            .map_err(|_| PageError::BadRequest("form too large".into()))?;
+        let fields = form_fields(&bytes)?;
+        let presented = field(&fields, CSRF_FIELD).unwrap_or("");
+        if !same_token(presented, &csrf) {
+            return Err(PageError::Forbidden(
+                "missing or wrong CSRF token; reload the page and try again".into(),
+            ));
+        }
+        Request::from_parts(parts, Body::from(bytes))
+    };
+    let mut request = request;
+    request.extensions_mut().insert(Session { csrf });
+    Ok(next.run(request).await)
+}
+
+/// Percent-encodes `text` for a query-string value.
+fn url_encode(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for b in text.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~' | b'/') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+#[derive(Template)]
+#[template(path = "sign_in.html")]
+struct SignInPage {
+    page: Chrome,
+    form_token: String,
+    next: String,
+    error: Option<String>,
+}
+
+/// `?next=` of the sign-in page.
+#[derive(Debug, Deserialize)]
+pub struct NextQuery {
+    next: Option<String>,
+}
+
+fn sign_in_form(
+    state: &AppState,
+    next: &str,
+    error: Option<String>,
+    status: axum::http::StatusCode,
+) -> Result<Response, PageError> {
+    let form_token = generate_secret().map_err(PageError::internal)?;
+    let page = SignInPage {
+        page: Chrome::signed_out(),
+        form_token: form_token.clone(),
+        next: next.to_string(),
+        error,
+    };
+    let mut response = render(&page);
+    *response.status_mut() = status;
+    response.headers_mut().append(
+        header::SET_COOKIE,
+        set_cookie(state, SIGN_IN_COOKIE, &form_token, 3600),
+    );
+    Ok(response)
+}
+
+/// `GET /sign-in`: the sign-in form.
+pub async fn sign_in_page(
+    State(state): State<AppState>,
+    Query(query): Query<NextQuery>,
+) -> Result<Response, PageError> {
+    sign_in_form(
+        &state,
+        &safe_next(query.next.as_deref()),
+        None,
+        axum::http::StatusCode::OK,
+    )
+}
+
+/// `POST /sign-in`: checks the admin token and starts a session.
+pub async fn sign_in(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Result<Response, PageError> {
+    if cross_site(&headers) {
+        return Err(PageError::Forbidden("cross-site request refused".into()));
+    }
+    let fields = form_fields(&body)?;
+    let next = safe_next(field(&fields, "next"));
+    let expected = cookie(&headers, SIGN_IN_COOKIE).unwrap_or("");
+    let presented = field(&fields, CSRF_FIELD).unwrap_or("");
+    if expected.is_empty() || !same_token(presented, expected) {
+        return sign_in_form(
+            &state,
+            &next,
+            Some("The sign-in form expired; please try again.".into()),
+            axum::http::StatusCode::FORBIDDEN,
+        );
+    }
+    let token = field(&fields, "token").unwrap_or("").trim();
+    if token.is_empty() || !state.admin.verify(token) {
+        tracing::warn!("dashboard sign-in refused: wrong admin token");
+        return sign_in_form(
+            &state,
+            &next,
+            Some("That is not the admin token.".into()),
+            axum::http::StatusCode::UNAUTHORIZED,
+        );
+    }
+    let session_id = generate_secret().map_err(PageError::internal)?;
+    let now = now_millis();
+    state
+        .store
+        .create_dashboard_session(&hash_secret(&session_id), now, now + SESSION_LIFETIME_MS)
+        .await?;
+    let mut response = Redirect::to(&next).into_response();
+    let headers = response.headers_mut();
+    headers.append(
+        header::SET_COOKIE,
+        set_cookie(&state, SESSION_COOKIE, &session_id, SESSION_LIFETIME_MS / 1000),
+    );
+    headers.append(header::SET_COOKIE, set_cookie(&state, SIGN_IN_COOKIE, "", 0));
+    Ok(response)
+}
+
+/// `POST /sign-out`: ends the session here and in the database.
+pub async fn sign_out(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+) -> Result<Response, PageError> {
+    if let Some(id) = cookie(&headers, SESSION_COOKIE) {
+        state
+            .store
+            .end_dashboard_session(&hash_secret(id), now_millis())
+            .await?;
+    }
+    let mut response = Redirect::to("/sign-in").into_response();
+    response
+        .headers_mut()
+        .append(header::SET_COOKIE, set_cookie(&state, SESSION_COOKIE, "", 0));
+    Ok(response)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn next_stays_on_this_site() {
+        assert_eq!(safe_next(Some("/clients?page=2")), "/clients?page=2");
+        for bad in ["//evil.example", "https://evil.example", "/\\evil", "", "/sign-in"] {
+            assert_eq!(safe_next(Some(bad)), "/experiments", "{bad}");
+        }
+        assert_eq!(safe_next(None), "/experiments");
+    }
+
+    #[test]
+    fn a_cookie_sent_twice_is_trusted_neither_time() {
+        let mut headers = HeaderMap::new();
+        headers.append(header::COOKIE, HeaderValue::from_static("a=1; cohort_session=x"));
+        assert_eq!(cookie(&headers, SESSION_COOKIE), Some("x"));
+        headers.append(header::COOKIE, HeaderValue::from_static("cohort_session=y"));
+        assert_eq!(cookie(&headers, SESSION_COOKIE), None);
+    }
+
+    #[test]
+    fn requests_from_other_sites_are_recognised() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::HOST, HeaderValue::from_static("127.0.0.1:8443"));
+        assert!(!cross_site(&headers));
+        headers.insert(header::ORIGIN, HeaderValue::from_static("https://127.0.0.1:8443"));
+        assert!(!cross_site(&headers));
+        headers.insert(header::ORIGIN, HeaderValue::from_static("https://evil.example"));
+        assert!(cross_site(&headers));
+        headers.insert(header::ORIGIN, HeaderValue::from_static("null"));
+        assert!(cross_site(&headers));
+        headers.remove(header::ORIGIN);
+        headers.insert("sec-fetch-site", HeaderValue::from_static("cross-site"));
+        assert!(cross_site(&headers));
+    }
+
+    #[test]
+    fn csrf_tokens_differ_per_session_and_compare_exactly() {
+        let a = csrf_token("a".repeat(64).as_str());
+        let b = csrf_token("b".repeat(64).as_str());
+        assert_ne!(a, b);
+        assert!(same_token(&a, &a.clone()));
+        assert!(!same_token(&a, &b));
+        assert!(!same_token(&a, &a[..10]));
+    }
+}
