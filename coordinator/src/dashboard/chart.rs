@@ -114,7 +114,10 @@ pub fn render(chart: &Chart<'_>, series: &[Series]) -> String {
                 (lo.min(y), hi.max(y))
             });
         let pad = ((hi - lo) * 0.08).max(hi.abs() * 0.05).max(1e-6);
-        ((lo - pad).max(if lo >= 0.0 { 0.0 } else { f64::NEG_INFINITY }), hi + pad)
+        (
+            (lo - pad).max(if lo >= 0.0 { 0.0 } else { f64::NEG_INFINITY }),
+            hi + pad,
+        )
     });
     let plot_w = WIDTH - LEFT - RIGHT;
     let plot_h = HEIGHT - TOP - BOTTOM;

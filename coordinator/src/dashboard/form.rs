@@ -86,46 +86,221 @@ const GROUPS: &[(&str, &[FieldDef])] = &[
     (
         "Experiment",
         &[
-            def("name", "Name", "Shown in lists; 1 to 200 characters.", Text, false, true),
-            def("features", "Features", "Feature columns in the clients' data.", Number, false, true),
-            def("classes", "Classes", "Number of label classes (at least 2).", Number, false, true),
-            def("model", "Model", "logreg, mlp or mlp:H1,H2,... (hidden layer widths).", Text, false, true),
-            def("strategy", "Strategy", "fedavg or fedprox:MU (MU the proximal weight, e.g. fedprox:0.01).", Text, false, true),
-            def("seed", "Seed", "Seed of the initial model.", Number, false, true),
+            def(
+                "name",
+                "Name",
+                "Shown in lists; 1 to 200 characters.",
+                Text,
+                false,
+                true,
+            ),
+            def(
+                "features",
+                "Features",
+                "Feature columns in the clients' data.",
+                Number,
+                false,
+                true,
+            ),
+            def(
+                "classes",
+                "Classes",
+                "Number of label classes (at least 2).",
+                Number,
+                false,
+                true,
+            ),
+            def(
+                "model",
+                "Model",
+                "logreg, mlp or mlp:H1,H2,... (hidden layer widths).",
+                Text,
+                false,
+                true,
+            ),
+            def(
+                "strategy",
+                "Strategy",
+                "fedavg or fedprox:MU (MU the proximal weight, e.g. fedprox:0.01).",
+                Text,
+                false,
+                true,
+            ),
+            def(
+                "seed",
+                "Seed",
+                "Seed of the initial model.",
+                Number,
+                false,
+                true,
+            ),
         ],
     ),
     (
         "Rounds",
         &[
-            def("rounds", "Rounds", "Rounds to run, 1 to 100000.", Number, false, true),
-            def("clients_per_round", "Clients per round", "Updates a round needs.", Number, false, true),
-            def("min_participants", "Minimum participants", "Quorum: fewer uploads and the round is tried again.", Number, false, true),
-            def("over_selection", "Over-selection", "Clients selected per round as a multiple of clients per round (1 to 10), to absorb dropouts.", Number, true, true),
-            def("collect_deadline_seconds", "Upload deadline (s)", "Seconds selected clients have to upload, 1 to 86400.", Number, false, true),
-            def("max_round_attempts", "Attempts per round", "Tries of a round without quorum before the experiment fails.", Number, false, true),
+            def(
+                "rounds",
+                "Rounds",
+                "Rounds to run, 1 to 100000.",
+                Number,
+                false,
+                true,
+            ),
+            def(
+                "clients_per_round",
+                "Clients per round",
+                "Updates a round needs.",
+                Number,
+                false,
+                true,
+            ),
+            def(
+                "min_participants",
+                "Minimum participants",
+                "Quorum: fewer uploads and the round is tried again.",
+                Number,
+                false,
+                true,
+            ),
+            def(
+                "over_selection",
+                "Over-selection",
+                "Clients selected per round as a multiple of clients per round (1 to 10), to absorb dropouts.",
+                Number,
+                true,
+                true,
+            ),
+            def(
+                "collect_deadline_seconds",
+                "Upload deadline (s)",
+                "Seconds selected clients have to upload, 1 to 86400.",
+                Number,
+                false,
+                true,
+            ),
+            def(
+                "max_round_attempts",
+                "Attempts per round",
+                "Tries of a round without quorum before the experiment fails.",
+                Number,
+                false,
+                true,
+            ),
         ],
     ),
     (
         "Local training",
         &[
-            def("train.local_epochs", "Local epochs", "Passes over the local data per round.", Number, false, true),
-            def("train.batch_size", "Batch size", "Mini-batch size.", Number, false, true),
-            def("train.lr", "Learning rate", "SGD learning rate (> 0).", Number, true, true),
-            def("train.momentum", "Momentum", "SGD momentum, in [0, 1).", Number, true, true),
-            def("train.weight_decay", "Weight decay", "L2 weight decay (>= 0).", Number, true, true),
+            def(
+                "train.local_epochs",
+                "Local epochs",
+                "Passes over the local data per round.",
+                Number,
+                false,
+                true,
+            ),
+            def(
+                "train.batch_size",
+                "Batch size",
+                "Mini-batch size.",
+                Number,
+                false,
+                true,
+            ),
+            def(
+                "train.lr",
+                "Learning rate",
+                "SGD learning rate (> 0).",
+                Number,
+                true,
+                true,
+            ),
+            def(
+                "train.momentum",
+                "Momentum",
+                "SGD momentum, in [0, 1).",
+                Number,
+                true,
+                true,
+            ),
+            def(
+                "train.weight_decay",
+                "Weight decay",
+                "L2 weight decay (>= 0).",
+                Number,
+                true,
+                true,
+            ),
         ],
     ),
     (
         "Secure aggregation (SecAgg+)",
         &[
-            def("secure_aggregation", "Secure aggregation", "Clients upload only masked updates; the coordinator learns only their sum. Needs at least 3 clients per round.", Checkbox, false, false),
-            def("secure_aggregation.threshold", "Threshold", "Shares needed to rebuild a client's secrets; empty for the default (just over half the neighbours).", Number, false, false),
-            def("secure_aggregation.neighbours", "Neighbours", "Neighbours per client; empty for the default sized for 10% dropout.", Number, false, false),
-            def("secure_aggregation.clip", "Clip", "Each update coordinate is clipped to [-clip, clip] before quantisation.", Number, true, true),
-            def("secure_aggregation.max_weight", "Maximum weight", "Sample counts above this count as this in the weighted mean.", Number, false, true),
-            def("secure_aggregation.advertise_seconds", "Advertise deadline (s)", "Seconds to advertise keys.", Number, false, true),
-            def("secure_aggregation.share_seconds", "Share deadline (s)", "Seconds to send encrypted shares.", Number, false, true),
-            def("secure_aggregation.unmask_seconds", "Unmask deadline (s)", "Seconds survivors have to reveal shares.", Number, false, true),
+            def(
+                "secure_aggregation",
+                "Secure aggregation",
+                "Clients upload only masked updates; the coordinator learns only their sum. Needs at least 3 clients per round.",
+                Checkbox,
+                false,
+                false,
+            ),
+            def(
+                "secure_aggregation.threshold",
+                "Threshold",
+                "Shares needed to rebuild a client's secrets; empty for the default (just over half the neighbours).",
+                Number,
+                false,
+                false,
+            ),
+            def(
+                "secure_aggregation.neighbours",
+                "Neighbours",
+                "Neighbours per client; empty for the default sized for 10% dropout.",
+                Number,
+                false,
+                false,
+            ),
+            def(
+                "secure_aggregation.clip",
+                "Clip",
+                "Each update coordinate is clipped to [-clip, clip] before quantisation.",
+                Number,
+                true,
+                true,
+            ),
+            def(
+                "secure_aggregation.max_weight",
+                "Maximum weight",
+                "Sample counts above this count as this in the weighted mean.",
+                Number,
+                false,
+                true,
+            ),
+            def(
+                "secure_aggregation.advertise_seconds",
+                "Advertise deadline (s)",
+                "Seconds to advertise keys.",
+                Number,
+                false,
+                true,
+            ),
+            def(
+                "secure_aggregation.share_seconds",
+                "Share deadline (s)",
+                "Seconds to send encrypted shares.",
+                Number,
+                false,
+                true,
+            ),
+            def(
+                "secure_aggregation.unmask_seconds",
+                "Unmask deadline (s)",
+                "Seconds survivors have to reveal shares.",
+                Number,
+                false,
+                true,
+            ),
         ],
     ),
 ];
@@ -156,18 +331,30 @@ fn defaults() -> HashMap<&'static str, String> {
         ("secure_aggregation.threshold", String::new()),
         ("secure_aggregation.neighbours", String::new()),
         ("secure_aggregation.clip", secure.clip.to_string()),
-        ("secure_aggregation.max_weight", secure.max_weight.to_string()),
+        (
+            "secure_aggregation.max_weight",
+            secure.max_weight.to_string(),
+        ),
         (
             "secure_aggregation.advertise_seconds",
             secure.advertise_seconds.to_string(),
         ),
-        ("secure_aggregation.share_seconds", secure.share_seconds.to_string()),
-        ("secure_aggregation.unmask_seconds", secure.unmask_seconds.to_string()),
+        (
+            "secure_aggregation.share_seconds",
+            secure.share_seconds.to_string(),
+        ),
+        (
+            "secure_aggregation.unmask_seconds",
+            secure.unmask_seconds.to_string(),
+        ),
     ])
 }
 
 /// The form with these values and errors (by field name).
-fn view(values: &HashMap<&'static str, String>, errors: &HashMap<&'static str, String>) -> Vec<Fieldset> {
+fn view(
+    values: &HashMap<&'static str, String>,
+    errors: &HashMap<&'static str, String>,
+) -> Vec<Fieldset> {
     GROUPS
         .iter()
         .map(|(legend, defs)| Fieldset {
@@ -292,7 +479,12 @@ pub fn parse(fields: &[(String, String)]) -> Parsed {
         text("min_participants"),
         whole,
     );
-    let over = number::<f64>(&mut errors, "over_selection", text("over_selection"), decimal);
+    let over = number::<f64>(
+        &mut errors,
+        "over_selection",
+        text("over_selection"),
+        decimal,
+    );
     let deadline = number::<u64>(
         &mut errors,
         "collect_deadline_seconds",
@@ -311,9 +503,19 @@ pub fn parse(fields: &[(String, String)]) -> Parsed {
         text("train.local_epochs"),
         whole,
     );
-    let batch = number::<usize>(&mut errors, "train.batch_size", text("train.batch_size"), whole);
+    let batch = number::<usize>(
+        &mut errors,
+        "train.batch_size",
+        text("train.batch_size"),
+        whole,
+    );
     let lr = number::<f32>(&mut errors, "train.lr", text("train.lr"), decimal);
-    let momentum = number::<f32>(&mut errors, "train.momentum", text("train.momentum"), decimal);
+    let momentum = number::<f32>(
+        &mut errors,
+        "train.momentum",
+        text("train.momentum"),
+        decimal,
+    );
     let decay = number::<f32>(
         &mut errors,
         "train.weight_decay",
@@ -496,17 +698,26 @@ mod tests {
             ("min_participants", "50"),
             ("model", "cnn"),
         ])));
-        assert!(errs["rounds"].contains("rounds must be between"), "{errs:?}");
+        assert!(
+            errs["rounds"].contains("rounds must be between"),
+            "{errs:?}"
+        );
         assert!(errs["train.lr"].contains("not a number"), "{errs:?}");
         assert!(errs["model"].contains("cnn"), "{errs:?}");
         // The spec-wide rules run even though two fields did not parse.
-        assert!(errs["min_participants"].contains("clients_per_round"), "{errs:?}");
+        assert!(
+            errs["min_participants"].contains("clients_per_round"),
+            "{errs:?}"
+        );
     }
 
     #[test]
     fn cross_field_rules_point_at_the_right_field() {
         let errs = errors(parse(&submitted(&[("min_participants", "50")])));
-        assert!(errs["min_participants"].contains("clients_per_round"), "{errs:?}");
+        assert!(
+            errs["min_participants"].contains("clients_per_round"),
+            "{errs:?}"
+        );
         let errs = errors(parse(&submitted(&[("train.momentum", "1.5")])));
         assert!(errs["train.momentum"].contains("momentum"), "{errs:?}");
     }

@@ -231,7 +231,10 @@ pub fn router(state: AppState) -> Router<AppState> {
             session::require_session,
         ));
     Router::new()
-        .route("/sign-in", get(session::sign_in_page).post(session::sign_in))
+        .route(
+            "/sign-in",
+            get(session::sign_in_page).post(session::sign_in),
+        )
         .route("/static/app.css", get(stylesheet))
         .route("/static/app.js", get(script))
         .merge(guarded)
@@ -240,8 +243,7 @@ pub fn router(state: AppState) -> Router<AppState> {
 
 /// The answer for a path nothing matches outside the API: an HTML 404.
 pub async fn not_found(uri: axum::http::Uri) -> Response {
-    let mut response =
-        PageError::NotFound(format!("page `{}`", uri.path())).into_response();
+    let mut response = PageError::NotFound(format!("page `{}`", uri.path())).into_response();
     response
         .headers_mut()
         .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));

@@ -106,10 +106,8 @@ pub async fn experiments(
     State(state): State<AppState>,
     Extension(session): Extension<Session>,
 ) -> Result<Response, PageError> {
-    let (list, accuracy) = tokio::try_join!(
-        state.store.experiments(),
-        state.store.latest_accuracies()
-    )?;
+    let (list, accuracy) =
+        tokio::try_join!(state.store.experiments(), state.store.latest_accuracies())?;
     let rows = list
         .into_iter()
         .map(|e| {
@@ -445,7 +443,9 @@ pub async fn experiment(
     let best = published
         .iter()
         .filter_map(|r| r.test_accuracy)
-        .fold(None, |best: Option<f64>, a| Some(best.map_or(a, |b| b.max(a))));
+        .fold(None, |best: Option<f64>, a| {
+            Some(best.map_or(a, |b| b.max(a)))
+        });
     let latest = published.last();
     let state_now = exp.state;
     let page = ExperimentPage {
@@ -570,7 +570,8 @@ async fn live_round(state: &AppState, r: &Round, now: i64) -> Result<LiveRound, 
             } else {
                 String::new()
             };
-            live.dropped_at.push((label, ids.len(), format!("{shown}{more}")));
+            live.dropped_at
+                .push((label, ids.len(), format!("{shown}{more}")));
         }
     }
     Ok(live)

@@ -45,14 +45,15 @@ pub struct Session {
 
 /// The CSRF token of the session whose id is `session_id`.
 pub fn csrf_token(session_id: &str) -> String {
-    to_hex(&hash_secret(&format!("cohort-dashboard-csrf\0{session_id}")))
+    to_hex(&hash_secret(&format!(
+        "cohort-dashboard-csrf\0{session_id}"
+    )))
 }
 
 /// Compares two tokens in time that does not depend on where they differ.
 fn same_token(a: &str, b: &str) -> bool {
     a.len() == b.len()
-        && a
-            .bytes()
+        && a.bytes()
             .zip(b.bytes())
             .fold(0u8, |acc, (x, y)| acc | (x ^ y))
             == 0
@@ -176,8 +177,7 @@ pub async fn require_session(
                 .path_and_query()
                 .map(|pq| pq.as_str())
                 .unwrap_or("/");
-            let next: String =
-                url_encode(target);
+            let next: String = url_encode(target);
             return Ok(Redirect::to(&format!("/sign-in?next={next}")).into_response());
         }
         return Err(PageError::Forbidden(
@@ -189,9 +189,7 @@ pub async fn require_session(
         request
     } else {
         if cross_site(request.headers()) {
-            return Err(PageError::Forbidden(
-                "cross-site request refused".into(),
-            ));
+            return Err(PageError::Forbidden("cross-site request refused".into()));
         }
         let (parts, body) = request.into_parts();
         let bytes = axum::body::to_bytes(body, MAX_FORM_BYTES)
@@ -315,9 +313,17 @@ pub async fn sign_in(
     let headers = response.headers_mut();
     headers.append(
         header::SET_COOKIE,
-        set_cookie(&state, SESSION_COOKIE, &session_id, SESSION_LIFETIME_MS / 1000),
+        set_cookie(
+            &state,
+            SESSION_COOKIE,
+            &session_id,
+            SESSION_LIFETIME_MS / 1000,
+        ),
     );
-    headers.append(header::SET_COOKIE, set_cookie(&state, SIGN_IN_COOKIE, "", 0));
+    headers.append(
+        header::SET_COOKIE,
+        set_cookie(&state, SIGN_IN_COOKIE, "", 0),
+    );
     Ok(response)
 }
 
@@ -333,9 +339,10 @@ pub async fn sign_out(
             .await?;
     }
     let mut response = Redirect::to("/sign-in").into_response();
-    response
-        .headers_mut()
-        .append(header::SET_COOKIE, set_cookie(&state, SESSION_COOKIE, "", 0));
+    response.headers_mut().append(
+        header::SET_COOKIE,
+        set_cookie(&state, SESSION_COOKIE, "", 0),
+    );
     Ok(response)
 }
 
@@ -346,7 +353,13 @@ mod tests {
     #[test]
     fn next_stays_on_this_site() {
         assert_eq!(safe_next(Some("/clients?page=2")), "/clients?page=2");
-        for bad in ["//evil.example", "https://evil.example", "/\\evil", "", "/sign-in"] {
+        for bad in [
+            "//evil.example",
+            "https://evil.example",
+            "/\\evil",
+            "",
+            "/sign-in",
+        ] {
             assert_eq!(safe_next(Some(bad)), "/experiments", "{bad}");
         }
         assert_eq!(safe_next(None), "/experiments");
@@ -355,7 +368,10 @@ mod tests {
     #[test]
     fn a_cookie_sent_twice_is_trusted_neither_time() {
         let mut headers = HeaderMap::new();
-        headers.append(header::COOKIE, HeaderValue::from_static("a=1; cohort_session=x"));
+        headers.append(
+            header::COOKIE,
+            HeaderValue::from_static("a=1; cohort_session=x"),
+        );
         assert_eq!(cookie(&headers, SESSION_COOKIE), Some("x"));
         headers.append(header::COOKIE, HeaderValue::from_static("cohort_session=y"));
         assert_eq!(cookie(&headers, SESSION_COOKIE), None);
@@ -366,9 +382,15 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.insert(header::HOST, HeaderValue::from_static("127.0.0.1:8443"));
         assert!(!cross_site(&headers));
-        headers.insert(header::ORIGIN, HeaderValue::from_static("https://127.0.0.1:8443"));
+        headers.insert(
+            header::ORIGIN,
+            HeaderValue::from_static("https://127.0.0.1:8443"),
+        );
         assert!(!cross_site(&headers));
-        headers.insert(header::ORIGIN, HeaderValue::from_static("https://evil.example"));
+        headers.insert(
+            header::ORIGIN,
+            HeaderValue::from_static("https://evil.example"),
+        );
         assert!(cross_site(&headers));
         headers.insert(header::ORIGIN, HeaderValue::from_static("null"));
         assert!(cross_site(&headers));

@@ -139,9 +139,8 @@ impl ExperimentSpec {
     /// can show all of them next to their fields at once. Empty when the spec is valid.
     pub fn problems(&self) -> Vec<SpecProblem> {
         let mut problems = Vec::new();
-        let mut bad = |field: &'static str, message: String| {
-            problems.push(SpecProblem { field, message })
-        };
+        let mut bad =
+            |field: &'static str, message: String| problems.push(SpecProblem { field, message });
         if self.name.trim().is_empty() || self.name.len() > 200 {
             bad("name", "name must be 1 to 200 characters".into());
         }

@@ -8,8 +8,8 @@ use std::collections::HashMap;
 use uuid::Uuid;
 
 use super::{
-    BeginWrite, Client, ClientRow, EnrolmentToken, Job, JobRow, Pool, TokenRow, Store, StoreError, audit, parse_uuid,
-    with_pool,
+    BeginWrite, Client, ClientRow, EnrolmentToken, Job, JobRow, Pool, Store, StoreError, TokenRow,
+    audit, parse_uuid, with_pool,
 };
 
 /// A session is refused after this long without a request, Unix ms.

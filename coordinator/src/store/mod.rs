@@ -28,15 +28,15 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePo
 use uuid::Uuid;
 
 pub use dashboard::{ClientPage, JobSummary, LatestAccuracy, SESSION_IDLE_MS};
-pub use jobs::{Job, JobKind, JobState};
 use jobs::JobRow;
-use tokens::{ClientRow, TokenRow};
+pub use jobs::{Job, JobKind, JobState};
 pub use rounds::{
     NewUpload, Participation, ParticipationState, PendingTask, PublishedModel, Round, RoundMetrics,
     RoundStage, Upload,
 };
 pub use secagg::{SecAggMessage, SecAggMessageKind, SecureNext};
 pub use tokens::{Client, EnrolmentToken};
+use tokens::{ClientRow, TokenRow};
 
 static SQLITE_MIGRATIONS: Migrator = sqlx::migrate!("../migrations/sqlite");
 static POSTGRES_MIGRATIONS: Migrator = sqlx::migrate!("../migrations/postgres");

@@ -1,0 +1,528 @@
+//! The dashboard's guard over a real TLS socket: without a session no page shows and no
+//! action runs; with one, no state-changing request runs without the session's CSRF
+//! token or from another site; sign-in and sign-out behave.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use cohort_coordinator::server::{ServeFlags, ServeSettings, prepare};
+use reqwest::header::{CONTENT_TYPE, COOKIE, LOCATION, ORIGIN, SET_COOKIE};
+use reqwest::{Method, StatusCode};
+use tokio::sync::oneshot;
+
+struct Server {
+    base: String,
+    http: reqwest::Client,
+    token: String,
+    stop: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<(), cohort_coordinator::server::ServeError>>,
+    _dir: tempfile::TempDir,
+}
+
+async fn start() -> Server {
+    cohort_coordinator::server::install_crypto_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let settings = ServeSettings::from_sources(
+        None,
+        &HashMap::new(),
+        ServeFlags {
+            listen: Some("127.0.0.1:0".parse().unwrap()),
+            data_dir: Some(dir.path().to_path_buf()),
+            dev_tls: true,
+            ..ServeFlags::default()
+        },
+    )
+    .unwrap();
+    let prepared = prepare(settings).await.unwrap();
+    let base = prepared.base_url();
+    let token = prepared
+        .generated_admin_token
+        .as_ref()
+        .unwrap()
+        .expose()
+        .to_string();
+    let ca = std::fs::read(prepared.dev_ca_cert.as_ref().unwrap()).unwrap();
+    let http = reqwest::Client::builder()
+        .tls_certs_only([reqwest::Certificate::from_pem(&ca).unwrap()])
+        // Redirects are what these tests look at; never follow them.
+        .redirect(reqwest::redirect::Policy::none())
+        .timeout(Duration::from_secs(20))
+        .build()
+        .unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(prepared.serve(async move {
+        let _ = stopped.await;
+    }));
+    Server {
+        base,
+        http,
+        token,
+        stop,
+        task,
+        _dir: dir,
+    }
+}
+
+impl Server {
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// A form POST with `cookie` (if any) and the fields.
+    async fn post(
+        &self,
+        path: &str,
+        cookie: Option<&str>,
+        fields: &[(&str, &str)],
+    ) -> reqwest::Response {
+        let mut req = self
+            .http
+            .post(self.url(path))
+            .header(CONTENT_TYPE, "application/x-www-form-urlencoded")
+            .body(encode(fields));
+        if let Some(cookie) = cookie {
+            req = req.header(COOKIE, cookie);
+        }
+        req.send().await.unwrap()
+    }
+
+    async fn get(&self, path: &str, cookie: Option<&str>) -> reqwest::Response {
+        let mut req = self.http.get(self.url(path));
+        if let Some(cookie) = cookie {
+            req = req.header(COOKIE, cookie);
+        }
+        req.send().await.unwrap()
+    }
+
+    /// An admin API call; its JSON.
+    async fn api(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> serde_json::Value {
+        let mut req = self
+            .http
+            .request(method, self.url(&format!("/api/v1/admin{path}")))
+            .bearer_auth(&self.token);
+        if let Some(body) = body {
+            req = req.json(&body);
+        }
+        let r = req.send().await.unwrap();
+        assert!(r.status().is_success(), "{path}: {}", r.status());
+        r.json().await.unwrap_or(serde_json::Value::Null)
+    }
+
+    /// Signs in through the form; the `Cookie` header value of the new session.
+    async fn sign_in(&self) -> String {
+        let page = self.get("/sign-in", None).await;
+        let form_cookie = cookie_pair(&page, "cohort_sign_in").expect("sign-in form cookie");
+        let html = page.text().await.unwrap();
+        let form_token = hidden(&html, "csrf");
+        let r = self
+            .post(
+                "/sign-in",
+                Some(&form_cookie),
+                &[
+                    ("csrf", &form_token),
+                    ("token", &self.token),
+                    ("next", "/clients"),
+                ],
+            )
+            .await;
+        assert_eq!(r.status(), StatusCode::SEE_OTHER);
+        assert_eq!(r.headers()[LOCATION], "/clients");
+        cookie_pair(&r, "cohort_session").expect("session cookie")
+    }
+
+    async fn shut_down(self) {
+        let _ = self.stop.send(());
+        let _ = tokio::time::timeout(Duration::from_secs(20), self.task).await;
+    }
+}
+
+/// An urlencoded form body.
+fn encode(fields: &[(&str, &str)]) -> String {
+    serde_urlencoded::to_string(fields).unwrap()
+}
+
+/// `name=value` of the cookie `name` that the response sets.
+fn cookie_pair(r: &reqwest::Response, name: &str) -> Option<String> {
+    r.headers().get_all(SET_COOKIE).iter().find_map(|v| {
+        let text = v.to_str().ok()?;
+        let pair = text.split(';').next()?.trim();
+        (pair.starts_with(&format!("{name}=")) && pair.len() > name.len() + 1)
+            .then(|| pair.to_string())
+    })
+}
+
+/// The value of the first hidden input `name` in `html`.
+fn hidden(html: &str, name: &str) -> String {
+    let needle = format!("name=\"{name}\" value=\"");
+    let start = html
+        .find(&needle)
+        .unwrap_or_else(|| panic!("no {name} in {html}"))
+        + needle.len();
+    html[start..start + html[start..].find('"').unwrap()].to_string()
+}
+
+/// A complete, valid new-experiment form.
+fn experiment_form(csrf: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("csrf", csrf.to_string()),
+        ("name", "guarded".into()),
+        ("features", "64".into()),
+        ("classes", "10".into()),
+        ("model", "logreg".into()),
+        ("strategy", "fedavg".into()),
+        ("seed", "0".into()),
+        ("rounds", "3".into()),
+        ("clients_per_round", "2".into()),
+        ("min_participants", "2".into()),
+        ("over_selection", "1".into()),
+        ("collect_deadline_seconds", "60".into()),
+        ("max_round_attempts", "2".into()),
+        ("train.local_epochs", "1".into()),
+        ("train.batch_size", "16".into()),
+        ("train.lr", "0.1".into()),
+        ("train.momentum", "0".into()),
+        ("train.weight_decay", "0".into()),
+    ]
+}
+
+fn pairs<'a>(form: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> {
+    form.iter().map(|(k, v)| (*k, v.as_str())).collect()
+}
+
+#[tokio::test]
+async fn without_a_session_pages_go_to_sign_in_and_actions_are_refused() {
+    let server = start().await;
+    let exp = server
+        .api(
+            Method::POST,
+            "/experiments",
+            Some(
+                serde_json::json!({"name": "e", "features": 64, "classes": 10, "model": "logreg",
+                "rounds": 2, "clients_per_round": 2, "min_participants": 1}),
+            ),
+        )
+        .await;
+    let id = exp["id"].as_str().unwrap().to_string();
+    let token = server
+        .api(
+            Method::POST,
+            "/enrolment-tokens",
+            Some(serde_json::json!({"label": "site"})),
+        )
+        .await;
+    let token_id = token["id"].as_str().unwrap().to_string();
+    let pages = [
+        "/".to_string(),
+        "/experiments".into(),
+        "/experiments/new".into(),
+        format!("/experiments/{id}"),
+        format!("/experiments/{id}?page=2"),
+        format!("/experiments/{id}/model"),
+        format!("/experiments/{id}/model.safetensors"),
+        "/clients".into(),
+        "/clients?page=3".into(),
+    ];
+    // No cookie, a made-up session, and a malformed one.
+    let forged = format!("cohort_session={}", "ab".repeat(32));
+    for cookie in [
+        None,
+        Some(forged.as_str()),
+        Some("cohort_session=../../etc"),
+    ] {
+        for page in &pages {
+            let r = server.get(page, cookie).await;
+            assert_eq!(r.status(), StatusCode::SEE_OTHER, "{page} {cookie:?}");
+            let location = r.headers()[LOCATION].to_str().unwrap().to_string();
+            assert!(
+                location.starts_with("/sign-in?next=/"),
+                "{page}: {location}"
+            );
+            let body = r.text().await.unwrap();
+            assert!(
+                !body.contains(&id) || page.contains(&id),
+                "{page} leaked the experiment"
+            );
+        }
+        let actions = [
+            "/experiments".to_string(),
+            format!("/experiments/{id}/start"),
+            format!("/experiments/{id}/pause"),
+            format!("/experiments/{id}/resume"),
+            format!("/experiments/{id}/stop"),
+            format!("/clients/{}/revoke", uuid::Uuid::new_v4()),
+            "/tokens".into(),
+            format!("/tokens/{token_id}/revoke"),
+            "/sign-out".into(),
+        ];
+        for action in &actions {
+            let form = experiment_form("anything");
+            let r = server.post(action, cookie, &pairs(&form)).await;
+            assert_eq!(r.status(), StatusCode::FORBIDDEN, "{action} {cookie:?}");
+            assert!(r.text().await.unwrap().contains("not signed in"));
+        }
+    }
+    // Nothing changed.
+    let list = server.api(Method::GET, "/experiments", None).await;
+    assert_eq!(list.as_array().unwrap().len(), 1);
+    assert_eq!(list[0]["state"], "created");
+    let tokens = server.api(Method::GET, "/enrolment-tokens", None).await;
+    assert_eq!(tokens.as_array().unwrap().len(), 1);
+    assert!(tokens[0]["revoked_at"].is_null());
+    // The sign-in page and the assets are the only things open.
+    assert_eq!(server.get("/sign-in", None).await.status(), StatusCode::OK);
+    assert_eq!(
+        server.get("/static/app.css", None).await.status(),
+        StatusCode::OK
+    );
+    server.shut_down().await;
+}
+
+#[tokio::test]
+async fn state_changing_requests_need_this_sessions_csrf_token_and_this_site() {
+    let server = start().await;
+    let session = server.sign_in().await;
+    let other = server.sign_in().await;
+    let html = server
+        .get("/experiments/new", Some(&session))
+        .await
+        .text()
+        .await
+        .unwrap();
+    let csrf = hidden(&html, "csrf");
+    let other_html = server
+        .get("/experiments/new", Some(&other))
+        .await
+        .text()
+        .await
+        .unwrap();
+    let other_csrf = hidden(&other_html, "csrf");
+    assert_ne!(csrf, other_csrf, "each session has its own token");
+
+    let mut without = experiment_form("");
+    without.retain(|(k, _)| *k != "csrf");
+    for (what, form) in [
+        ("no token", without),
+        ("an empty token", experiment_form("")),
+        ("a wrong token", experiment_form(&"0".repeat(64))),
+        ("another session's token", experiment_form(&other_csrf)),
+    ] {
+        let r = server
+            .post("/experiments", Some(&session), &pairs(&form))
+            .await;
+        assert_eq!(r.status(), StatusCode::FORBIDDEN, "{what}");
+        assert!(r.text().await.unwrap().contains("CSRF"), "{what}");
+    }
+    // The right token from a page of another site.
+    let r = server
+        .http
+        .post(server.url("/experiments"))
+        .header(COOKIE, &session)
+        .header(ORIGIN, "https://evil.example")
+        .header(CONTENT_TYPE, "application/x-www-form-urlencoded")
+        .body(encode(&pairs(&experiment_form(&csrf))))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::FORBIDDEN);
+    assert!(
+        server
+            .api(Method::GET, "/experiments", None)
+            .await
+            .as_array()
+            .unwrap()
+            .is_empty(),
+        "a refused request created an experiment"
+    );
+
+    // With the token: created, and its start needs the token too.
+    let r = server
+        .post(
+            "/experiments",
+            Some(&session),
+            &pairs(&experiment_form(&csrf)),
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::SEE_OTHER);
+    let page = r.headers()[LOCATION].to_str().unwrap().to_string();
+    let r = server
+        .post(&format!("{page}/start"), Some(&session), &[])
+        .await;
+    assert_eq!(r.status(), StatusCode::FORBIDDEN);
+    let list = server.api(Method::GET, "/experiments", None).await;
+    assert_eq!(list[0]["state"], "created");
+    let r = server
+        .post(&format!("{page}/start"), Some(&session), &[("csrf", &csrf)])
+        .await;
+    assert_eq!(r.status(), StatusCode::SEE_OTHER);
+    let list = server.api(Method::GET, "/experiments", None).await;
+    assert_eq!(list[0]["state"], "running");
+    // Starting twice is a conflict, shown as a page.
+    let r = server
+        .post(&format!("{page}/start"), Some(&session), &[("csrf", &csrf)])
+        .await;
+    assert_eq!(r.status(), StatusCode::CONFLICT);
+
+    // Sign-out needs the token as well; without it the session lives on.
+    let r = server.post("/sign-out", Some(&session), &[]).await;
+    assert_eq!(r.status(), StatusCode::FORBIDDEN);
+    assert_eq!(
+        server.get("/experiments", Some(&session)).await.status(),
+        StatusCode::OK
+    );
+    server.shut_down().await;
+}
+
+#[tokio::test]
+async fn sign_in_gives_a_strict_http_only_cookie_and_sign_out_ends_the_session() {
+    let server = start().await;
+    // The sign-in form itself is protected: no form cookie, no session.
+    let r = server
+        .post("/sign-in", None, &[("csrf", "x"), ("token", &server.token)])
+        .await;
+    assert_eq!(r.status(), StatusCode::FORBIDDEN);
+    assert!(cookie_pair(&r, "cohort_session").is_none());
+    // A wrong token is refused with the form again.
+    let page = server.get("/sign-in", None).await;
+    let form_cookie = cookie_pair(&page, "cohort_sign_in").unwrap();
+    let form_token = hidden(&page.text().await.unwrap(), "csrf");
+    let r = server
+        .post(
+            "/sign-in",
+            Some(&form_cookie),
+            &[("csrf", &form_token), ("token", "not-the-token")],
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    assert!(cookie_pair(&r, "cohort_session").is_none());
+    assert!(r.text().await.unwrap().contains("not the admin token"));
+    // An open redirect is not on offer.
+    let r = server
+        .post(
+            "/sign-in",
+            Some(&form_cookie),
+            &[
+                ("csrf", &form_token),
+                ("token", &server.token),
+                ("next", "//evil.example/x"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::SEE_OTHER);
+    assert_eq!(r.headers()[LOCATION], "/experiments");
+    let set = r
+        .headers()
+        .get_all(SET_COOKIE)
+        .iter()
+        .map(|v| v.to_str().unwrap().to_string())
+        .find(|v| v.starts_with("cohort_session="))
+        .unwrap();
+    for attribute in ["HttpOnly", "SameSite=Strict", "Secure", "Path=/"] {
+        assert!(set.contains(attribute), "{set} lacks {attribute}");
+    }
+    let session = set.split(';').next().unwrap().to_string();
+    let html = server
+        .get("/experiments", Some(&session))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(html.contains("Sign out"));
+    let csrf = hidden(&html, "csrf");
+    let r = server
+        .post("/sign-out", Some(&session), &[("csrf", &csrf)])
+        .await;
+    assert_eq!(r.status(), StatusCode::SEE_OTHER);
+    assert_eq!(r.headers()[LOCATION], "/sign-in");
+    // The old cookie is dead on the server, not just deleted in the browser.
+    let r = server.get("/experiments", Some(&session)).await;
+    assert_eq!(r.status(), StatusCode::SEE_OTHER);
+    server.shut_down().await;
+}
+
+#[tokio::test]
+async fn the_form_shows_each_problem_next_to_its_field_and_pages_render() {
+    let server = start().await;
+    let session = server.sign_in().await;
+    let html = server
+        .get("/experiments/new", Some(&session))
+        .await
+        .text()
+        .await
+        .unwrap();
+    let csrf = hidden(&html, "csrf");
+    let mut form = experiment_form(&csrf);
+    for (k, v) in form.iter_mut() {
+        match *k {
+            "rounds" => *v = "0".into(),
+            "train.lr" => *v = "fast".into(),
+            "min_participants" => *v = "9".into(),
+            _ => {}
+        }
+    }
+    let r = server
+        .post("/experiments", Some(&session), &pairs(&form))
+        .await;
+    assert_eq!(r.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    let html = r.text().await.unwrap();
+    for (field, words) in [
+        ("rounds", "rounds must be between 1 and 100000"),
+        ("train.lr", "`fast` is not a number"),
+        (
+            "min_participants",
+            "min_participants must be between 1 and clients_per_round",
+        ),
+    ] {
+        let id = format!("id=\"{field}-error\">");
+        let at = html
+            .find(&id)
+            .unwrap_or_else(|| panic!("no message for {field}"));
+        assert!(
+            html[at..].starts_with(&format!("{id}{words}")),
+            "{field}: {}",
+            &html[at..at + 120]
+        );
+    }
+    // What was typed comes back.
+    assert!(html.contains("name=\"train.lr\" type=\"number\" value=\"fast\""));
+    assert!(
+        server
+            .api(Method::GET, "/experiments", None)
+            .await
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
+
+    // A token made on the clients page is shown once and listed after.
+    let r = server
+        .post(
+            "/tokens",
+            Some(&session),
+            &[("csrf", &csrf), ("label", "St. Elsewhere")],
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::CREATED);
+    let html = r.text().await.unwrap();
+    assert!(html.contains("id=\"issued-token\""));
+    let again = server
+        .get("/clients", Some(&session))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(again.contains("St. Elsewhere") && !again.contains("issued-token"));
+    let r = server
+        .post(
+            "/tokens",
+            Some(&session),
+            &[("csrf", &csrf), ("label", " ")],
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    server.shut_down().await;
+}
