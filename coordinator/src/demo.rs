@@ -166,6 +166,8 @@ async fn run_async(args: &DemoArgs) -> Result<DemoOutcome, String> {
             data_dir: Some(run_dir.join("coordinator")),
             database_url: args.database_url.clone(),
             dev_tls: true,
+            // The dashboard then charts test accuracy as the rounds go.
+            eval_data: Some(clients_dir.join("test.csv")),
             ..ServeFlags::default()
         },
     )

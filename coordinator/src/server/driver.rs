@@ -336,9 +336,50 @@ async fn aggregate_secure(
     .map_err(|e| DriverError::Aggregation(e.to_string()))??;
     let metrics = RoundMetrics {
         train_loss: Some(mean_loss),
-        ..RoundMetrics::default()
+        ..evaluate(state, exp, &published).await
     };
     publish(state, exp.id, round, &published, metrics).await
+}
+
+/// Test accuracy and loss of a just-aggregated model on the coordinator's held-out set,
+/// when it has one that fits the experiment (same features and classes). Evaluation is a
+/// report, not a step of the round: when it cannot run, the round publishes without it.
+async fn evaluate(state: &AppState, exp: &Experiment, model: &PublishedModel) -> RoundMetrics {
+    let Some(data) = state.eval.clone() else {
+        return RoundMetrics::default();
+    };
+    let Ok((_, spec)) = experiment_model(exp) else {
+        return RoundMetrics::default();
+    };
+    if data.features.ncols() != spec.inputs() || data.classes.len() != spec.classes() {
+        return RoundMetrics::default();
+    }
+    let blobs = state.blobs.clone();
+    let path = model.blob_path.clone();
+    let outcome = tokio::task::spawn_blocking(move || -> Result<(f64, f64), String> {
+        let bytes = blobs.get(&path).map_err(|e| e.to_string())?;
+        let params = wire::decode(spec.layout(), &bytes).map_err(|e| e.to_string())?;
+        let eval = spec
+            .evaluate(params.values(), data.features.view(), &data.labels)
+            .map_err(|e| e.to_string())?;
+        Ok((eval.accuracy, eval.loss))
+    })
+    .await;
+    match outcome {
+        Ok(Ok((accuracy, loss))) => RoundMetrics {
+            test_accuracy: Some(accuracy),
+            test_loss: Some(loss),
+            train_loss: None,
+        },
+        Ok(Err(e)) => {
+            tracing::warn!(experiment = %exp.id, error = %e, "evaluation skipped");
+            RoundMetrics::default()
+        }
+        Err(e) => {
+            tracing::warn!(experiment = %exp.id, error = %e, "evaluation task failed");
+            RoundMetrics::default()
+        }
+    }
 }
 
 /// Publishes a round's model; a conflict means an earlier run of the job already did.
@@ -438,7 +479,7 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
         .fold((0.0, 0.0), |(l, n), (loss, s)| (l + loss * s, n + s));
     let metrics = RoundMetrics {
         train_loss: (samples > 0.0).then(|| weighted / samples),
-        ..RoundMetrics::default()
+        ..evaluate(state, &exp, &published).await
     };
     publish(state, exp.id, &round, &published, metrics).await
 }

@@ -61,6 +61,8 @@ pub struct AppState {
     pub blobs: BlobStore,
     /// Where aggregation's hot loops run (the CPU's cores or a GPU).
     pub reducer: Arc<dyn cohort_aggregation::reduce::Reducer>,
+    /// The held-out set published models are evaluated on (`--eval-data`), if any.
+    pub eval: Option<Arc<cohort_edge::data::Dataset>>,
 }
 
 impl AppState {
@@ -79,7 +81,14 @@ impl AppState {
             store,
             blobs,
             reducer,
+            eval: None,
         }
+    }
+
+    /// The same state, evaluating published models on `data`.
+    pub fn with_eval_data(mut self, data: cohort_edge::data::Dataset) -> Self {
+        self.eval = Some(Arc::new(data));
+        self
     }
 }
 
@@ -123,6 +132,14 @@ pub enum ServeError {
     /// `--reducer cuda` without a usable GPU.
     #[error("reducer: {0}")]
     Reducer(String),
+    /// `--eval-data` names a file that cannot be read as a labelled CSV.
+    #[error("eval data `{path}`: {message}")]
+    EvalData {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        message: String,
+    },
 }
 
 impl ServeError {
@@ -130,7 +147,7 @@ impl ServeError {
     /// files (fix the input), 1 otherwise.
     pub fn exit_code(&self) -> u8 {
         match self {
-            ServeError::Tls(_) | ServeError::Reducer(_) => 2,
+            ServeError::Tls(_) | ServeError::Reducer(_) | ServeError::EvalData { .. } => 2,
             _ => 1,
         }
     }
@@ -254,9 +271,31 @@ fn prepare_blocking(settings: ServeSettings, store: Store) -> Result<Prepared, S
     let selected = cohort_aggregation::reduce::select(settings.reducer)
         .map_err(|e| ServeError::Reducer(format!("--reducer {}: {e}", settings.reducer)))?;
     tracing::info!("{}", selected.line);
+    let eval = match settings.eval_data.clone() {
+        Some(path) => {
+            // Already on the blocking pool.
+            let data = cohort_edge::data::load_csv(&path).map_err(|e| ServeError::EvalData {
+                    path: path.clone(),
+                    message: e.to_string(),
+                })?;
+            tracing::info!(
+                path = %path.display(),
+                samples = data.labels.len(),
+                features = data.features.ncols(),
+                classes = data.classes.len(),
+                "published models are evaluated on this held-out set"
+            );
+            Some(data)
+        }
+        None => None,
+    };
+    let mut state = AppState::new(settings, admin, store, blobs, selected.reducer);
+    if let Some(data) = eval {
+        state = state.with_eval_data(data);
+    }
     Ok(Prepared {
         listener,
-        state: AppState::new(settings, admin, store, blobs, selected.reducer),
+        state,
         tls,
         local_addr,
         dev_ca_cert,

@@ -95,6 +95,9 @@ pub struct ServeSettings {
     /// Where aggregation's hot loops run: `auto` (the GPU when one is usable), `cpu` or
     /// `cuda`.
     pub reducer: cohort_aggregation::reduce::ReducerChoice,
+    /// A held-out labelled CSV the coordinator evaluates every published model on (test
+    /// accuracy and loss per round), for experiments whose features and classes match it.
+    pub eval_data: Option<PathBuf>,
 }
 
 /// Why the settings cannot be used. Messages name the setting and, except for secrets,
@@ -207,6 +210,10 @@ pub struct ServeFlags {
     /// else the CPU), cpu or cuda [env: COHORT_REDUCER] [default: auto]
     #[arg(long, value_name = "auto|cpu|cuda")]
     pub reducer: Option<cohort_aggregation::reduce::ReducerChoice>,
+    /// Held-out labelled CSV (or .csv.gz) to evaluate each published model on, for the
+    /// experiments whose features and classes match it [env: COHORT_EVAL_DATA]
+    #[arg(long, value_name = "FILE")]
+    pub eval_data: Option<PathBuf>,
 }
 
 /// `cohort serve`'s command line: an optional config file plus the flags.
@@ -234,6 +241,7 @@ struct Layer {
     admin_token: Option<String>,
     max_body_bytes: Option<usize>,
     reducer: Option<cohort_aggregation::reduce::ReducerChoice>,
+    eval_data: Option<PathBuf>,
 }
 
 impl Layer {
@@ -250,6 +258,7 @@ impl Layer {
             admin_token: over.admin_token.or(self.admin_token),
             max_body_bytes: over.max_body_bytes.or(self.max_body_bytes),
             reducer: over.reducer.or(self.reducer),
+            eval_data: over.eval_data.or(self.eval_data),
         }
     }
 
@@ -321,6 +330,7 @@ impl Layer {
                     })
                 })
                 .transpose()?,
+            eval_data: get("COHORT_EVAL_DATA").map(PathBuf::from),
         })
     }
 
@@ -337,6 +347,7 @@ impl Layer {
             admin_token: flags.admin_token,
             max_body_bytes: flags.max_body_bytes,
             reducer: flags.reducer,
+            eval_data: flags.eval_data,
         }
     }
 }
@@ -424,6 +435,7 @@ impl ServeSettings {
             admin_token,
             max_body_bytes,
             reducer: layer.reducer.unwrap_or_default(),
+            eval_data: layer.eval_data,
         })
     }
 }
