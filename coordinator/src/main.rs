@@ -53,6 +53,9 @@ enum BenchCommand {
     /// The reducer's hot loops (FedAvg sum, masked sum, mask expansion) next to a memory
     /// read probe of the same run.
     Reduce(cohort_coordinator::bench::reduce::ReduceBenchArgs),
+    /// The dashboard's pages at the server, for an experiment with many rounds and many
+    /// clients (a fresh database filled for the purpose).
+    Dashboard(cohort_coordinator::bench::dashboard::DashboardBenchArgs),
 }
 
 /// Flags override the keys of the same name in `--config`.
@@ -233,6 +236,15 @@ fn main() -> ExitCode {
             };
             eprintln!("{}", selected.line);
             match cohort_coordinator::bench::reduce::run(&args, selected.reducer.as_ref()) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(2)
+                }
+            }
+        }
+        Command::Bench(BenchCommand::Dashboard(args)) => {
+            match cohort_coordinator::bench::dashboard::run(&args) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("error: {e}");

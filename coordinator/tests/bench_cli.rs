@@ -141,3 +141,52 @@ fn reduce_bench_prints_the_named_fields() {
         assert!(cuda.stdout.is_empty());
     }
 }
+
+/// `cohort bench dashboard` renders every page of a filled database and reports each.
+#[test]
+fn dashboard_bench_times_every_page_of_a_filled_database() {
+    let out = Command::new(env!("CARGO_BIN_EXE_cohort"))
+        .args(["bench", "dashboard", "--rounds", "30", "--clients", "250"])
+        .args(["--participants", "5", "--repeats", "2"])
+        .output()
+        .expect("cohort runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("every line is JSON"))
+        .collect();
+    let pages: Vec<&str> = lines.iter().map(|l| l["page"].as_str().unwrap()).collect();
+    for page in [
+        "/experiments",
+        "/experiments/{id}",
+        "/clients",
+        "/clients?page=3",
+    ] {
+        assert!(pages.contains(&page), "{page} missing from {pages:?}");
+    }
+    for line in &lines {
+        assert_eq!(line["bench"], "dashboard");
+        assert_eq!(line["rounds"], 30);
+        assert_eq!(line["clients"], 250);
+        assert!(line["median_ms"].as_f64().unwrap() > 0.0, "{line}");
+        assert!(line["p95_ms"].as_f64().unwrap() >= line["median_ms"].as_f64().unwrap());
+        assert!(line["bytes"].as_u64().unwrap() > 0);
+    }
+    let refused = Command::new(env!("CARGO_BIN_EXE_cohort"))
+        .args([
+            "bench",
+            "dashboard",
+            "--participants",
+            "20",
+            "--clients",
+            "10",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(2));
+}

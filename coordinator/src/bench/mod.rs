@@ -4,6 +4,8 @@
 //!   process: client masking, server unmasking, the whole round and the bytes each
 //!   client sends.
 //! - [`reduce`]: the reducer's hot loops against a memory read probe.
+//! - [`dashboard`]: the dashboard's pages at the server for a big deployment.
 
+pub mod dashboard;
 pub mod reduce;
 pub mod secagg;

@@ -14,7 +14,7 @@
 use askama::Template;
 use axum::body::Body;
 use axum::extract::{Query, Request, State};
-use axum::http::{HeaderMap, HeaderValue, Method, header};
+use axum::http::{HeaderMap, HeaderValue, Method, Uri, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Redirect, Response};
 use serde::Deserialize;
@@ -98,23 +98,33 @@ fn set_cookie(state: &AppState, name: &str, value: &str, max_age_s: i64) -> Head
 /// Whether `headers` say the request comes from a page of another site. Browsers send
 /// `Sec-Fetch-Site` and, on POST, `Origin`; a request with neither (a script, curl) is
 /// judged by its CSRF token alone.
-fn cross_site(headers: &HeaderMap) -> bool {
+///
+/// The host is the `Host` header, or under HTTP/2 (which has none) the request URI's
+/// authority.
+fn cross_site(headers: &HeaderMap, uri: &Uri) -> bool {
     if let Some(site) = headers.get("sec-fetch-site").and_then(|v| v.to_str().ok())
         && !matches!(site, "same-origin" | "none")
     {
         return true;
     }
     if let Some(origin) = headers.get(header::ORIGIN) {
-        let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
+        let host = headers
+            .get(header::HOST)
+            .and_then(|v| v.to_str().ok())
+            .or_else(|| uri.authority().map(|a| a.as_str()));
         let origin_host = origin
             .to_str()
             .ok()
             .and_then(|o| o.split_once("://"))
             .map(|(_, authority)| authority);
-        return match (origin_host, host) {
+        let foreign = match (origin_host, host) {
             (Some(o), Some(h)) => !o.eq_ignore_ascii_case(h),
             _ => true,
         };
+        if foreign {
+            tracing::warn!(?origin, ?host, "dashboard: cross-site request refused");
+        }
+        return foreign;
     }
     false
 }
@@ -188,7 +198,7 @@ pub async fn require_session(
     let request = if safe {
         request
     } else {
-        if cross_site(request.headers()) {
+        if cross_site(request.headers(), request.uri()) {
             return Err(PageError::Forbidden("cross-site request refused".into()));
         }
         let (parts, body) = request.into_parts();
@@ -275,10 +285,11 @@ pub async fn sign_in_page(
 /// `POST /sign-in`: checks the admin token and starts a session.
 pub async fn sign_in(
     State(state): State<AppState>,
+    uri: Uri,
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Result<Response, PageError> {
-    if cross_site(&headers) {
+    if cross_site(&headers, &uri) {
         return Err(PageError::Forbidden("cross-site request refused".into()));
     }
     let fields = form_fields(&body)?;
@@ -380,8 +391,9 @@ mod tests {
     #[test]
     fn requests_from_other_sites_are_recognised() {
         let mut headers = HeaderMap::new();
+        let plain: Uri = "/experiments".parse().unwrap();
         headers.insert(header::HOST, HeaderValue::from_static("127.0.0.1:8443"));
-        assert!(!cross_site(&headers));
+        assert!(!cross_site(&headers, &plain));
         headers.insert(
             header::ORIGIN,
             HeaderValue::from_static("https://127.0.0.1:8443"),

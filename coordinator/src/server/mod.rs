@@ -275,9 +275,9 @@ fn prepare_blocking(settings: ServeSettings, store: Store) -> Result<Prepared, S
         Some(path) => {
             // Already on the blocking pool.
             let data = cohort_edge::data::load_csv(&path).map_err(|e| ServeError::EvalData {
-                    path: path.clone(),
-                    message: e.to_string(),
-                })?;
+                path: path.clone(),
+                message: e.to_string(),
+            })?;
             tracing::info!(
                 path = %path.display(),
                 samples = data.labels.len(),
