@@ -398,17 +398,23 @@ mod tests {
             header::ORIGIN,
             HeaderValue::from_static("https://127.0.0.1:8443"),
         );
-        assert!(!cross_site(&headers));
+        assert!(!cross_site(&headers, &plain));
+        // HTTP/2 has no Host header: the authority is in the URI.
+        let h2: Uri = "https://127.0.0.1:8443/experiments".parse().unwrap();
+        let mut no_host = headers.clone();
+        no_host.remove(header::HOST);
+        assert!(!cross_site(&no_host, &h2));
+        assert!(cross_site(&no_host, &plain));
         headers.insert(
             header::ORIGIN,
             HeaderValue::from_static("https://evil.example"),
         );
-        assert!(cross_site(&headers));
+        assert!(cross_site(&headers, &plain));
         headers.insert(header::ORIGIN, HeaderValue::from_static("null"));
-        assert!(cross_site(&headers));
+        assert!(cross_site(&headers, &plain));
         headers.remove(header::ORIGIN);
         headers.insert("sec-fetch-site", HeaderValue::from_static("cross-site"));
-        assert!(cross_site(&headers));
+        assert!(cross_site(&headers, &plain));
     }
 
     #[test]
