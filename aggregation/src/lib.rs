@@ -12,11 +12,13 @@
 //! - [`secagg`]: secure aggregation (SecAgg+): the server learns only the sum.
 //! - [`reduce`]: the hot loops (weighted sums, modular sums, mask expansion) behind one
 //!   [`reduce::Reducer`] interface with a CPU backend.
+//! - [`privacy`]: differential privacy accounting (RDP).
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod fedavg;
 mod model_vector;
+pub mod privacy;
 pub mod reduce;
 pub mod secagg;
 mod server_optimizer;

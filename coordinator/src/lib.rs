@@ -14,6 +14,7 @@
 //! - [`server`]: `cohort serve`, the HTTP API over TLS.
 //! - [`dashboard`]: the admin web dashboard `cohort serve` shows at `/`.
 //! - [`bench`]: `cohort bench`, measurements a user can rerun.
+//! - [`privacy_cli`]: `cohort privacy`, the privacy accountant on the command line.
 
 pub mod bench;
 pub mod blobs;
@@ -21,6 +22,7 @@ pub mod dashboard;
 pub mod demo;
 pub mod engine;
 pub mod model_files;
+pub mod privacy_cli;
 pub mod seeds;
 pub mod server;
 pub mod simulate;

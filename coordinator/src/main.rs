@@ -39,6 +39,9 @@ enum Command {
     /// Measure Cohort on this machine; JSON lines on stdout.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Differential privacy accounting: epsilon of a run, or the noise for a budget.
+    #[command(subcommand)]
+    Privacy(cohort_coordinator::privacy_cli::PrivacyCommand),
     /// The edge client (as `cohort-edge`), so that `cohort demo` can start it from this
     /// binary.
     #[command(hide = true)]
@@ -225,6 +228,18 @@ fn main() -> ExitCode {
         Command::Serve(args) => run_serve(args),
         Command::Demo(args) => run_demo(&args),
         Command::Partition(args) => run_partition(&args),
+        Command::Privacy(command) => match cohort_coordinator::privacy_cli::run(&command) {
+            Ok(lines) => {
+                for line in lines {
+                    println!("{line}");
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(2)
+            }
+        },
         Command::Edge(args) => cohort_edge::cli::run(args),
         Command::Bench(BenchCommand::Reduce(args)) => {
             let selected = match cohort_aggregation::reduce::select(args.reducer) {
