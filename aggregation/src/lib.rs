@@ -13,6 +13,8 @@
 //! - [`reduce`]: the hot loops (weighted sums, modular sums, mask expansion) behind one
 //!   [`reduce::Reducer`] interface with a CPU backend.
 //! - [`privacy`]: differential privacy accounting (RDP).
+//! - [`robust`]: aggregation rules that resist malicious clients (median, trimmed mean,
+//!   Krum, Multi-Krum).
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -20,6 +22,7 @@ mod fedavg;
 mod model_vector;
 pub mod privacy;
 pub mod reduce;
+pub mod robust;
 pub mod secagg;
 mod server_optimizer;
 mod strategy;
