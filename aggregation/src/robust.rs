@@ -9,8 +9,10 @@
 
 use rayon::prelude::*;
 
-/// A robust aggregation rule.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// A robust aggregation rule. Written as `median`, `trimmed-mean:BETA`, `krum:F` or
+/// `multi-krum:F:M` in settings and on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
 pub enum RobustRule {
     /// Per coordinate, the median of the clients' values (the mean of the middle two for
     /// an even count).
@@ -101,6 +103,58 @@ impl RobustRule {
                 }
                 Ok(())
             }
+        }
+    }
+}
+
+impl std::fmt::Display for RobustRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.name())
+    }
+}
+
+impl From<RobustRule> for String {
+    fn from(rule: RobustRule) -> String {
+        rule.name()
+    }
+}
+
+impl TryFrom<String> for RobustRule {
+    type Error = String;
+    fn try_from(text: String) -> Result<Self, String> {
+        text.parse()
+    }
+}
+
+impl std::str::FromStr for RobustRule {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        const ACCEPTED: &str = "median, trimmed-mean:BETA, krum:F or multi-krum:F:M";
+        let lower = text.trim().to_ascii_lowercase();
+        let parts: Vec<&str> = lower.split(':').collect();
+        let count = |s: &str, what: &str| {
+            s.parse::<usize>()
+                .map_err(|_| format!("`{text}`: {what} must be a whole number, got `{s}`"))
+        };
+        match parts.as_slice() {
+            ["median"] => Ok(RobustRule::Median),
+            ["trimmed-mean", beta] => {
+                let trim: f64 = beta.parse().map_err(|_| {
+                    format!("`{text}`: the trimmed fraction must be a number, got `{beta}`")
+                })?;
+                let rule = RobustRule::TrimmedMean { trim };
+                rule.check(usize::MAX).map_err(|e| e.to_string())?;
+                Ok(rule)
+            }
+            ["krum", f] => Ok(RobustRule::Krum {
+                byzantine: count(f, "the number of byzantine clients")?,
+            }),
+            ["multi-krum", f, m] => Ok(RobustRule::MultiKrum {
+                byzantine: count(f, "the number of byzantine clients")?,
+                select: count(m, "the number of updates averaged")?,
+            }),
+            _ => Err(format!("unknown aggregator `{text}`: expected {ACCEPTED}")),
         }
     }
 }
@@ -370,6 +424,31 @@ mod tests {
             aggregate(RobustRule::Median, &refs(&odd)).unwrap(),
             vec![2.0]
         );
+    }
+
+    #[test]
+    fn rules_are_written_and_read_back() {
+        for rule in [
+            RobustRule::Median,
+            RobustRule::TrimmedMean { trim: 0.2 },
+            RobustRule::Krum { byzantine: 3 },
+            RobustRule::MultiKrum {
+                byzantine: 2,
+                select: 7,
+            },
+        ] {
+            assert_eq!(rule.to_string().parse::<RobustRule>(), Ok(rule));
+        }
+        for bad in [
+            "mean",
+            "trimmed-mean:0.5",
+            "trimmed-mean:x",
+            "krum",
+            "krum:-1",
+            "multi-krum:1",
+        ] {
+            assert!(bad.parse::<RobustRule>().is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -365,7 +365,7 @@ impl RoundEngine {
 
     /// Closes the open round with a mean computed elsewhere, without the engine seeing
     /// any single update: secure aggregation's unmasked weighted mean of the
-    /// participants' models. `None` when the secure round failed. Updates submitted with
+    /// participants' models, or a robust rule's aggregate. `None` when the secure round failed. Updates submitted with
     /// [`submit`](Self::submit) in this round are ignored.
     pub fn close_round_secure(
         &mut self,

@@ -26,7 +26,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Train a federated model over many virtual clients in one process.
-    Simulate(SimulateArgs),
+    Simulate(Box<SimulateArgs>),
     /// Run the coordinator: the HTTP API over TLS. Flags override `COHORT_*` variables,
     /// which override the `--config` file.
     Serve(ServeArgs),
@@ -140,6 +140,17 @@ struct SimulateArgs {
     /// else the CPU) | cpu | cuda [default: auto]
     #[arg(long, value_name = "auto|cpu|cuda")]
     reducer: Option<cohort_aggregation::reduce::ReducerChoice>,
+    /// Robust aggregation instead of the weighted mean: median | trimmed-mean:BETA |
+    /// krum:F | multi-krum:F:M (plaintext rounds only)
+    #[arg(long, value_name = "RULE")]
+    aggregator: Option<cohort_aggregation::robust::RobustRule>,
+    /// Fraction of clients that are malicious [default: 0]
+    #[arg(long, value_name = "P")]
+    malicious: Option<f64>,
+    /// What malicious clients send: sign-flip:S (-S times their update) | scale:S
+    /// [default: sign-flip:4]
+    #[arg(long, value_name = "ATTACK")]
+    attack: Option<cohort_coordinator::simulate::Attack>,
     /// Fraction of the data held out for testing [default: 0.2]
     #[arg(long)]
     test_fraction: Option<f64>,
@@ -184,6 +195,8 @@ impl SimulateArgs {
             clip,
             reducer,
             test_fraction,
+            malicious,
+            attack,
             seed
         );
         set_some!(
@@ -193,7 +206,8 @@ impl SimulateArgs {
             out,
             threshold,
             neighbours,
-            max_weight
+            max_weight,
+            aggregator
         );
         if self.secure_aggregation {
             cfg.secure_aggregation = true;
@@ -224,7 +238,7 @@ fn main() -> ExitCode {
         }
     };
     match cli.command {
-        Command::Simulate(args) => run_simulate(args),
+        Command::Simulate(args) => run_simulate(*args),
         Command::Serve(args) => run_serve(args),
         Command::Demo(args) => run_demo(&args),
         Command::Partition(args) => run_partition(&args),

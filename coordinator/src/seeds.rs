@@ -25,6 +25,8 @@ pub enum Stream {
     LocalTraining = 7,
     /// Secure aggregation: the round's session id and the clients' key material.
     SecureAggregation = 8,
+    /// Which clients are malicious.
+    Malicious = 9,
 }
 
 /// SplitMix64's finaliser: a bijection on `u64` with full avalanche, so nearby inputs

@@ -528,3 +528,20 @@ fn secure_aggregation_settings_are_checked() {
         assert!(!out.exists());
     }
 }
+
+#[test]
+fn robust_aggregation_settings_that_cannot_work_are_rejected() {
+    assert_rejected(
+        &["--aggregator", "median", "--secure-aggregation"],
+        &["--aggregator median", "secure aggregation"],
+        &[],
+    );
+    assert_rejected(
+        &["--aggregator", "krum:5", "--clients", "10"],
+        &["krum", "at least 13"],
+        &[],
+    );
+    assert_rejected(&["--aggregator", "mean"], &["mean", "median"], &[]);
+    assert_rejected(&["--malicious", "1.5"], &["--malicious"], &[]);
+    assert_rejected(&["--attack", "flip"], &["flip", "sign-flip"], &[]);
+}

@@ -165,6 +165,15 @@ pub struct SimulationConfig {
     /// Fraction of the data held out as the global test set.
     #[serde(alias = "test_fraction")]
     pub test_fraction: f64,
+    /// A robust aggregation rule instead of the weighted mean (`median`,
+    /// `trimmed-mean:BETA`, `krum:F`, `multi-krum:F:M`); plaintext rounds only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub aggregator: Option<cohort_aggregation::robust::RobustRule>,
+    /// Fraction of the clients that are malicious (chosen once per run from the seed);
+    /// their updates are replaced as `attack` says.
+    pub malicious: f64,
+    /// What a malicious client sends instead of its honest update.
+    pub attack: Attack,
     /// Seed for every random choice in the run.
     pub seed: u64,
     /// Output directory; `None` picks `runs/simulate-<timestamp>`.
@@ -200,6 +209,9 @@ impl Default for SimulationConfig {
             max_weight: None,
             reducer: cohort_aggregation::reduce::ReducerChoice::Auto,
             test_fraction: 0.2,
+            aggregator: None,
+            malicious: 0.0,
+            attack: Attack::SignFlip { scale: 4.0 },
             seed: 0,
             out: None,
         }
@@ -291,6 +303,30 @@ impl SimulationConfig {
         if self.rounds == 0 {
             return bad("--rounds must be at least 1".into());
         }
+        if !(self.malicious.is_finite() && (0.0..1.0).contains(&self.malicious)) {
+            return bad(format!(
+                "--malicious must be a fraction in [0, 1), got {}",
+                self.malicious
+            ));
+        }
+        if let Some(rule) = self.aggregator {
+            if self.secure_aggregation {
+                return bad(format!(
+                    "--aggregator {rule} needs every client's update, which secure aggregation \
+                     hides from the coordinator: use one or the other"
+                ));
+            }
+            if self.strategy.adaptive_kind().is_some() {
+                return bad(format!(
+                    "--aggregator {rule} replaces the mean that {} steps from: use fedavg or fedprox",
+                    self.strategy
+                ));
+            }
+            // Checked against a full round; a round with fewer uploads than the rule
+            // needs publishes nothing.
+            rule.check(k)
+                .map_err(|e| ConfigError(format!("--aggregator {rule}: {e}")))?;
+        }
         if !(self.dropout.is_finite() && (0.0..1.0).contains(&self.dropout)) {
             return bad(format!(
                 "--dropout must be a probability in [0, 1), got {}",
@@ -369,6 +405,82 @@ impl SimulationConfig {
             momentum: self.momentum as f32,
             weight_decay: self.weight_decay as f32,
             proximal_mu: None,
+        }
+    }
+}
+
+/// What a malicious client sends: its honest update `delta` (new model minus global)
+/// replaced by another. Written `sign-flip:S` (sends `-S * delta`) or `scale:S` (sends
+/// `S * delta`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum Attack {
+    /// Sends `-scale * delta`.
+    SignFlip {
+        /// How much larger than the honest update.
+        scale: f32,
+    },
+    /// Sends `factor * delta`.
+    Scale {
+        /// The factor.
+        factor: f32,
+    },
+}
+
+impl Attack {
+    /// The update a malicious client sends in place of `delta`.
+    pub fn apply(&self, delta: f32) -> f32 {
+        match *self {
+            Attack::SignFlip { scale } => -scale * delta,
+            Attack::Scale { factor } => factor * delta,
+        }
+    }
+}
+
+impl std::fmt::Display for Attack {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Attack::SignFlip { scale } => write!(f, "sign-flip:{scale}"),
+            Attack::Scale { factor } => write!(f, "scale:{factor}"),
+        }
+    }
+}
+
+impl From<Attack> for String {
+    fn from(a: Attack) -> String {
+        a.to_string()
+    }
+}
+
+impl TryFrom<String> for Attack {
+    type Error = String;
+    fn try_from(text: String) -> Result<Self, String> {
+        text.parse()
+    }
+}
+
+impl std::str::FromStr for Attack {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        let lower = text.trim().to_ascii_lowercase();
+        let (name, value) = lower.split_once(':').unwrap_or((lower.as_str(), ""));
+        let number = |v: &str| {
+            v.parse::<f32>()
+                .ok()
+                .filter(|x| x.is_finite())
+                .ok_or_else(|| format!("attack `{text}`: `{v}` is not a finite number"))
+        };
+        match name {
+            "sign-flip" if value.is_empty() => Ok(Attack::SignFlip { scale: 1.0 }),
+            "sign-flip" => Ok(Attack::SignFlip {
+                scale: number(value)?,
+            }),
+            "scale" => Ok(Attack::Scale {
+                factor: number(value)?,
+            }),
+            _ => Err(format!(
+                "unknown attack `{text}`: expected sign-flip, sign-flip:S or scale:S"
+            )),
         }
     }
 }

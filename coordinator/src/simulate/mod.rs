@@ -22,7 +22,7 @@ use cohort_edge::partition::PartitionError;
 use cohort_edge::train::TrainError;
 use serde::Serialize;
 
-pub use config::{ConfigError, DatasetSpec, SimulationConfig};
+pub use config::{Attack, ConfigError, DatasetSpec, SimulationConfig};
 pub use output::{MetricsWriter, StagedDir};
 pub use plot::{Series, write_plots};
 pub use run::{DataFacts, Prepared, RoundRecord, SimulationResult, prepare, run_rounds};

@@ -235,6 +235,15 @@ pub fn run_rounds(
         .reducer;
     engine.set_reducer(reducer.clone());
     let all: Vec<ClientId> = (0..prepared.clients.len() as u64).map(ClientId).collect();
+    // The malicious clients, fixed for the run.
+    let malicious: std::collections::BTreeSet<ClientId> = {
+        let count = (cfg.malicious * all.len() as f64).round() as usize;
+        let mut rng = ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::Malicious, 0, 0));
+        rand::seq::index::sample(&mut rng, all.len(), count.min(all.len()))
+            .into_iter()
+            .map(|i| all[i])
+            .collect()
+    };
     let threads = rayon::current_num_threads();
     // Updates are trained a chunk at a time and folded in selection order: memory stays
     // bounded by the chunk, not the cohort, and the fold order (hence every float) is the
@@ -285,8 +294,12 @@ pub fn run_rounds(
             .filter(|_| drop_rng.random::<f64>() >= cfg.dropout)
             .collect();
         let task = &plan.task;
+        let global = task.global.values();
+        // A robust rule needs every update at once; the weighted mean folds them as they
+        // come.
+        let mut kept: Vec<(Vec<f32>, u64, f64)> = Vec::new();
         for batch in reporting.chunks(chunk) {
-            let updates: Vec<(ClientId, LocalUpdate)> = batch
+            let mut updates: Vec<(ClientId, LocalUpdate)> = batch
                 .par_iter()
                 .map(|&id| {
                     let seed = derive_seed(cfg.seed, Stream::LocalTraining, round_no, id.0);
@@ -301,16 +314,52 @@ pub fn run_rounds(
                         })
                 })
                 .collect::<Result<_, _>>()?;
-            for (id, u) in &updates {
-                engine.submit(
-                    *id,
-                    ClientUpdate {
-                        params: &u.params,
-                        num_samples: u.num_samples as u64,
-                        train_loss: u.train_loss,
-                    },
-                )?;
+            for (id, u) in &mut updates {
+                if malicious.contains(id) {
+                    let attacked: Vec<f32> = u
+                        .params
+                        .values()
+                        .iter()
+                        .zip(global)
+                        .map(|(p, g)| g + cfg.attack.apply(p - g))
+                        .collect();
+                    u.params = cohort_aggregation::ModelVector::new(
+                        task.global.layout().clone(),
+                        attacked,
+                    )
+                    .expect("the model's own layout");
+                }
             }
+            for (id, u) in updates {
+                if cfg.aggregator.is_some() {
+                    let delta = u
+                        .params
+                        .values()
+                        .iter()
+                        .zip(global)
+                        .map(|(p, g)| p - g)
+                        .collect();
+                    kept.push((delta, u.num_samples as u64, u.train_loss));
+                } else {
+                    engine.submit(
+                        id,
+                        ClientUpdate {
+                            params: &u.params,
+                            num_samples: u.num_samples as u64,
+                            train_loss: u.train_loss,
+                        },
+                    )?;
+                }
+            }
+        }
+        if let Some(rule) = cfg.aggregator {
+            let outcome = close_robust(&mut engine, rule, &kept, global, task)?;
+            training_seconds += round_start.elapsed().as_secs_f64();
+            total_updates += outcome.participants;
+            let record = record_round(prepared, &engine, &outcome, round_start)?;
+            on_round(&record)?;
+            records.push(record);
+            continue;
         }
         let outcome = engine.close_round()?;
         training_seconds += round_start.elapsed().as_secs_f64();
@@ -327,6 +376,39 @@ pub fn run_rounds(
         wall_seconds: started.elapsed().as_secs_f64(),
         threads,
     })
+}
+
+/// Closes a plaintext round with a robust rule over the clients' updates (`(delta,
+/// samples, loss)`, in selection order). Too few updates for the rule, or for the quorum,
+/// leave the model as it is.
+fn close_robust(
+    engine: &mut RoundEngine,
+    rule: cohort_aggregation::robust::RobustRule,
+    kept: &[(Vec<f32>, u64, f64)],
+    global: &[f32],
+    task: &crate::engine::Task,
+) -> Result<RoundOutcome, SimulationError> {
+    let deltas: Vec<&[f32]> = kept.iter().map(|(d, _, _)| d.as_slice()).collect();
+    let samples: u64 = kept.iter().map(|(_, n, _)| n).sum();
+    let train_loss = (samples > 0)
+        .then(|| kept.iter().map(|(_, n, l)| *n as f64 * l).sum::<f64>() / samples as f64);
+    let result = match cohort_aggregation::robust::aggregate(rule, &deltas) {
+        Ok(delta) => Some(SecureMean {
+            mean: cohort_aggregation::ModelVector::new(
+                task.global.layout().clone(),
+                global.iter().zip(&delta).map(|(g, d)| g + d).collect(),
+            )
+            .expect("the model's own layout"),
+            participants: kept.len(),
+            samples,
+            train_loss,
+        }),
+        // Fewer updates than the rule needs: nothing to publish this round.
+        Err(cohort_aggregation::robust::RobustError::Parameters(_))
+        | Err(cohort_aggregation::robust::RobustError::Empty) => None,
+        Err(e) => return Err(ConfigError(format!("--aggregator {rule}: {e}")).into()),
+    };
+    Ok(engine.close_round_secure(result)?)
 }
 
 fn record_round(
