@@ -305,6 +305,20 @@ impl RoundEngine {
             .into_iter()
             .map(|i| pool[i])
             .collect();
+        self.open_with(selected)
+    }
+
+    /// Opens the next round for exactly `selected` (duplicates count once), chosen by the
+    /// caller: Poisson sampling for differential privacy picks each client independently,
+    /// so a round may have any size, none included. The quorum is applied at close.
+    pub fn open_round_for(&mut self, selected: &[ClientId]) -> Result<RoundPlan, EngineError> {
+        if let Some(c) = &self.open {
+            return Err(EngineError::RoundAlreadyOpen(c.round));
+        }
+        self.open_with(selected.iter().copied().collect())
+    }
+
+    fn open_with(&mut self, selected: BTreeSet<ClientId>) -> Result<RoundPlan, EngineError> {
         let round = self.rounds_closed + 1;
         let mut train = self.config.train.clone();
         if let Some(mu) = self.config.strategy.proximal_mu() {

@@ -151,6 +151,20 @@ struct SimulateArgs {
     /// [default: sign-flip:4]
     #[arg(long, value_name = "ATTACK")]
     attack: Option<cohort_coordinator::simulate::Attack>,
+    /// Central differential privacy: noise standard deviation over the clipping bound;
+    /// clients are then Poisson-sampled at clients-per-round / clients
+    #[arg(long, value_name = "SIGMA")]
+    dp_noise_multiplier: Option<f64>,
+    /// Differential privacy: L2 bound on each client's update [default: 1]
+    #[arg(long, value_name = "C")]
+    dp_clip: Option<f32>,
+    /// Differential privacy: delta epsilon is reported at [default: 1e-5]
+    #[arg(long, value_name = "D")]
+    dp_delta: Option<f64>,
+    /// Differential privacy: epsilon budget; the run stops before a round that would
+    /// exceed it
+    #[arg(long, value_name = "E")]
+    dp_epsilon: Option<f64>,
     /// Fraction of the data held out for testing [default: 0.2]
     #[arg(long)]
     test_fraction: Option<f64>,
@@ -197,6 +211,8 @@ impl SimulateArgs {
             test_fraction,
             malicious,
             attack,
+            dp_clip,
+            dp_delta,
             seed
         );
         set_some!(
@@ -207,7 +223,9 @@ impl SimulateArgs {
             threshold,
             neighbours,
             max_weight,
-            aggregator
+            aggregator,
+            dp_noise_multiplier,
+            dp_epsilon
         );
         if self.secure_aggregation {
             cfg.secure_aggregation = true;
@@ -393,8 +411,17 @@ fn run_simulate(args: SimulateArgs) -> ExitCode {
         })
     } else {
         simulate(&cfg, |r| report("", r)).map(|(summary, dir)| {
+            let privacy = summary
+                .epsilon
+                .map(|e| format!(", epsilon {e:.3} at delta {}", cfg.dp_delta))
+                .unwrap_or_default();
+            let stopped = summary
+                .stopped
+                .as_ref()
+                .map(|why| format!(" (stopped: {why})"))
+                .unwrap_or_default();
             format!(
-                "final test accuracy {:.4} after {} rounds ({:.1} client updates/s on {} threads); results in {}",
+                "final test accuracy {:.4} after {} rounds{privacy}{stopped} ({:.1} client updates/s on {} threads); results in {}",
                 summary.final_test_accuracy,
                 summary.rounds,
                 summary.updates_per_second,

@@ -27,6 +27,9 @@ pub enum Stream {
     SecureAggregation = 8,
     /// Which clients are malicious.
     Malicious = 9,
+    /// Differential privacy's noise (a simulation's; a coordinator draws from the
+    /// operating system).
+    PrivacyNoise = 10,
 }
 
 /// SplitMix64's finaliser: a bijection on `u64` with full avalanche, so nearby inputs

@@ -545,3 +545,117 @@ fn robust_aggregation_settings_that_cannot_work_are_rejected() {
     assert_rejected(&["--malicious", "1.5"], &["--malicious"], &[]);
     assert_rejected(&["--attack", "flip"], &["flip", "sign-flip"], &[]);
 }
+
+/// Central differential privacy: `metrics.csv` carries the epsilon spent after each
+/// round, the same number `cohort privacy epsilon` gives for that many rounds, and the
+/// run stops before a round that would go over `--dp-epsilon`.
+#[test]
+fn differential_privacy_reports_epsilon_per_round_and_keeps_to_the_budget() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("dp");
+    let args = [
+        "--clients",
+        "40",
+        "--clients-per-round",
+        "8",
+        "--rounds",
+        "6",
+        "--model",
+        "logreg",
+        "--dp-noise-multiplier",
+        "1.2",
+        "--dp-clip",
+        "0.5",
+    ];
+    let summary = simulate_ok(tmp.path(), &out, &args);
+    let csv = fs::read_to_string(out.join("metrics.csv")).unwrap();
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let col = header
+        .iter()
+        .position(|c| *c == "epsilon")
+        .expect("an epsilon column");
+    let eps: Vec<f64> = lines
+        .map(|l| l.split(',').nth(col).unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(eps.len(), 6);
+    assert!(eps.windows(2).all(|w| w[0] < w[1]), "{eps:?}");
+    let expected = cohort(
+        &[
+            "privacy",
+            "epsilon",
+            "--sampling-rate",
+            "0.2",
+            "--noise-multiplier",
+            "1.2",
+            "--rounds",
+            "6",
+            "--delta",
+            "1e-5",
+        ],
+        tmp.path(),
+    );
+    let expected: f64 = String::from_utf8(expected.stdout)
+        .unwrap()
+        .lines()
+        .last()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        (eps[5] - expected).abs() < 1e-9 * expected,
+        "{} vs {expected}",
+        eps[5]
+    );
+    assert_eq!(summary["epsilon"].as_f64().unwrap(), eps[5]);
+
+    // A budget between rounds 3 and 4 stops the run after round 3.
+    let budget = (eps[2] + eps[3]) / 2.0;
+    let out = tmp.path().join("budget");
+    let budget_text = budget.to_string();
+    let mut with_budget = args.to_vec();
+    with_budget.extend_from_slice(&["--dp-epsilon", &budget_text]);
+    let summary = simulate_ok(tmp.path(), &out, &with_budget);
+    assert_eq!(summary["rounds"], 3);
+    assert!(summary["epsilon"].as_f64().unwrap() <= budget);
+    assert!(
+        summary["stopped"]
+            .as_str()
+            .unwrap()
+            .contains("privacy budget")
+    );
+}
+
+#[test]
+fn differential_privacy_settings_that_cannot_work_are_rejected() {
+    assert_rejected(
+        &["--dp-epsilon", "3"],
+        &["--dp-epsilon needs --dp-noise-multiplier"],
+        &[],
+    );
+    assert_rejected(
+        &["--dp-noise-multiplier", "1", "--secure-aggregation"],
+        &["--secure-aggregation", "not built yet"],
+        &[],
+    );
+    assert_rejected(
+        &["--dp-noise-multiplier", "1", "--aggregator", "median"],
+        &["--aggregator median"],
+        &[],
+    );
+    assert_rejected(
+        &["--dp-noise-multiplier=-1"],
+        &["--dp-noise-multiplier"],
+        &[],
+    );
+    assert_rejected(
+        &["--dp-noise-multiplier", "1", "--dp-clip", "0"],
+        &["--dp-clip"],
+        &[],
+    );
+    assert_rejected(
+        &["--dp-noise-multiplier", "1", "--dp-delta", "1"],
+        &["--dp-delta"],
+        &[],
+    );
+}

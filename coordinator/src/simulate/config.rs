@@ -174,6 +174,20 @@ pub struct SimulationConfig {
     pub malicious: f64,
     /// What a malicious client sends instead of its honest update.
     pub attack: Attack,
+    /// Central differential privacy (DP-FedAvg): each round samples every client with
+    /// probability `clients_per_round / clients` (Poisson), clips each update to L2 norm
+    /// `dp_clip`, and adds Gaussian noise of standard deviation `dp_noise_multiplier *
+    /// dp_clip` to the sum; `None` is off.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dp_noise_multiplier: Option<f64>,
+    /// Differential privacy: the L2 bound on each client's update.
+    pub dp_clip: f32,
+    /// Differential privacy: the delta epsilon is reported at.
+    pub dp_delta: f64,
+    /// Differential privacy: the budget; the run stops before a round that would spend
+    /// more. `None` is no limit (epsilon is still reported).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dp_epsilon: Option<f64>,
     /// Seed for every random choice in the run.
     pub seed: u64,
     /// Output directory; `None` picks `runs/simulate-<timestamp>`.
@@ -212,6 +226,10 @@ impl Default for SimulationConfig {
             aggregator: None,
             malicious: 0.0,
             attack: Attack::SignFlip { scale: 4.0 },
+            dp_noise_multiplier: None,
+            dp_clip: 1.0,
+            dp_delta: 1e-5,
+            dp_epsilon: None,
             seed: 0,
             out: None,
         }
@@ -277,6 +295,12 @@ impl SimulationConfig {
     }
 
     /// Clients selected per round, with the default filled in.
+    /// Differential privacy's sampling rate: `clients_per_round / clients`.
+    pub fn sampling_rate(&self) -> f64 {
+        self.clients_per_round() as f64 / self.clients.max(1) as f64
+    }
+
+    /// Clients selected per round (all of them when `clients_per_round` is unset).
     pub fn clients_per_round(&self) -> usize {
         self.clients_per_round.unwrap_or(self.clients)
     }
@@ -308,6 +332,42 @@ impl SimulationConfig {
                 "--malicious must be a fraction in [0, 1), got {}",
                 self.malicious
             ));
+        }
+        if let Some(sigma) = self.dp_noise_multiplier {
+            if !(sigma.is_finite() && sigma >= 0.0) {
+                return bad(format!(
+                    "--dp-noise-multiplier must be a number >= 0, got {sigma}"
+                ));
+            }
+            if !(self.dp_clip.is_finite() && self.dp_clip > 0.0) {
+                return bad(format!("--dp-clip must be > 0, got {}", self.dp_clip));
+            }
+            if !(self.dp_delta > 0.0 && self.dp_delta < 1.0) {
+                return bad(format!(
+                    "--dp-delta must be in (0, 1), got {}",
+                    self.dp_delta
+                ));
+            }
+            if let Some(e) = self.dp_epsilon
+                && !(e.is_finite() && e > 0.0)
+            {
+                return bad(format!("--dp-epsilon must be > 0, got {e}"));
+            }
+            if self.secure_aggregation {
+                return bad(
+                    "--dp-noise-multiplier is central noise added by the coordinator; \
+                     distributed noise under --secure-aggregation is not built yet"
+                        .into(),
+                );
+            }
+            if let Some(rule) = self.aggregator {
+                return bad(format!(
+                    "--aggregator {rule} and --dp-noise-multiplier do not combine: the noise \
+                     is calibrated to a sum of clipped updates"
+                ));
+            }
+        } else if self.dp_epsilon.is_some() {
+            return bad("--dp-epsilon needs --dp-noise-multiplier".into());
         }
         if let Some(rule) = self.aggregator {
             if self.secure_aggregation {

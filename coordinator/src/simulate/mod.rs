@@ -122,6 +122,12 @@ pub struct Summary {
     pub config: serde_json::Value,
     /// Version of Cohort that produced the run.
     pub cohort_version: &'static str,
+    /// Differential privacy: epsilon spent over the run (at the configured delta).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub epsilon: Option<f64>,
+    /// Why the run ended before its last round, if it did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stopped: Option<String>,
 }
 
 impl Summary {
@@ -150,6 +156,8 @@ impl Summary {
             data: result.data.clone(),
             config: serde_json::to_value(&resolved).unwrap_or_default(),
             cohort_version: env!("CARGO_PKG_VERSION"),
+            epsilon: last.and_then(|r| r.epsilon),
+            stopped: result.stopped.clone(),
         }
     }
 }

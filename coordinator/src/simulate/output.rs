@@ -107,7 +107,7 @@ pub struct MetricsWriter {
 }
 
 /// Column names of `metrics.csv`, in order (also the keys of each `metrics.jsonl` line).
-pub const METRICS_COLUMNS: [&str; 11] = [
+pub const METRICS_COLUMNS: [&str; 12] = [
     "round",
     "test_accuracy",
     "test_loss",
@@ -118,6 +118,7 @@ pub const METRICS_COLUMNS: [&str; 11] = [
     "train_loss",
     "samples",
     "status",
+    "epsilon",
     "strategy",
 ];
 
@@ -163,7 +164,7 @@ impl MetricsWriter {
     /// Appends one round of `strategy` to both files.
     pub fn write(&mut self, r: &RoundRecord, strategy: &str) -> Result<(), SimulationError> {
         let line = format!(
-            "{},{},{},{},{},{:.6},{},{},{},{},{}",
+            "{},{},{},{},{},{:.6},{},{},{},{},{},{}",
             r.round,
             r.test_accuracy,
             r.test_loss,
@@ -174,6 +175,7 @@ impl MetricsWriter {
             r.train_loss.map(|l| l.to_string()).unwrap_or_default(),
             r.samples,
             r.status.as_str(),
+            r.epsilon.map(|e| e.to_string()).unwrap_or_default(),
             strategy
         );
         append(&mut self.csv, &self.csv_path, &line)?;

@@ -44,6 +44,9 @@ pub struct RoundRecord {
     pub samples: u64,
     /// Whether the global model was updated.
     pub status: RoundStatus,
+    /// Differential privacy: epsilon spent up to and including this round (at the run's
+    /// delta); `None` without differential privacy.
+    pub epsilon: Option<f64>,
 }
 
 /// Facts about the data a run used, for the summary.
@@ -84,6 +87,8 @@ pub struct SimulationResult {
     pub wall_seconds: f64,
     /// Worker threads used for client training.
     pub threads: usize,
+    /// Why the run ended before its last round (the privacy budget), if it did.
+    pub stopped: Option<String>,
 }
 
 impl SimulationResult {
@@ -255,9 +260,37 @@ pub fn run_rounds(
     let mut records = Vec::with_capacity(cfg.rounds as usize);
     let mut total_updates = 0;
     let mut training_seconds = 0.0;
+    let mut accountant = cohort_aggregation::privacy::rdp::RdpAccountant::new();
+    let mut stopped = None;
     for _ in 0..cfg.rounds {
         let round_start = Instant::now();
         let round_no = engine.rounds_closed() + 1;
+        if let Some(sigma) = cfg.dp_noise_multiplier {
+            // The round is accounted before it runs: one that would go over the budget
+            // never starts.
+            let mut next = accountant.clone();
+            next.compose(cfg.sampling_rate(), sigma, 1)
+                .map_err(|e| ConfigError(format!("differential privacy: {e}")))?;
+            let eps = next
+                .epsilon(cfg.dp_delta)
+                .map_err(|e| ConfigError(format!("differential privacy: {e}")))?;
+            if cfg.dp_epsilon.is_some_and(|budget| eps > budget) {
+                stopped = Some(format!(
+                    "privacy budget: round {round_no} would bring epsilon to {eps:.4} > {}",
+                    cfg.dp_epsilon.unwrap_or_default()
+                ));
+                break;
+            }
+            accountant = next;
+            let outcome = private_round(cfg, prepared, &mut engine, &all, round_no, sigma)?;
+            training_seconds += round_start.elapsed().as_secs_f64();
+            total_updates += outcome.participants;
+            let mut record = record_round(prepared, &engine, &outcome, round_start)?;
+            record.epsilon = Some(eps);
+            on_round(&record)?;
+            records.push(record);
+            continue;
+        }
         let mut select_rng =
             ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::Selection, round_no, 0));
         let plan = engine.open_round(&all, &mut select_rng)?;
@@ -375,7 +408,98 @@ pub fn run_rounds(
         training_seconds,
         wall_seconds: started.elapsed().as_secs_f64(),
         threads,
+        stopped,
     })
+}
+
+/// One round of central differential privacy (DP-FedAvg, McMahan et al. 2018): every
+/// client takes part with probability `q` (Poisson sampling, as the accountant assumes),
+/// each update is clipped to L2 norm `C`, the sum gets `N(0, (sigma C)^2)` per
+/// coordinate, and it is divided by the expected count `q N` (a fixed denominator, so the
+/// number of participants is not revealed through the scale). Clients weigh equally:
+/// a sample count would raise a client's influence past the clip.
+fn private_round(
+    cfg: &SimulationConfig,
+    prepared: &Prepared,
+    engine: &mut RoundEngine,
+    all: &[ClientId],
+    round_no: u32,
+    sigma: f64,
+) -> Result<RoundOutcome, SimulationError> {
+    let q = cfg.sampling_rate();
+    let mut select_rng =
+        ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::Selection, round_no, 0));
+    let sampled: Vec<ClientId> = all
+        .iter()
+        .copied()
+        .filter(|_| select_rng.random::<f64>() < q)
+        .collect();
+    let plan = engine.open_round_for(&sampled)?;
+    let mut drop_rng =
+        ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::Dropout, round_no, 0));
+    let reporting: Vec<ClientId> = plan
+        .selected
+        .iter()
+        .copied()
+        .filter(|_| drop_rng.random::<f64>() >= cfg.dropout)
+        .collect();
+    let task = &plan.task;
+    let global = task.global.values();
+    let updates: Vec<(Vec<f32>, u64, f64)> = reporting
+        .par_iter()
+        .map(|&id| {
+            let seed = derive_seed(cfg.seed, Stream::LocalTraining, round_no, id.0);
+            let u = prepared.clients[id.0 as usize]
+                .train(&task.global, &task.train, seed)
+                .map_err(|e| SimulationError::Client {
+                    client: id,
+                    round: round_no,
+                    source: e,
+                })?;
+            let mut delta: Vec<f32> = u
+                .params
+                .values()
+                .iter()
+                .zip(global)
+                .map(|(p, g)| p - g)
+                .collect();
+            cohort_aggregation::privacy::clip::clip_l2(&mut delta, cfg.dp_clip);
+            Ok((delta, u.num_samples as u64, u.train_loss))
+        })
+        .collect::<Result<_, SimulationError>>()?;
+    let mut sum = vec![0.0f32; global.len()];
+    for (delta, _, _) in &updates {
+        for (s, d) in sum.iter_mut().zip(delta) {
+            *s += d;
+        }
+    }
+    let mut noise_rng = rand_chacha::ChaCha20Rng::seed_from_u64(derive_seed(
+        cfg.seed,
+        Stream::PrivacyNoise,
+        round_no,
+        0,
+    ));
+    cohort_aggregation::privacy::noise::add_gaussian(
+        &mut sum,
+        sigma * f64::from(cfg.dp_clip),
+        &mut noise_rng,
+    );
+    let expected = (q * all.len() as f64).max(1.0);
+    let mean: Vec<f32> = global
+        .iter()
+        .zip(&sum)
+        .map(|(g, s)| g + (f64::from(*s) / expected) as f32)
+        .collect();
+    let samples: u64 = updates.iter().map(|(_, n, _)| n).sum();
+    let train_loss = (samples > 0)
+        .then(|| updates.iter().map(|(_, n, l)| *n as f64 * l).sum::<f64>() / samples as f64);
+    Ok(engine.close_round_secure(Some(SecureMean {
+        mean: cohort_aggregation::ModelVector::new(task.global.layout().clone(), mean)
+            .expect("the model's own layout"),
+        participants: updates.len(),
+        samples,
+        train_loss,
+    }))?)
 }
 
 /// Closes a plaintext round with a robust rule over the clients' updates (`(delta,
@@ -429,6 +553,7 @@ fn record_round(
         train_loss: outcome.train_loss,
         samples: outcome.samples,
         status: outcome.status,
+        epsilon: None,
     })
 }
 
