@@ -155,6 +155,16 @@ struct Inner {
     name: String,
 }
 
+impl Inner {
+    /// Waits until both streams have finished everything queued on them.
+    fn sync(&self) -> Result<(), ReduceError> {
+        for stream in &self.streams {
+            stream.synchronize().map_err(device)?;
+        }
+        Ok(())
+    }
+}
+
 /// The GPU backend of [`Reducer`].
 #[derive(Clone)]
 pub struct CudaReducer {
@@ -362,10 +372,7 @@ impl WeightedSum for CudaWeightedSum {
     }
 
     fn sync(&self) -> Result<(), ReduceError> {
-        for stream in &self.inner.streams {
-            stream.synchronize().map_err(device)?;
-        }
-        Ok(())
+        self.inner.sync()
     }
 
     fn read(&self) -> Result<Vec<f64>, ReduceError> {
@@ -397,10 +404,7 @@ impl ModularSum for CudaModularSum {
     }
 
     fn sync(&self) -> Result<(), ReduceError> {
-        for stream in &self.inner.streams {
-            stream.synchronize().map_err(device)?;
-        }
-        Ok(())
+        self.inner.sync()
     }
 
     fn read(&self) -> Result<Vec<u32>, ReduceError> {

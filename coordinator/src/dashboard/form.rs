@@ -306,27 +306,52 @@ const GROUPS: &[(&str, &[FieldDef])] = &[
 ];
 
 /// The values a fresh form shows: the API's defaults.
+/// The spec a fresh form shows.
+fn default_spec() -> ExperimentSpec {
+    ExperimentSpec {
+        name: String::new(),
+        features: 64,
+        classes: 10,
+        model: ModelKind::Mlp { hidden: vec![32] },
+        strategy: Strategy::FedAvg,
+        rounds: 20,
+        clients_per_round: 10,
+        min_participants: 8,
+        over_selection: 1.0,
+        collect_deadline_seconds: 120,
+        max_round_attempts: 3,
+        train: TrainSettings::default(),
+        seed: 0,
+        secure_aggregation: None,
+    }
+}
+
+/// The values a fresh form shows, by field name: [`default_spec`], with secure
+/// aggregation off but its defaults filled in for when it is ticked.
 fn defaults() -> HashMap<&'static str, String> {
-    let train = TrainSettings::default();
+    let d = default_spec();
     let secure = SecureAggregationSpec::default();
     HashMap::from([
-        ("name", String::new()),
-        ("features", "64".to_string()),
-        ("classes", "10".to_string()),
-        ("model", "mlp:32".to_string()),
-        ("strategy", "fedavg".to_string()),
-        ("seed", "0".to_string()),
-        ("rounds", "20".to_string()),
-        ("clients_per_round", "10".to_string()),
-        ("min_participants", "8".to_string()),
-        ("over_selection", "1".to_string()),
-        ("collect_deadline_seconds", "120".to_string()),
-        ("max_round_attempts", "3".to_string()),
-        ("train.local_epochs", train.local_epochs.to_string()),
-        ("train.batch_size", train.batch_size.to_string()),
-        ("train.lr", train.lr.to_string()),
-        ("train.momentum", train.momentum.to_string()),
-        ("train.weight_decay", train.weight_decay.to_string()),
+        ("name", d.name),
+        ("features", d.features.to_string()),
+        ("classes", d.classes.to_string()),
+        ("model", d.model.to_string()),
+        ("strategy", d.strategy.to_string()),
+        ("seed", d.seed.to_string()),
+        ("rounds", d.rounds.to_string()),
+        ("clients_per_round", d.clients_per_round.to_string()),
+        ("min_participants", d.min_participants.to_string()),
+        ("over_selection", d.over_selection.to_string()),
+        (
+            "collect_deadline_seconds",
+            d.collect_deadline_seconds.to_string(),
+        ),
+        ("max_round_attempts", d.max_round_attempts.to_string()),
+        ("train.local_epochs", d.train.local_epochs.to_string()),
+        ("train.batch_size", d.train.batch_size.to_string()),
+        ("train.lr", d.train.lr.to_string()),
+        ("train.momentum", d.train.momentum.to_string()),
+        ("train.weight_decay", d.train.weight_decay.to_string()),
         ("secure_aggregation", String::new()),
         ("secure_aggregation.threshold", String::new()),
         ("secure_aggregation.neighbours", String::new()),
@@ -398,249 +423,157 @@ pub enum Parsed {
 
 /// Reads a submitted form: each field on its own, then the spec as a whole
 /// ([`ExperimentSpec::problems`]).
-pub fn parse(fields: &[(String, String)]) -> Parsed {
-    let known: HashMap<&'static str, ()> = GROUPS
-        .iter()
-        .flat_map(|(_, defs)| defs.iter().map(|d| (d.name, ())))
-        .collect();
-    let mut values: HashMap<&'static str, String> = HashMap::new();
-    for (key, value) in fields {
-        if let Some((name, _)) = known.get_key_value(key.as_str()) {
-            values.insert(name, value.trim().to_string());
-        }
-    }
-    let mut errors: HashMap<&'static str, String> = HashMap::new();
-    let text = |name: &'static str| values.get(name).map(String::as_str).unwrap_or("");
+/// The submitted values, and a message for each field that did not parse.
+struct Reader {
+    values: HashMap<&'static str, String>,
+    errors: HashMap<&'static str, String>,
+}
 
-    fn number<T: std::str::FromStr>(
-        errors: &mut HashMap<&'static str, String>,
-        name: &'static str,
-        text: &str,
-        what: &str,
-    ) -> Option<T> {
+impl Reader {
+    fn text(&self, name: &'static str) -> &str {
+        self.values.get(name).map(String::as_str).unwrap_or("")
+    }
+
+    /// A required value of type `T`; `what` names the type in the message.
+    fn required<T: std::str::FromStr>(&mut self, name: &'static str, what: &str) -> Option<T> {
+        let text = self.text(name).to_string();
         if text.is_empty() {
-            errors.insert(name, "required".to_string());
+            self.errors.insert(name, "required".to_string());
             return None;
         }
-        match text.parse::<T>() {
-            Ok(v) => Some(v),
-            Err(_) => {
-                errors.insert(name, format!("`{text}` is not {what}"));
-                None
-            }
+        let parsed = text.parse::<T>().ok();
+        if parsed.is_none() {
+            self.errors.insert(name, format!("`{text}` is not {what}"));
         }
+        parsed
     }
-    fn optional<T: std::str::FromStr>(
-        errors: &mut HashMap<&'static str, String>,
-        name: &'static str,
-        text: &str,
-    ) -> Option<Option<T>> {
+
+    fn whole<T: std::str::FromStr>(&mut self, name: &'static str) -> Option<T> {
+        self.required(name, "a whole number")
+    }
+
+    fn number<T: std::str::FromStr>(&mut self, name: &'static str) -> Option<T> {
+        self.required(name, "a number")
+    }
+
+    /// An optional whole number: `Some(None)` when empty, `None` when it does not parse.
+    fn optional(&mut self, name: &'static str) -> Option<Option<usize>> {
+        let text = self.text(name).to_string();
         if text.is_empty() {
             return Some(None);
         }
-        match text.parse::<T>() {
-            Ok(v) => Some(Some(v)),
-            Err(_) => {
-                errors.insert(name, format!("`{text}` is not a whole number"));
+        let parsed = text.parse::<usize>().ok();
+        if parsed.is_none() {
+            self.errors
+                .insert(name, format!("`{text}` is not a whole number"));
+        }
+        parsed.map(Some)
+    }
+
+    /// A value whose own parser explains what is wrong.
+    fn parsed<T: std::str::FromStr>(&mut self, name: &'static str) -> Option<T>
+    where
+        T::Err: std::fmt::Display,
+    {
+        match self.text(name).parse::<T>() {
+            Ok(v) => Some(v),
+            Err(e) => {
+                self.errors.insert(name, e.to_string());
                 None
             }
         }
     }
-    let whole = "a whole number";
-    let decimal = "a number";
-
-    let features = number::<usize>(&mut errors, "features", text("features"), whole);
-    let classes = number::<usize>(&mut errors, "classes", text("classes"), whole);
-    let model = match text("model").parse::<ModelKind>() {
-        Ok(m) => Some(m),
-        Err(e) => {
-            errors.insert("model", e.to_string());
-            None
-        }
-    };
-    let strategy = match text("strategy").parse::<Strategy>() {
-        Ok(s) => Some(s),
-        Err(e) => {
-            errors.insert("strategy", e.to_string());
-            None
-        }
-    };
-    let seed = number::<u64>(&mut errors, "seed", text("seed"), whole);
-    let rounds = number::<u32>(&mut errors, "rounds", text("rounds"), whole);
-    let per_round = number::<usize>(
-        &mut errors,
-        "clients_per_round",
-        text("clients_per_round"),
-        whole,
-    );
-    let min = number::<usize>(
-        &mut errors,
-        "min_participants",
-        text("min_participants"),
-        whole,
-    );
-    let over = number::<f64>(
-        &mut errors,
-        "over_selection",
-        text("over_selection"),
-        decimal,
-    );
-    let deadline = number::<u64>(
-        &mut errors,
-        "collect_deadline_seconds",
-        text("collect_deadline_seconds"),
-        whole,
-    );
-    let attempts = number::<u32>(
-        &mut errors,
-        "max_round_attempts",
-        text("max_round_attempts"),
-        whole,
-    );
-    let epochs = number::<u32>(
-        &mut errors,
-        "train.local_epochs",
-        text("train.local_epochs"),
-        whole,
-    );
-    let batch = number::<usize>(
-        &mut errors,
-        "train.batch_size",
-        text("train.batch_size"),
-        whole,
-    );
-    let lr = number::<f32>(&mut errors, "train.lr", text("train.lr"), decimal);
-    let momentum = number::<f32>(
-        &mut errors,
-        "train.momentum",
-        text("train.momentum"),
-        decimal,
-    );
-    let decay = number::<f32>(
-        &mut errors,
-        "train.weight_decay",
-        text("train.weight_decay"),
-        decimal,
-    );
-    let secure = if text("secure_aggregation").is_empty() {
-        Some(None)
-    } else {
-        let threshold = optional::<usize>(
-            &mut errors,
-            "secure_aggregation.threshold",
-            text("secure_aggregation.threshold"),
-        );
-        let neighbours = optional::<usize>(
-            &mut errors,
-            "secure_aggregation.neighbours",
-            text("secure_aggregation.neighbours"),
-        );
-        let clip = number::<f32>(
-            &mut errors,
-            "secure_aggregation.clip",
-            text("secure_aggregation.clip"),
-            decimal,
-        )
-        .filter(|c| {
-            let ok = c.is_finite() && *c > 0.0;
-            if !ok {
-                errors.insert("secure_aggregation.clip", "must be a number above 0".into());
-            }
-            ok
-        });
-        let max_weight = number::<u32>(
-            &mut errors,
-            "secure_aggregation.max_weight",
-            text("secure_aggregation.max_weight"),
-            whole,
-        );
-        let mut seconds = [0u64; 3];
-        let mut all = true;
-        for (slot, name) in seconds.iter_mut().zip([
-            "secure_aggregation.advertise_seconds",
-            "secure_aggregation.share_seconds",
-            "secure_aggregation.unmask_seconds",
-        ]) {
-            match number::<u64>(&mut errors, name, text(name), whole) {
-                Some(v) => *slot = v,
-                None => all = false,
-            }
-        }
-        match (threshold, neighbours, clip, max_weight, all) {
-            (Some(threshold), Some(neighbours), Some(clip), Some(max_weight), true) => {
-                Some(Some(SecureAggregationSpec {
-                    threshold,
-                    neighbours,
-                    clip,
-                    max_weight,
-                    advertise_seconds: seconds[0],
-                    share_seconds: seconds[1],
-                    unmask_seconds: seconds[2],
-                }))
-            }
-            _ => None,
-        }
-    };
-
-    // A field that did not parse already has its message; the spec-wide rules still run,
-    // with the default in its place, so that every other problem shows up at once too.
-    let d = ExperimentSpec::dashboard_default();
-    let spec = ExperimentSpec {
-        name: text("name").to_string(),
-        features: features.unwrap_or(d.features),
-        classes: classes.unwrap_or(d.classes),
-        model: model.unwrap_or(d.model),
-        strategy: strategy.unwrap_or(d.strategy),
-        rounds: rounds.unwrap_or(d.rounds),
-        clients_per_round: per_round.unwrap_or(d.clients_per_round),
-        min_participants: min.unwrap_or(d.min_participants),
-        over_selection: over.unwrap_or(d.over_selection),
-        collect_deadline_seconds: deadline.unwrap_or(d.collect_deadline_seconds),
-        max_round_attempts: attempts.unwrap_or(d.max_round_attempts),
-        train: TrainSettings {
-            local_epochs: epochs.unwrap_or(d.train.local_epochs),
-            batch_size: batch.unwrap_or(d.train.batch_size),
-            lr: lr.unwrap_or(d.train.lr),
-            momentum: momentum.unwrap_or(d.train.momentum),
-            weight_decay: decay.unwrap_or(d.train.weight_decay),
-        },
-        seed: seed.unwrap_or(d.seed),
-        secure_aggregation: secure.unwrap_or_else(|| Some(SecureAggregationSpec::default())),
-    };
-    if text("name").is_empty() {
-        errors.insert("name", "required".into());
-    }
-    for problem in spec.problems() {
-        errors.entry(problem.field).or_insert(problem.message);
-    }
-    if errors.is_empty() {
-        Parsed::Spec(Box::new(spec))
-    } else {
-        Parsed::Invalid(view(&values, &errors))
-    }
 }
 
-impl ExperimentSpec {
-    /// The settings a fresh form shows.
-    fn dashboard_default() -> Self {
-        let v = defaults();
-        let get = |k: &str| v.get(k).cloned().unwrap_or_default();
-        Self {
-            name: String::new(),
-            features: get("features").parse().unwrap_or(64),
-            classes: get("classes").parse().unwrap_or(10),
-            model: get("model").parse().unwrap_or(ModelKind::LogReg),
-            strategy: Strategy::FedAvg,
-            rounds: get("rounds").parse().unwrap_or(20),
-            clients_per_round: get("clients_per_round").parse().unwrap_or(10),
-            min_participants: get("min_participants").parse().unwrap_or(8),
-            over_selection: 1.0,
-            collect_deadline_seconds: 120,
-            max_round_attempts: 3,
-            train: TrainSettings::default(),
-            seed: 0,
-            secure_aggregation: None,
+/// Reads a submitted form: each field on its own, then the spec as a whole
+/// ([`ExperimentSpec::problems`]).
+pub fn parse(fields: &[(String, String)]) -> Parsed {
+    let mut r = Reader {
+        values: HashMap::new(),
+        errors: HashMap::new(),
+    };
+    for (key, value) in fields {
+        if let Some(def) = GROUPS
+            .iter()
+            .flat_map(|(_, defs)| defs.iter())
+            .find(|d| d.name == key)
+        {
+            r.values.insert(def.name, value.trim().to_string());
         }
+    }
+    // A field that did not parse already has its message; the spec-wide rules still run,
+    // with the default in its place, so that every other problem shows up at once too.
+    let d = default_spec();
+    let secure = if r.text("secure_aggregation").is_empty() {
+        None
+    } else {
+        let s = SecureAggregationSpec::default();
+        let clip = r
+            .number::<f32>("secure_aggregation.clip")
+            .filter(|c| c.is_finite() && *c > 0.0);
+        if clip.is_none() {
+            r.errors
+                .entry("secure_aggregation.clip")
+                .or_insert_with(|| "must be a number above 0".into());
+        }
+        Some(SecureAggregationSpec {
+            threshold: r.optional("secure_aggregation.threshold").flatten(),
+            neighbours: r.optional("secure_aggregation.neighbours").flatten(),
+            clip: clip.unwrap_or(s.clip),
+            max_weight: r
+                .whole("secure_aggregation.max_weight")
+                .unwrap_or(s.max_weight),
+            advertise_seconds: r
+                .whole("secure_aggregation.advertise_seconds")
+                .unwrap_or(s.advertise_seconds),
+            share_seconds: r
+                .whole("secure_aggregation.share_seconds")
+                .unwrap_or(s.share_seconds),
+            unmask_seconds: r
+                .whole("secure_aggregation.unmask_seconds")
+                .unwrap_or(s.unmask_seconds),
+        })
+    };
+    let spec = ExperimentSpec {
+        name: r.text("name").to_string(),
+        features: r.whole("features").unwrap_or(d.features),
+        classes: r.whole("classes").unwrap_or(d.classes),
+        model: r.parsed("model").unwrap_or(d.model),
+        strategy: r.parsed("strategy").unwrap_or(d.strategy),
+        rounds: r.whole("rounds").unwrap_or(d.rounds),
+        clients_per_round: r.whole("clients_per_round").unwrap_or(d.clients_per_round),
+        min_participants: r.whole("min_participants").unwrap_or(d.min_participants),
+        over_selection: r.number("over_selection").unwrap_or(d.over_selection),
+        collect_deadline_seconds: r
+            .whole("collect_deadline_seconds")
+            .unwrap_or(d.collect_deadline_seconds),
+        max_round_attempts: r
+            .whole("max_round_attempts")
+            .unwrap_or(d.max_round_attempts),
+        train: TrainSettings {
+            local_epochs: r
+                .whole("train.local_epochs")
+                .unwrap_or(d.train.local_epochs),
+            batch_size: r.whole("train.batch_size").unwrap_or(d.train.batch_size),
+            lr: r.number("train.lr").unwrap_or(d.train.lr),
+            momentum: r.number("train.momentum").unwrap_or(d.train.momentum),
+            weight_decay: r
+                .number("train.weight_decay")
+                .unwrap_or(d.train.weight_decay),
+        },
+        seed: r.whole("seed").unwrap_or(d.seed),
+        secure_aggregation: secure,
+    };
+    if spec.name.is_empty() {
+        r.errors.insert("name", "required".into());
+    }
+    for problem in spec.problems() {
+        r.errors.entry(problem.field).or_insert(problem.message);
+    }
+    if r.errors.is_empty() {
+        Parsed::Spec(Box::new(spec))
+    } else {
+        Parsed::Invalid(view(&r.values, &r.errors))
     }
 }
 

@@ -116,7 +116,7 @@ pub async fn experiments(
                 id: e.id.to_string(),
                 name: e.name,
                 state: e.state.as_str(),
-                round: e.current_round.min(rounds.max(e.current_round)),
+                round: e.current_round,
                 rounds,
                 accuracy: accuracy
                     .get(&e.id)
@@ -491,12 +491,7 @@ pub async fn experiment(
                 id: j.id,
                 kind: j.kind.as_str(),
                 round: j.round,
-                state: match j.state {
-                    crate::store::JobState::Queued => "queued",
-                    crate::store::JobState::Running => "running",
-                    crate::store::JobState::Done => "done",
-                    crate::store::JobState::Failed => "failed",
-                },
+                state: j.state.as_str(),
                 attempts: format!("{}/{}", j.attempts, j.max_attempts),
                 error: j.last_error.clone().unwrap_or_default(),
             })
@@ -731,7 +726,7 @@ async fn clients_page(
     let mut response = render(&ClientsPage {
         page: Chrome::signed_in(session, "clients"),
         clients,
-        total: page.total,
+        total,
         page_number,
         pages,
         tokens,

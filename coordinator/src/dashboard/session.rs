@@ -187,7 +187,7 @@ pub async fn require_session(
                 .path_and_query()
                 .map(|pq| pq.as_str())
                 .unwrap_or("/");
-            let next: String = url_encode(target);
+            let next = url_encode(target);
             return Ok(Redirect::to(&format!("/sign-in?next={next}")).into_response());
         }
         return Err(PageError::Forbidden(
@@ -195,7 +195,7 @@ pub async fn require_session(
         ));
     };
     let csrf = csrf_token(&session_id);
-    let request = if safe {
+    let mut request = if safe {
         request
     } else {
         if cross_site(request.headers(), request.uri()) {
@@ -214,7 +214,6 @@ pub async fn require_session(
         }
         Request::from_parts(parts, Body::from(bytes))
     };
-    let mut request = request;
     request.extensions_mut().insert(Session { csrf });
     Ok(next.run(request).await)
 }

@@ -311,72 +311,70 @@ async fn aggregate_secure(
     let current_path = current.blob_path.clone();
     let mean_loss = unmasked.decoded.mean_loss;
     let round_no = round.round;
-    let published = tokio::task::spawn_blocking(move || -> Result<PublishedModel, DriverError> {
-        let bad = |e: &dyn std::fmt::Display| DriverError::Aggregation(e.to_string());
-        let mut global = wire::decode(&layout, &blobs.get(&current_path)?).map_err(|e| bad(&e))?;
-        // The clients masked their updates' differences from this model.
-        let mean: Vec<f32> = global
-            .values()
-            .iter()
-            .zip(&unmasked.decoded.mean)
-            .map(|(g, d)| g + d)
-            .collect();
-        let mean =
-            cohort_aggregation::ModelVector::new(layout.clone(), mean).map_err(|e| bad(&e))?;
-        let mut optimizer = strategy.server_optimizer(None).map_err(|e| bad(&e))?;
-        optimizer.step(&mut global, &mean).map_err(|e| bad(&e))?;
-        blobs.put(&path, &wire::encode(&global))?;
-        Ok(PublishedModel {
-            round: round_no,
-            blob_path: path,
-            parameters: global.len() as i64,
-        })
-    })
+    let eval = state.eval.clone();
+    let model = model.clone();
+    let exp_id = exp.id;
+    let (published, tested) = tokio::task::spawn_blocking(
+        move || -> Result<(PublishedModel, RoundMetrics), DriverError> {
+            let bad = |e: &dyn std::fmt::Display| DriverError::Aggregation(e.to_string());
+            let mut global =
+                wire::decode(&layout, &blobs.get(&current_path)?).map_err(|e| bad(&e))?;
+            // The clients masked their updates' differences from this model.
+            let mean: Vec<f32> = global
+                .values()
+                .iter()
+                .zip(&unmasked.decoded.mean)
+                .map(|(g, d)| g + d)
+                .collect();
+            let mean =
+                cohort_aggregation::ModelVector::new(layout.clone(), mean).map_err(|e| bad(&e))?;
+            let mut optimizer = strategy.server_optimizer(None).map_err(|e| bad(&e))?;
+            optimizer.step(&mut global, &mean).map_err(|e| bad(&e))?;
+            blobs.put(&path, &wire::encode(&global))?;
+            let tested = evaluate(eval.as_deref(), &model, global.values(), exp_id);
+            Ok((
+                PublishedModel {
+                    round: round_no,
+                    blob_path: path,
+                    parameters: global.len() as i64,
+                },
+                tested,
+            ))
+        },
+    )
     .await
     .map_err(|e| DriverError::Aggregation(e.to_string()))??;
     let metrics = RoundMetrics {
         train_loss: Some(mean_loss),
-        ..evaluate(state, exp, &published).await
+        ..tested
     };
     publish(state, exp.id, round, &published, metrics).await
 }
 
 /// Test accuracy and loss of a just-aggregated model on the coordinator's held-out set,
-/// when it has one that fits the experiment (same features and classes). Evaluation is a
-/// report, not a step of the round: when it cannot run, the round publishes without it.
-async fn evaluate(state: &AppState, exp: &Experiment, model: &PublishedModel) -> RoundMetrics {
-    let Some(data) = state.eval.clone() else {
+/// when it has one that fits the experiment (same features and classes). Runs where the
+/// model is still in memory. Evaluation is a report, not a step of the round: when it
+/// cannot run, the round publishes without it.
+fn evaluate(
+    eval: Option<&cohort_edge::data::Dataset>,
+    model: &ModelSpec,
+    params: &[f32],
+    experiment: Uuid,
+) -> RoundMetrics {
+    let Some(data) = eval else {
         return RoundMetrics::default();
     };
-    let Ok((_, spec)) = experiment_model(exp) else {
-        return RoundMetrics::default();
-    };
-    if data.features.ncols() != spec.inputs() || data.classes.len() != spec.classes() {
+    if data.features.ncols() != model.inputs() || data.classes.len() != model.classes() {
         return RoundMetrics::default();
     }
-    let blobs = state.blobs.clone();
-    let path = model.blob_path.clone();
-    let outcome = tokio::task::spawn_blocking(move || -> Result<(f64, f64), String> {
-        let bytes = blobs.get(&path).map_err(|e| e.to_string())?;
-        let params = wire::decode(spec.layout(), &bytes).map_err(|e| e.to_string())?;
-        let eval = spec
-            .evaluate(params.values(), data.features.view(), &data.labels)
-            .map_err(|e| e.to_string())?;
-        Ok((eval.accuracy, eval.loss))
-    })
-    .await;
-    match outcome {
-        Ok(Ok((accuracy, loss))) => RoundMetrics {
-            test_accuracy: Some(accuracy),
-            test_loss: Some(loss),
+    match model.evaluate(params, data.features.view(), &data.labels) {
+        Ok(e) => RoundMetrics {
+            test_accuracy: Some(e.accuracy),
+            test_loss: Some(e.loss),
             train_loss: None,
         },
-        Ok(Err(e)) => {
-            tracing::warn!(experiment = %exp.id, error = %e, "evaluation skipped");
-            RoundMetrics::default()
-        }
         Err(e) => {
-            tracing::warn!(experiment = %exp.id, error = %e, "evaluation task failed");
+            tracing::warn!(%experiment, error = %e, "evaluation skipped");
             RoundMetrics::default()
         }
     }
@@ -439,38 +437,46 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
     let exp_id = exp.id;
     let round_no = round.round;
     let reducer = state.reducer.clone();
-    let published = tokio::task::spawn_blocking(move || -> Result<PublishedModel, DriverError> {
-        let bad = |e: &dyn std::fmt::Display| DriverError::Aggregation(e.to_string());
-        let mut global =
-            wire::decode(&layout, &blobs.get(&current.blob_path)?).map_err(|e| bad(&e))?;
-        let mut mean =
-            WeightedMean::with_reducer(layout.clone(), reducer.as_ref()).map_err(|e| bad(&e))?;
-        // A batch at a time: the reducer reads each update once while the sums stay in
-        // cache (or on the device), and memory holds one batch, not the round.
-        for batch in uploads.chunks(FOLD_BATCH) {
-            let updates = batch
-                .iter()
-                .map(|upload| {
-                    let bytes = blobs.get_verified(&upload.blob_path, &upload.sha256)?;
-                    let update = wire::decode(&layout, &bytes).map_err(|e| bad(&e))?;
-                    Ok((update, upload.num_samples as f64))
-                })
-                .collect::<Result<Vec<_>, DriverError>>()?;
-            let pairs: Vec<(&cohort_aggregation::ModelVector, f64)> =
-                updates.iter().map(|(u, w)| (u, *w)).collect();
-            mean.fold_batch(&pairs).map_err(|e| bad(&e))?;
-        }
-        let mean = mean.finish().map_err(|e| bad(&e))?;
-        let mut optimizer = strategy.server_optimizer(None).map_err(|e| bad(&e))?;
-        optimizer.step(&mut global, &mean).map_err(|e| bad(&e))?;
-        let path = model_blob(exp_id, round_no);
-        blobs.put(&path, &wire::encode(&global))?;
-        Ok(PublishedModel {
-            round: round_no,
-            blob_path: path,
-            parameters: global.len() as i64,
-        })
-    })
+    let eval = state.eval.clone();
+    let eval_model = model.clone();
+    let (published, tested) = tokio::task::spawn_blocking(
+        move || -> Result<(PublishedModel, RoundMetrics), DriverError> {
+            let bad = |e: &dyn std::fmt::Display| DriverError::Aggregation(e.to_string());
+            let mut global =
+                wire::decode(&layout, &blobs.get(&current.blob_path)?).map_err(|e| bad(&e))?;
+            let mut mean = WeightedMean::with_reducer(layout.clone(), reducer.as_ref())
+                .map_err(|e| bad(&e))?;
+            // A batch at a time: the reducer reads each update once while the sums stay in
+            // cache (or on the device), and memory holds one batch, not the round.
+            for batch in uploads.chunks(FOLD_BATCH) {
+                let updates = batch
+                    .iter()
+                    .map(|upload| {
+                        let bytes = blobs.get_verified(&upload.blob_path, &upload.sha256)?;
+                        let update = wire::decode(&layout, &bytes).map_err(|e| bad(&e))?;
+                        Ok((update, upload.num_samples as f64))
+                    })
+                    .collect::<Result<Vec<_>, DriverError>>()?;
+                let pairs: Vec<(&cohort_aggregation::ModelVector, f64)> =
+                    updates.iter().map(|(u, w)| (u, *w)).collect();
+                mean.fold_batch(&pairs).map_err(|e| bad(&e))?;
+            }
+            let mean = mean.finish().map_err(|e| bad(&e))?;
+            let mut optimizer = strategy.server_optimizer(None).map_err(|e| bad(&e))?;
+            optimizer.step(&mut global, &mean).map_err(|e| bad(&e))?;
+            let path = model_blob(exp_id, round_no);
+            blobs.put(&path, &wire::encode(&global))?;
+            let tested = evaluate(eval.as_deref(), &eval_model, global.values(), exp_id);
+            Ok((
+                PublishedModel {
+                    round: round_no,
+                    blob_path: path,
+                    parameters: global.len() as i64,
+                },
+                tested,
+            ))
+        },
+    )
     .await
     .map_err(|e| DriverError::Aggregation(e.to_string()))??;
     let (weighted, samples) = participations
@@ -479,7 +485,7 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
         .fold((0.0, 0.0), |(l, n), (loss, s)| (l + loss * s, n + s));
     let metrics = RoundMetrics {
         train_loss: (samples > 0.0).then(|| weighted / samples),
-        ..evaluate(state, &exp, &published).await
+        ..tested
     };
     publish(state, exp.id, &round, &published, metrics).await
 }

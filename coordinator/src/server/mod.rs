@@ -190,10 +190,9 @@ pub fn app_with_admin(state: AppState, admin: Router<AppState>) -> Router {
 }
 
 /// Paths no route matches: a JSON 404 under `/api/`, the dashboard's HTML 404 elsewhere.
-async fn fallback(method: axum::http::Method, uri: axum::http::Uri) -> axum::response::Response {
+async fn fallback(uri: axum::http::Uri) -> axum::response::Response {
     use axum::response::IntoResponse;
     if uri.path() == "/api" || uri.path().starts_with("/api/") {
-        let _ = method;
         return error::json_errors(error::not_found(uri).await.into_response()).await;
     }
     crate::dashboard::not_found(uri).await

@@ -334,18 +334,7 @@ pub fn run_rounds(
         for batch in reporting.chunks(chunk) {
             let mut updates: Vec<(ClientId, LocalUpdate)> = batch
                 .par_iter()
-                .map(|&id| {
-                    let seed = derive_seed(cfg.seed, Stream::LocalTraining, round_no, id.0);
-                    let client = &prepared.clients[id.0 as usize];
-                    client
-                        .train(&task.global, &task.train, seed)
-                        .map(|u| (id, u))
-                        .map_err(|e| SimulationError::Client {
-                            client: id,
-                            round: round_no,
-                            source: e,
-                        })
-                })
+                .map(|&id| train_client(cfg, prepared, task, round_no, id).map(|u| (id, u)))
                 .collect::<Result<_, _>>()?;
             for (id, u) in &mut updates {
                 if malicious.contains(id) {
@@ -412,6 +401,24 @@ pub fn run_rounds(
     })
 }
 
+/// Client `id` trains on the round's task, with its own reproducible shuffling seed.
+fn train_client(
+    cfg: &SimulationConfig,
+    prepared: &Prepared,
+    task: &crate::engine::Task,
+    round_no: u32,
+    id: ClientId,
+) -> Result<LocalUpdate, SimulationError> {
+    let seed = derive_seed(cfg.seed, Stream::LocalTraining, round_no, id.0);
+    prepared.clients[id.0 as usize]
+        .train(&task.global, &task.train, seed)
+        .map_err(|source| SimulationError::Client {
+            client: id,
+            round: round_no,
+            source,
+        })
+}
+
 /// One round of central differential privacy (DP-FedAvg, McMahan et al. 2018): every
 /// client takes part with probability `q` (Poisson sampling, as the accountant assumes),
 /// each update is clipped to L2 norm `C`, the sum gets `N(0, (sigma C)^2)` per
@@ -448,14 +455,7 @@ fn private_round(
     let updates: Vec<(Vec<f32>, u64, f64)> = reporting
         .par_iter()
         .map(|&id| {
-            let seed = derive_seed(cfg.seed, Stream::LocalTraining, round_no, id.0);
-            let u = prepared.clients[id.0 as usize]
-                .train(&task.global, &task.train, seed)
-                .map_err(|e| SimulationError::Client {
-                    client: id,
-                    round: round_no,
-                    source: e,
-                })?;
+            let u = train_client(cfg, prepared, task, round_no, id)?;
             let mut delta: Vec<f32> = u
                 .params
                 .values()
@@ -605,8 +605,7 @@ fn secure_round(
     keys[0] ^= 1; // the clients' key stream, apart from the public session id
     let round = local::run_round_on(reducer, &config, keys, &drop_at, true, |u| {
         let id = plan.selected[u as usize - 1];
-        let seed = derive_seed(cfg.seed, Stream::LocalTraining, round_no, id.0);
-        match prepared.clients[id.0 as usize].train(&task.global, &task.train, seed) {
+        match train_client(cfg, prepared, task, round_no, id) {
             Ok(update) => local::ClientInput::Update {
                 values: update
                     .params
@@ -622,13 +621,9 @@ fn secure_round(
                     0.0
                 },
             },
-            Err(source) => {
+            Err(e) => {
                 let mut f = failure.lock().expect("no panics while held");
-                f.get_or_insert(SimulationError::Client {
-                    client: id,
-                    round: round_no,
-                    source,
-                });
+                f.get_or_insert(e);
                 // An empty vector is refused by the client's own checks: it drops out.
                 local::ClientInput::Quantized(Vec::new())
             }

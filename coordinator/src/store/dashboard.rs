@@ -34,8 +34,6 @@ pub struct ClientPage {
     pub clients: Vec<Client>,
     /// Rounds each of them uploaded an update to (missing means none).
     pub rounds_taken: HashMap<Uuid, i64>,
-    /// Clients enrolled in all.
-    pub total: i64,
 }
 
 /// How many of an experiment's jobs are in each state, and the newest few.
@@ -146,12 +144,9 @@ impl Store {
     }
 
     /// Clients `offset..offset + limit` in enrolment order, with the rounds each took
-    /// part in and the total.
+    /// part in ([`client_count`](Self::client_count) gives the total).
     pub async fn client_page(&self, offset: i64, limit: i64) -> Result<ClientPage, StoreError> {
         with_pool!(self, p => {
-            let (total,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM clients")
-                .fetch_one(p)
-                .await?;
             let rows: Vec<ClientRow> = sqlx::query_as(
                 "SELECT id, label, enrolled_at, last_seen_at, revoked_at FROM clients \
                  ORDER BY enrolled_at, id LIMIT $1 OFFSET $2",
@@ -185,7 +180,7 @@ impl Store {
                     rounds_taken.insert(parse_uuid(&id)?, n);
                 }
             }
-            Ok(ClientPage { clients, rounds_taken, total })
+            Ok(ClientPage { clients, rounds_taken })
         })
     }
 

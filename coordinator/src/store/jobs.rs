@@ -54,6 +54,16 @@ pub enum JobState {
 }
 
 impl JobState {
+    /// The stored text.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Queued => "queued",
+            JobState::Running => "running",
+            JobState::Done => "done",
+            JobState::Failed => "failed",
+        }
+    }
+
     fn parse(text: &str) -> Result<Self, StoreError> {
         Ok(match text {
             "queued" => JobState::Queued,
