@@ -151,8 +151,10 @@ struct SimulateArgs {
     /// [default: sign-flip:4]
     #[arg(long, value_name = "ATTACK")]
     attack: Option<cohort_coordinator::simulate::Attack>,
-    /// Central differential privacy: noise standard deviation over the clipping bound;
-    /// clients are then Poisson-sampled at clients-per-round / clients
+    /// Differential privacy: noise standard deviation over the clipping bound; clients are
+    /// then Poisson-sampled at clients-per-round / clients. Central noise added by the
+    /// coordinator, or with --secure-aggregation distributed noise: each client adds its
+    /// share before masking
     #[arg(long, value_name = "SIGMA")]
     dp_noise_multiplier: Option<f64>,
     /// Differential privacy: L2 bound on each client's update [default: 1]
@@ -165,6 +167,34 @@ struct SimulateArgs {
     /// exceed it
     #[arg(long, value_name = "E")]
     dp_epsilon: Option<f64>,
+    /// Differential privacy, central noise: adapt the clip (starting at --dp-clip) to this
+    /// quantile of the update norms, from a noised count (Andrew et al. 2021)
+    #[arg(long, value_name = "Q")]
+    dp_clip_quantile: Option<f64>,
+    /// Differential privacy, adaptive clip: noise on the count of clients within the clip
+    /// [default: expected clients per round / 20]
+    #[arg(long, value_name = "SIGMA_B")]
+    dp_clip_count_noise: Option<f64>,
+    /// sync (rounds that wait for every selected client) | fedbuff (buffered asynchronous
+    /// aggregation: the server steps after every --buffer-size updates) [default: sync]
+    #[arg(long, value_name = "MODE")]
+    mode: Option<cohort_coordinator::simulate::Mode>,
+    /// Client speeds for the simulated clock: none | lognormal:SIGMA | pareto:ALPHA (each
+    /// client's slowdown drawn once) [default: none]
+    #[arg(long, value_name = "MODEL")]
+    straggler: Option<cohort_coordinator::simulate::StragglerModel>,
+    /// FedBuff: client updates per server step [default: 10]
+    #[arg(long, value_name = "K")]
+    buffer_size: Option<usize>,
+    /// FedBuff: clients training at once [default: clients per round]
+    #[arg(long, value_name = "C")]
+    concurrency: Option<usize>,
+    /// FedBuff: an update tau steps stale is weighted 1/(1+tau)^A [default: 0.5]
+    #[arg(long, value_name = "A")]
+    staleness_exponent: Option<f64>,
+    /// Report when test accuracy first reaches A (round, simulated seconds, updates)
+    #[arg(long, value_name = "A")]
+    target_accuracy: Option<f64>,
     /// Fraction of the data held out for testing [default: 0.2]
     #[arg(long)]
     test_fraction: Option<f64>,
@@ -213,6 +243,8 @@ impl SimulateArgs {
             attack,
             dp_clip,
             dp_delta,
+            mode,
+            straggler,
             seed
         );
         set_some!(
@@ -225,7 +257,13 @@ impl SimulateArgs {
             max_weight,
             aggregator,
             dp_noise_multiplier,
-            dp_epsilon
+            dp_epsilon,
+            dp_clip_quantile,
+            dp_clip_count_noise,
+            buffer_size,
+            concurrency,
+            staleness_exponent,
+            target_accuracy
         );
         if self.secure_aggregation {
             cfg.secure_aggregation = true;
@@ -420,10 +458,22 @@ fn run_simulate(args: SimulateArgs) -> ExitCode {
                 .as_ref()
                 .map(|why| format!(" (stopped: {why})"))
                 .unwrap_or_default();
+            let target = summary
+                .target
+                .as_ref()
+                .map(|t| match (t.rounds_to_target, t.sim_seconds_to_target) {
+                    (Some(round), Some(sim)) => format!(
+                        ", target {} reached in round {round} at {sim:.1} simulated s",
+                        t.target_accuracy
+                    ),
+                    _ => format!(", target {} not reached", t.target_accuracy),
+                })
+                .unwrap_or_default();
             format!(
-                "final test accuracy {:.4} after {} rounds{privacy}{stopped} ({:.1} client updates/s on {} threads); results in {}",
+                "final test accuracy {:.4} after {} rounds ({:.1} simulated s){target}{privacy}{stopped} ({:.1} client updates/s on {} threads); results in {}",
                 summary.final_test_accuracy,
                 summary.rounds,
+                summary.sim_seconds,
                 summary.updates_per_second,
                 summary.threads,
                 dir.display()

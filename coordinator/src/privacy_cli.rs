@@ -11,6 +11,43 @@ pub enum PrivacyCommand {
     /// The smallest noise multiplier that keeps T rounds within (epsilon, delta); the last
     /// line is the bare number.
     Noise(NoiseArgs),
+    /// Test accuracy against epsilon spent, for `cohort simulate` runs (their --out
+    /// directories) under different budgets, as PNG and SVG; a run without differential
+    /// privacy is drawn as the reference line.
+    Plot(PlotArgs),
+}
+
+/// Flags of `cohort privacy plot`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PlotArgs {
+    /// The PNG to write; the SVG goes beside it
+    #[arg(long, value_name = "FILE.png")]
+    pub out: std::path::PathBuf,
+    /// Title above the plot
+    #[arg(long, default_value = "test accuracy against privacy spent")]
+    pub title: String,
+    /// Output directories of `cohort simulate` runs (each holds metrics.jsonl)
+    #[arg(required = true, value_name = "RUN_DIR")]
+    pub runs: Vec<std::path::PathBuf>,
+}
+
+/// Why a `cohort privacy` command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PrivacyCliError {
+    /// The accountant refused the settings.
+    #[error(transparent)]
+    Accountant(#[from] rdp::PrivacyError),
+    /// A run directory could not be read.
+    #[error("{path}: {message}")]
+    Run {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What was wrong.
+        message: String,
+    },
+    /// The plot could not be written.
+    #[error("{0}")]
+    Plot(String),
 }
 
 /// Flags of `cohort privacy epsilon`.
@@ -48,7 +85,7 @@ pub struct NoiseArgs {
 }
 
 /// Runs a `cohort privacy` command: its lines, or why it was refused.
-pub fn run(command: &PrivacyCommand) -> Result<Vec<String>, rdp::PrivacyError> {
+pub fn run(command: &PrivacyCommand) -> Result<Vec<String>, PrivacyCliError> {
     match command {
         PrivacyCommand::Epsilon(a) => {
             let mut accountant = rdp::RdpAccountant::new();
@@ -73,5 +110,67 @@ pub fn run(command: &PrivacyCommand) -> Result<Vec<String>, rdp::PrivacyError> {
                 format!("{sigma}"),
             ])
         }
+        PrivacyCommand::Plot(a) => plot(a),
     }
+}
+
+/// One line of a run's `metrics.jsonl`: what the plot needs.
+#[derive(serde::Deserialize)]
+struct RoundLine {
+    round: u32,
+    test_accuracy: f64,
+    epsilon: Option<f64>,
+}
+
+fn plot(args: &PlotArgs) -> Result<Vec<String>, PrivacyCliError> {
+    let mut runs = Vec::new();
+    for dir in &args.runs {
+        let path = dir.join("metrics.jsonl");
+        let bad = |message: String| PrivacyCliError::Run {
+            path: path.clone(),
+            message,
+        };
+        let text = std::fs::read_to_string(&path).map_err(|e| bad(e.to_string()))?;
+        let rounds: Vec<RoundLine> = text
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .enumerate()
+            .map(|(i, l)| serde_json::from_str(l).map_err(|e| bad(format!("line {}: {e}", i + 1))))
+            .collect::<Result<_, _>>()?;
+        let Some(last) = rounds.last() else {
+            return Err(bad("no rounds".into()));
+        };
+        let label = match last.epsilon {
+            Some(e) => format!("epsilon {e:.2}"),
+            None => "no DP".to_string(),
+        };
+        runs.push(crate::simulate::plot::PrivacyRun {
+            label,
+            points: rounds
+                .iter()
+                .map(|r| (r.epsilon, r.test_accuracy, r.round))
+                .collect(),
+        });
+    }
+    let svg = args.out.with_extension("svg");
+    crate::simulate::plot::write_privacy_plot(&runs, &args.title, &args.out, &svg)
+        .map_err(PrivacyCliError::Plot)?;
+    let mut lines: Vec<String> = runs
+        .iter()
+        .zip(&args.runs)
+        .map(|(r, dir)| {
+            let (eps, acc, round) = r.points.last().copied().unwrap_or((None, 0.0, 0));
+            format!(
+                "{}\tepsilon={}\trounds={round}\ttest_accuracy={acc:.4}",
+                dir.display(),
+                eps.map_or("none".to_string(), |e| format!("{e:.4}"))
+            )
+        })
+        .collect();
+    lines.push(format!(
+        "wrote {} and {}",
+        args.out.display(),
+        svg.display()
+    ));
+    Ok(lines)
 }

@@ -30,6 +30,13 @@ pub enum Stream {
     /// Differential privacy's noise (a simulation's; a coordinator draws from the
     /// operating system).
     PrivacyNoise = 10,
+    /// Each client's straggler slowdown, drawn once per run.
+    Straggler = 11,
+    /// FedBuff: who starts training next (round 0) and who drops out (round 1).
+    AsyncSelection = 12,
+    /// FedBuff: a task's local shuffling, keyed by the task's sequence number (a client
+    /// may train several times on the same model version).
+    AsyncTraining = 13,
 }
 
 /// SplitMix64's finaliser: a bijection on `u64` with full avalanche, so nearby inputs

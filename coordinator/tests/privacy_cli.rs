@@ -139,3 +139,63 @@ fn bad_arguments_are_refused_with_a_message() {
         Some(2)
     );
 }
+
+fn simulate(out: &std::path::Path, extra: &[&str]) {
+    let status = Command::new(env!("CARGO_BIN_EXE_cohort"))
+        .args(["simulate", "--dataset", "breast-cancer", "--clients", "10"])
+        .args(["--clients-per-round", "5", "--rounds", "3", "--out"])
+        .arg(out)
+        .args(extra)
+        .output()
+        .expect("cohort runs");
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+}
+
+#[test]
+fn plot_draws_accuracy_against_epsilon_for_simulation_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let (dp, plain) = (dir.path().join("dp"), dir.path().join("plain"));
+    simulate(
+        &dp,
+        &["--dp-noise-multiplier", "1.0", "--secure-aggregation"],
+    );
+    simulate(&plain, &[]);
+    let png = dir.path().join("privacy.png");
+    let out = privacy(&[
+        "plot",
+        "--out",
+        png.to_str().unwrap(),
+        dp.to_str().unwrap(),
+        plain.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert!(lines[0].contains("epsilon=") && !lines[0].contains("epsilon=none"));
+    assert!(lines[1].contains("epsilon=none"), "{stdout}");
+    let bytes = std::fs::read(&png).unwrap();
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+    let svg = std::fs::read_to_string(png.with_extension("svg")).unwrap();
+    assert!(svg.contains("epsilon spent"));
+
+    // A directory that is not a run is refused by name, and nothing is written.
+    let missing = dir.path().join("nothing-here");
+    let other = dir.path().join("other.png");
+    let out = privacy(&[
+        "plot",
+        "--out",
+        other.to_str().unwrap(),
+        missing.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("nothing-here"));
+    assert!(!other.exists());
+}

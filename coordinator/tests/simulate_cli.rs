@@ -634,8 +634,41 @@ fn differential_privacy_settings_that_cannot_work_are_rejected() {
         &[],
     );
     assert_rejected(
-        &["--dp-noise-multiplier", "1", "--secure-aggregation"],
-        &["--secure-aggregation", "not built yet"],
+        &[
+            "--dp-noise-multiplier",
+            "1",
+            "--secure-aggregation",
+            "--dp-clip-quantile",
+            "0.5",
+        ],
+        &["--dp-clip-quantile", "secure aggregation"],
+        &[],
+    );
+    assert_rejected(
+        &["--dp-noise-multiplier", "1", "--dp-clip-quantile", "1.5"],
+        &["--dp-clip-quantile must be in (0, 1)"],
+        &[],
+    );
+    assert_rejected(
+        &[
+            "--dp-noise-multiplier",
+            "2",
+            "--dp-clip-quantile",
+            "0.5",
+            "--dp-clip-count-noise",
+            "0.5",
+        ],
+        &["--dp-clip-count-noise 0.5 leaves no room"],
+        &[],
+    );
+    assert_rejected(
+        &["--dp-clip-count-noise", "1"],
+        &["need --dp-noise-multiplier"],
+        &[],
+    );
+    assert_rejected(
+        &["--dp-noise-multiplier", "101"],
+        &["--dp-noise-multiplier must be at most 100"],
         &[],
     );
     assert_rejected(
@@ -658,4 +691,99 @@ fn differential_privacy_settings_that_cannot_work_are_rejected() {
         &["--dp-delta"],
         &[],
     );
+}
+
+/// FedBuff and the straggler model: one server step per row, the simulated clock in
+/// `metrics.csv` and `summary.json`, the target reported, and the same seed giving the
+/// same rows whatever the number of threads.
+#[test]
+fn fedbuff_writes_one_row_per_server_step_on_the_simulated_clock() {
+    let tmp = tempfile::tempdir().unwrap();
+    let extra = [
+        "--mode",
+        "fedbuff",
+        "--buffer-size",
+        "3",
+        "--concurrency",
+        "5",
+        "--straggler",
+        "pareto:1.5",
+        "--target-accuracy",
+        "0.6",
+        "--seed",
+        "4",
+    ];
+    let a = small_run(tmp.path(), "a", &extra);
+    // Tasks train in parallel batches: one thread must give the same rows.
+    let mut one_thread = extra.to_vec();
+    one_thread.extend_from_slice(&["--threads", "1"]);
+    let b = small_run(tmp.path(), "b", &one_thread);
+    assert_eq!(metrics_without_seconds(&a), metrics_without_seconds(&b));
+    let csv = fs::read_to_string(a.join("metrics.csv")).unwrap();
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    assert_eq!(
+        &header[header.len() - 3..],
+        ["sim_seconds", "epsilon", "strategy"]
+    );
+    let col = |name: &str| header.iter().position(|c| *c == name).unwrap();
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    assert_eq!(rows.len(), 4, "one row per server step");
+    let sim: Vec<f64> = rows
+        .iter()
+        .map(|r| r[col("sim_seconds")].parse().unwrap())
+        .collect();
+    assert!(
+        sim[0] > 0.0 && sim.windows(2).all(|w| w[0] <= w[1]),
+        "{sim:?}"
+    );
+    assert!(rows.iter().all(|r| r[col("participants")] == "3"));
+    let summary = read_json(&a.join("summary.json"));
+    assert_eq!(summary["config"]["mode"], "fedbuff");
+    assert_eq!(summary["config"]["buffer-size"], 3);
+    assert_eq!(summary["config"]["straggler"], "pareto:1.5");
+    assert_eq!(summary["total_updates"], 12);
+    assert_eq!(summary["sim_seconds"].as_f64().unwrap(), sim[3]);
+    assert!(summary["mean_staleness"].as_f64().unwrap() >= 0.0);
+    assert_eq!(summary["target_accuracy"], 0.6);
+    // Reached or not, the key is there; when reached, it is a row's clock.
+    match summary["sim_seconds_to_target"].as_f64() {
+        Some(t) => assert!(sim.contains(&t), "{t} not in {sim:?}"),
+        None => assert!(summary["sim_seconds_to_target"].is_null()),
+    }
+}
+
+#[test]
+fn fedbuff_and_straggler_settings_that_cannot_work_are_rejected() {
+    assert_rejected(
+        &["--mode", "fedbuff", "--secure-aggregation"],
+        &["--mode fedbuff", "--secure-aggregation"],
+        &[],
+    );
+    assert_rejected(
+        &["--mode", "fedbuff", "--dp-noise-multiplier", "1"],
+        &["--mode fedbuff", "--dp-noise-multiplier"],
+        &[],
+    );
+    assert_rejected(
+        &["--mode", "fedbuff", "--aggregator", "median"],
+        &["--aggregator median"],
+        &[],
+    );
+    assert_rejected(
+        &["--mode", "fedbuff", "--buffer-size", "0"],
+        &["--buffer-size"],
+        &[],
+    );
+    assert_rejected(
+        &["--mode", "fedbuff", "--clients", "8", "--concurrency", "9"],
+        &["--concurrency"],
+        &[],
+    );
+    assert_rejected(&["--buffer-size", "5"], &["need --mode fedbuff"], &[]);
+    assert_rejected(&["--mode", "async"], &["async", "fedbuff"], &[]);
+    assert_rejected(&["--straggler", "pareto"], &["pareto:ALPHA"], &[]);
+    assert_rejected(&["--straggler", "pareto:0"], &["ALPHA", "> 0"], &[]);
+    assert_rejected(&["--straggler", "slow"], &["slow", "lognormal:SIGMA"], &[]);
+    assert_rejected(&["--target-accuracy", "2"], &["--target-accuracy"], &[]);
 }

@@ -27,6 +27,7 @@
 use rayon::prelude::*;
 
 use super::prg;
+use crate::privacy::distributed::{DistributedNoise, DistributedNoiseError, SkellamScale};
 
 /// Coordinates quantised per parallel task (and rounding noise generated per stack
 /// buffer).
@@ -44,6 +45,13 @@ pub struct QuantizationParams {
     pub max_weight: u32,
     /// Training losses are clamped to `[0, loss_clip]` for the mean training loss.
     pub loss_clip: f32,
+    /// Distributed differential privacy: when set, the update is clipped to an L2 norm
+    /// instead of per coordinate, clients weigh equally, each adds its share of Skellam
+    /// noise before masking, and the training loss is not sent (see
+    /// [`crate::privacy::distributed`]). `clip`, `max_weight` and `loss_clip` are then
+    /// unused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub distributed_noise: Option<DistributedNoise>,
 }
 
 impl Default for QuantizationParams {
@@ -52,6 +60,7 @@ impl Default for QuantizationParams {
             clip: 4.0,
             max_weight: 1000,
             loss_clip: 64.0,
+            distributed_noise: None,
         }
     }
 }
@@ -91,6 +100,9 @@ pub enum QuantizeError {
     /// The sum holds no weight: there is no mean.
     #[error("the sum holds no weight")]
     NoWeight,
+    /// The distributed noise settings are out of range.
+    #[error(transparent)]
+    Noise(#[from] DistributedNoiseError),
 }
 
 /// The quantiser of one round: public settings plus the bit width for `n` clients.
@@ -100,6 +112,7 @@ pub struct Quantizer {
     bits: u32,
     levels: u32,
     parties: u32,
+    noise: Option<SkellamScale>,
 }
 
 /// The quantised vector of one client, with the facts needed to check it.
@@ -112,10 +125,15 @@ pub struct Decoded {
     pub mean: Vec<f32>,
     /// Sum of the (capped) weights.
     pub total_weight: u64,
-    /// Sample-weighted mean training loss (clamped to `[0, loss_clip]`).
-    pub mean_loss: f64,
-    /// The bound on every coordinate's error, see [`Quantizer::error_bound`].
+    /// Sample-weighted mean training loss (clamped to `[0, loss_clip]`); `None` under
+    /// distributed differential privacy, which does not release it.
+    pub mean_loss: Option<f64>,
+    /// The bound on every coordinate's rounding error, see [`Quantizer::error_bound`]
+    /// (the differential privacy noise comes on top).
     pub error_bound: f64,
+    /// Standard deviation of the differential privacy noise in each coordinate of the
+    /// mean; 0 without distributed noise.
+    pub noise_std: f64,
 }
 
 impl Quantizer {
@@ -137,6 +155,10 @@ impl Quantizer {
         if parties == 0 {
             return bad("a round needs at least one client".into());
         }
+        let noise = params
+            .distributed_noise
+            .map(|n| SkellamScale::new(n, parties))
+            .transpose()?;
         if u64::from(parties) * u64::from(params.max_weight) > u64::from(u32::MAX) {
             return bad(format!(
                 "{parties} clients with weights up to {} could overflow the 32-bit weight sum",
@@ -161,7 +183,14 @@ impl Quantizer {
             bits,
             levels,
             parties,
+            noise,
         })
+    }
+
+    /// The distributed noise scale, when the round carries distributed differential
+    /// privacy.
+    pub fn distributed_noise(&self) -> Option<&SkellamScale> {
+        self.noise.as_ref()
     }
 
     /// The public settings.
@@ -212,6 +241,15 @@ impl Quantizer {
             return Err(QuantizeError::NonFinite {
                 index: update.len(),
             });
+        }
+        if let Some(noise) = &self.noise {
+            // Clients weigh equally: a sample count would raise one client's influence
+            // past the clip that the noise is calibrated to.
+            let d = update.len();
+            let mut out = vec![0u32; d + EXTRA_WORDS];
+            noise.encode(update, &mut out[..d], rng);
+            out[d] = 1;
+            return Ok(out);
         }
         let mut noise_key = [0u8; 32];
         rng.fill_bytes(&mut noise_key);
@@ -271,6 +309,9 @@ impl Quantizer {
             )));
         }
         let d = sum.len() - EXTRA_WORDS;
+        if let Some(noise) = &self.noise {
+            return Self::decode_noisy(noise, sum, survivors);
+        }
         let max_word = survivors as u64 * u64::from(self.levels);
         if let Some(index) = sum.par_iter().enumerate().position_first(|(i, &q)| {
             let limit = if i == d {
@@ -298,8 +339,50 @@ impl Quantizer {
         Ok(Decoded {
             mean,
             total_weight,
-            mean_loss: f64::from(sum[d + 1]) * loss_step * factor,
+            mean_loss: Some(f64::from(sum[d + 1]) * loss_step * factor),
             error_bound: self.error_bound(survivors, total_weight),
+            noise_std: 0.0,
+        })
+    }
+
+    /// [`decode`](Self::decode) under distributed noise: the count word must equal the
+    /// survivors and the loss word must be 0 (anything else means a mask was not
+    /// removed); the values are read as signed integers.
+    fn decode_noisy(
+        noise: &SkellamScale,
+        sum: &[u32],
+        survivors: usize,
+    ) -> Result<Decoded, QuantizeError> {
+        let d = sum.len() - EXTRA_WORDS;
+        if sum[d] as usize != survivors {
+            return Err(QuantizeError::OutOfRange {
+                index: d,
+                survivors,
+            });
+        }
+        if sum[d + 1] != 0 {
+            return Err(QuantizeError::OutOfRange {
+                index: d + 1,
+                survivors,
+            });
+        }
+        let m = survivors as f64;
+        let mean = noise
+            .decode(&sum[..d])
+            .into_iter()
+            .map(|v| (v / m) as f32)
+            .collect();
+        let noise_std = noise.sum_noise_std(survivors, d) / m;
+        let clip = f64::from(noise.settings().l2_clip);
+        Ok(Decoded {
+            mean,
+            total_weight: survivors as u64,
+            mean_loss: None,
+            // Rounding moves each client's coordinate by less than 1 / gamma; the f32
+            // result adds half an ulp of a value within the clip plus 8 noise deviations.
+            error_bound: 1.0 / noise.gamma()
+                + (clip + 8.0 * noise_std) * f64::from(f32::EPSILON) / 2.0,
+            noise_std,
         })
     }
 }
@@ -419,7 +502,7 @@ mod tests {
             let loss: f64 = clients.iter().map(|(_, w, l)| (*w).min(cap) as f64 * l).sum::<f64>() / total as f64;
             let loss_bound = clients.len() as f64 * f64::from(quant.params().loss_clip)
                 / f64::from(quant.levels) * cap as f64 / total as f64;
-            prop_assert!((dec.mean_loss - loss).abs() <= loss_bound + 1e-9);
+            prop_assert!((dec.mean_loss.unwrap() - loss).abs() <= loss_bound + 1e-9);
         }
     }
 

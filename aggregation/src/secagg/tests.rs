@@ -362,7 +362,7 @@ fn a_round_with_every_kind_of_dropout_recovers() {
     assert_eq!(out.dropouts.share, vec![7]);
     assert_eq!(out.dropouts.masked, vec![11]);
     assert_eq!(out.dropouts.unmask, vec![19]);
-    assert!((out.decoded.mean_loss - 0.5).abs() < 1e-3);
+    assert!((out.decoded.mean_loss.unwrap() - 0.5).abs() < 1e-3);
     // Every client sent a masked vector of d + 2 words plus small messages.
     let b = round.bytes_sent[&1];
     assert!(b > 18 * 4 && b < 18 * 4 + 4000, "{b}");
@@ -948,4 +948,196 @@ fn masked_vectors_are_indistinguishable_from_uniform() {
     let top16 = chi_square_p(chi_square_stat(&all, 16, 16), 65_535.0);
     eprintln!("top 16 bits over {} words: p = {top16:.4}", all.len());
     assert!(top16 > 0.001, "top 16 bits: p = {top16}");
+}
+
+fn noisy_config(parties: u32, dimension: usize, noise_multiplier: f64) -> RoundConfig {
+    let mut cfg = config(
+        parties,
+        parties as usize - 1,
+        parties as usize / 2 + 1,
+        dimension,
+    );
+    cfg.quantization.distributed_noise = Some(crate::privacy::distributed::DistributedNoise {
+        l2_clip: 1.0,
+        noise_multiplier,
+    });
+    cfg
+}
+
+/// Sample variance of the unmasked sum's words read as signed integers.
+fn signed_variance(words: &[u32]) -> f64 {
+    let values: Vec<f64> = words.iter().map(|&w| f64::from(w as i32)).collect();
+    let mean = values.iter().sum::<f64>() / values.len() as f64;
+    values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (values.len() - 1) as f64
+}
+
+/// Protects the calibration of distributed differential privacy: the sum of the
+/// survivors' noise shares, as the coordinator unmasks it, has variance `m * mu` (the
+/// configured `(z * Delta)^2` when every selected client survives), and the decoded
+/// result reports that noise.
+#[test]
+fn the_sum_of_distributed_noise_shares_has_the_configured_variance() {
+    let d = 6000;
+    let z = 0.8;
+    for (dropping, seed) in [(0u32, 1u8), (5, 2)] {
+        let cfg = RoundConfig {
+            session: [seed; 32],
+            ..noisy_config(20, d, z)
+        };
+        let scale = cfg.validate().unwrap().distributed_noise().unwrap().clone();
+        let drop_at: BTreeMap<u32, Stage> = (1..=dropping).map(|u| (u, Stage::Masked)).collect();
+        let out = run_round(&cfg, [seed; 32], &drop_at, true, |_| ClientInput::Update {
+            values: vec![0.0; d],
+            weight: 7,
+            loss: 1.0,
+        })
+        .result
+        .unwrap();
+        let m = out.survivors.len();
+        assert_eq!(m, 20 - dropping as usize);
+        assert_eq!(out.sum[d] as usize, m, "the count word");
+        let expected = m as f64 * scale.share_variance(d);
+        if dropping == 0 {
+            let configured = (z * scale.sensitivity(d)).powi(2);
+            assert!((expected / configured - 1.0).abs() < 1e-12);
+        }
+        // Zero updates round to exactly 0: the words are the noise alone. The sample
+        // variance of 6000 draws has a relative standard error of sqrt(2 / 6000) = 1.8%;
+        // 5 standard errors is 9%.
+        let var = signed_variance(&out.sum[..d]);
+        assert!(
+            (var / expected - 1.0).abs() < 0.09,
+            "{m} survivors: variance {var:.4e}, expected {expected:.4e}"
+        );
+        let reported = out.decoded.noise_std * m as f64 * scale.gamma();
+        assert!((reported / expected.sqrt() - 1.0).abs() < 1e-9);
+        assert!((scale.effective_noise_multiplier(m) - z * (m as f64 / 20.0).sqrt()).abs() < 1e-12);
+        assert_eq!(out.decoded.mean_loss, None, "no loss is released under DP");
+    }
+}
+
+/// Protects the mean under distributed noise: updates are clipped to the L2 norm, weigh
+/// equally, and without noise the decoded mean is the mean of the clipped updates within
+/// the rounding bound.
+#[test]
+fn distributed_noise_rounds_decode_the_mean_of_clipped_updates() {
+    let d = 40;
+    let cfg = noisy_config(9, d, 0.0);
+    let update = |u: u32| update_of(u, d, 5);
+    let out = run_round(&cfg, [3; 32], &BTreeMap::new(), false, |u| {
+        ClientInput::Update {
+            values: update(u),
+            weight: weight_of(u),
+            loss: 0.0,
+        }
+    })
+    .result
+    .unwrap();
+    let clipped: Vec<Vec<f64>> = (1..=9)
+        .map(|u| {
+            let x = update(u);
+            let norm = x.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>().sqrt();
+            x.iter().map(|v| f64::from(*v) / norm.max(1.0)).collect()
+        })
+        .collect();
+    for j in 0..d {
+        let exact = clipped.iter().map(|c| c[j]).sum::<f64>() / 9.0;
+        assert!(
+            (f64::from(out.decoded.mean[j]) - exact).abs() <= out.decoded.error_bound,
+            "coordinate {j}"
+        );
+    }
+    assert_eq!(out.decoded.total_weight, 9, "clients weigh equally");
+}
+
+/// Everything the coordinator sees of a hand-driven distributed-noise round: every
+/// message as JSON except client 1's masked vector, then the unmasked sum. Every client
+/// draws its keys from one generator of `key_seed`; client 1 draws its masking-stage
+/// randomness (rounding and noise share) from `noise_seed`.
+fn coordinator_view(key_seed: u64, noise_seed: u64, d: usize) -> (Vec<String>, Vec<u32>) {
+    let cfg = noisy_config(6, d, 1.0);
+    let mut server = ServerSession::new(cfg.clone()).unwrap();
+    let mut rng = ChaCha20Rng::seed_from_u64(key_seed);
+    let mut client_one = ChaCha20Rng::seed_from_u64(noise_seed);
+    let mut seen = Vec::new();
+    fn json<T: serde::Serialize>(v: &T) -> String {
+        serde_json::to_string(v).unwrap()
+    }
+    let mut clients = BTreeMap::new();
+    for u in 1..=6 {
+        let (c, k) = ClientSession::new(cfg.clone(), u, &mut rng).unwrap();
+        seen.push(json(&k));
+        server.receive_keys(u, &k).unwrap();
+        clients.insert(u, c);
+    }
+    let dir = server.close_advertise().unwrap();
+    for (&u, c) in &mut clients {
+        let m = c.share_keys(&dir, &mut rng).unwrap();
+        seen.push(json(&m));
+        server.receive_shares(u, &m).unwrap();
+    }
+    server.close_sharing().unwrap();
+    // Client 6 drops after sharing, so the coordinator also learns its mask key.
+    for (&u, c) in clients.iter_mut().filter(|(u, _)| **u != 6) {
+        let f = server.forwarded_for(u).unwrap();
+        seen.push(json(&f));
+        let values = vec![0.01 * u as f32; d];
+        let masked = if u == 1 {
+            c.mask(&f, &values, 1, 0.0, &mut client_one).unwrap()
+        } else {
+            let m = c.mask(&f, &values, 1, 0.0, &mut rng).unwrap();
+            seen.push(format!("{m:?}"));
+            m
+        };
+        server.receive_masked(u, &masked).unwrap();
+    }
+    let request = server.close_collection().unwrap();
+    seen.push(json(&request));
+    for (&u, c) in clients.iter_mut().filter(|(u, _)| **u != 6) {
+        let r = c.unmask(&request).unwrap();
+        seen.push(json(&r));
+        server.receive_unmask(u, &r).unwrap();
+    }
+    (seen, server.finish().unwrap().sum)
+}
+
+/// Protects "the coordinator cannot remove a client's noise share": with the same keys,
+/// masks and updates, two rounds in which client 1 draws a different noise share give the
+/// coordinator byte-identical messages — the keys, the encrypted shares, the other
+/// clients' masked vectors and every share revealed at unmasking, including the
+/// reconstructed secrets of the dropped client — so nothing it holds besides client 1's
+/// masked vector (uniform under the masks, see above) depends on the share. Yet the
+/// unmasked sums differ by the share: by noise of twice a share's variance, not by
+/// anything the coordinator could compute and subtract.
+#[test]
+fn no_message_to_the_coordinator_reveals_a_clients_noise_share() {
+    let d = 4000;
+    let (view_a, sum_a) = coordinator_view(17, 100, d);
+    let (view_b, sum_b) = coordinator_view(17, 200, d);
+    assert_eq!(
+        view_a, view_b,
+        "the coordinator's view apart from client 1's input"
+    );
+    let diff: Vec<u32> = sum_a
+        .iter()
+        .zip(&sum_b)
+        .map(|(a, b)| a.wrapping_sub(*b))
+        .collect();
+    assert_eq!(&diff[d..], &[0, 0], "same count and loss words");
+    let scale = noisy_config(6, d, 1.0)
+        .validate()
+        .unwrap()
+        .distributed_noise()
+        .unwrap()
+        .clone();
+    // Two independent shares (plus rounding of at most 1 each) differ with variance
+    // 2 mu; 4000 draws give a relative standard error of 2.2%.
+    let expected = 2.0 * scale.share_variance(d);
+    let var = signed_variance(&diff[..d]);
+    assert!(
+        (var / expected - 1.0).abs() < 0.12,
+        "variance {var:.4e}, expected {expected:.4e}"
+    );
+    // And the same noise seed gives the same sum: the difference is the share alone.
+    assert_eq!(coordinator_view(17, 100, d).1, sum_a);
 }

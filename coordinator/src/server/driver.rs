@@ -345,7 +345,7 @@ async fn aggregate_secure(
     .await
     .map_err(|e| DriverError::Aggregation(e.to_string()))??;
     let metrics = RoundMetrics {
-        train_loss: Some(mean_loss),
+        train_loss: mean_loss,
         ..tested
     };
     publish(state, exp.id, round, &published, metrics).await

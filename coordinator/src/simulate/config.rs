@@ -11,6 +11,8 @@ use cohort_edge::model::ModelKind;
 use cohort_edge::partition::PartitionScheme;
 use serde::{Deserialize, Serialize};
 
+use super::straggler::StragglerModel;
+
 /// Which data a simulation trains on.
 #[derive(Debug, Clone, PartialEq)]
 pub enum DatasetSpec {
@@ -177,7 +179,9 @@ pub struct SimulationConfig {
     /// Central differential privacy (DP-FedAvg): each round samples every client with
     /// probability `clients_per_round / clients` (Poisson), clips each update to L2 norm
     /// `dp_clip`, and adds Gaussian noise of standard deviation `dp_noise_multiplier *
-    /// dp_clip` to the sum; `None` is off.
+    /// dp_clip` to the sum; `None` is off. With `secure_aggregation` the noise is
+    /// distributed instead: each client adds its share of Skellam noise before masking,
+    /// so the coordinator never sees an un-noised sum.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dp_noise_multiplier: Option<f64>,
     /// Differential privacy: the L2 bound on each client's update.
@@ -188,6 +192,35 @@ pub struct SimulationConfig {
     /// more. `None` is no limit (epsilon is still reported).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dp_epsilon: Option<f64>,
+    /// Differential privacy: when set, the clip starts at `dp_clip` and tracks this
+    /// quantile of the clients' update norms (Andrew et al. 2021, geometric step 0.2),
+    /// from a noised count of the clients within it. Central noise only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dp_clip_quantile: Option<f64>,
+    /// Differential privacy with an adaptive clip: standard deviation of the noise on the
+    /// count of clients within the clip; `None` is the paper's expected clients / 20.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dp_clip_count_noise: Option<f64>,
+    /// How clients and the server take turns: synchronous rounds, or FedBuff's buffered
+    /// asynchronous aggregation.
+    pub mode: Mode,
+    /// The distribution of client slowdowns that sets the simulated clock (`none`,
+    /// `lognormal:SIGMA`, `pareto:ALPHA`); used by both modes.
+    pub straggler: StragglerModel,
+    /// FedBuff: client updates per server step (K); `None` is 10.
+    #[serde(alias = "buffer_size", skip_serializing_if = "Option::is_none")]
+    pub buffer_size: Option<usize>,
+    /// FedBuff: clients training at any moment; `None` is the clients per round.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<usize>,
+    /// FedBuff: an update `tau` server steps stale is weighted `1 / (1 + tau)^A`; `None`
+    /// is 0.5.
+    #[serde(alias = "staleness_exponent", skip_serializing_if = "Option::is_none")]
+    pub staleness_exponent: Option<f64>,
+    /// Test accuracy whose first attainment `summary.json` reports (round, simulated
+    /// seconds, client updates); `None` reports nothing.
+    #[serde(alias = "target_accuracy", skip_serializing_if = "Option::is_none")]
+    pub target_accuracy: Option<f64>,
     /// Seed for every random choice in the run.
     pub seed: u64,
     /// Output directory; `None` picks `runs/simulate-<timestamp>`.
@@ -230,6 +263,14 @@ impl Default for SimulationConfig {
             dp_clip: 1.0,
             dp_delta: 1e-5,
             dp_epsilon: None,
+            dp_clip_quantile: None,
+            dp_clip_count_noise: None,
+            mode: Mode::Sync,
+            straggler: StragglerModel::None,
+            buffer_size: None,
+            concurrency: None,
+            staleness_exponent: None,
+            target_accuracy: None,
             seed: 0,
             out: None,
         }
@@ -272,13 +313,34 @@ impl SimulationConfig {
         } else {
             (self.neighbours, self.threshold)
         };
+        let fedbuff = self.mode == Mode::Fedbuff;
         SimulationConfig {
             partition: Some(self.partition_scheme()),
             clients_per_round: Some(self.clients_per_round()),
             neighbours,
             threshold,
+            buffer_size: fedbuff.then(|| self.buffer_size()),
+            concurrency: fedbuff.then(|| self.concurrency()),
+            staleness_exponent: fedbuff.then(|| self.staleness_exponent()),
             ..self.clone()
         }
+    }
+
+    /// FedBuff: client updates per server step, with the default filled in.
+    pub fn buffer_size(&self) -> usize {
+        self.buffer_size.unwrap_or(DEFAULT_BUFFER_SIZE)
+    }
+
+    /// FedBuff: clients training at once, with the default (the clients per round)
+    /// filled in.
+    pub fn concurrency(&self) -> usize {
+        self.concurrency.unwrap_or_else(|| self.clients_per_round())
+    }
+
+    /// FedBuff: the staleness exponent, with the default filled in.
+    pub fn staleness_exponent(&self) -> f64 {
+        self.staleness_exponent
+            .unwrap_or(DEFAULT_STALENESS_EXPONENT)
     }
 
     /// Secure aggregation's neighbours and threshold for the clients selected per round,
@@ -298,6 +360,30 @@ impl SimulationConfig {
     /// Differential privacy's sampling rate: `clients_per_round / clients`.
     pub fn sampling_rate(&self) -> f64 {
         self.clients_per_round() as f64 / self.clients.max(1) as f64
+    }
+
+    /// With an adaptive clip: the noise on the clipped count (`sigma_b`) and the noise
+    /// multiplier left for the update (`z_delta`) so that the round as a whole is the
+    /// Gaussian mechanism at `dp_noise_multiplier` (Andrew et al. 2021, Theorem 1:
+    /// `z = (z_delta^-2 + (2 sigma_b)^-2)^-1/2`).
+    pub fn adaptive_clip_noise(&self) -> Result<(f64, f64), ConfigError> {
+        let z = self.dp_noise_multiplier.unwrap_or(0.0);
+        let expected = self.sampling_rate() * self.clients as f64;
+        let sigma_b = self.dp_clip_count_noise.unwrap_or(expected / 20.0);
+        if !(sigma_b.is_finite() && sigma_b > 0.0) {
+            return Err(ConfigError(format!(
+                "--dp-clip-count-noise must be > 0, got {sigma_b}"
+            )));
+        }
+        let rest = z.powi(-2) - (2.0 * sigma_b).powi(-2);
+        if rest.is_nan() || rest <= 0.0 {
+            return Err(ConfigError(format!(
+                "--dp-clip-count-noise {sigma_b} leaves no room for the update's noise at \
+                 --dp-noise-multiplier {z}: it must be above {:.4}",
+                z / 2.0
+            )));
+        }
+        Ok((sigma_b, rest.powf(-0.5)))
     }
 
     /// Clients selected per round (all of them when `clients_per_round` is unset).
@@ -353,12 +439,11 @@ impl SimulationConfig {
             {
                 return bad(format!("--dp-epsilon must be > 0, got {e}"));
             }
-            if self.secure_aggregation {
-                return bad(
-                    "--dp-noise-multiplier is central noise added by the coordinator; \
-                     distributed noise under --secure-aggregation is not built yet"
-                        .into(),
-                );
+            if sigma > cohort_aggregation::privacy::distributed::MAX_NOISE_MULTIPLIER {
+                return bad(format!(
+                    "--dp-noise-multiplier must be at most {}, got {sigma}",
+                    cohort_aggregation::privacy::distributed::MAX_NOISE_MULTIPLIER
+                ));
             }
             if let Some(rule) = self.aggregator {
                 return bad(format!(
@@ -366,6 +451,27 @@ impl SimulationConfig {
                      is calibrated to a sum of clipped updates"
                 ));
             }
+            if let Some(quantile) = self.dp_clip_quantile {
+                if !(quantile > 0.0 && quantile < 1.0) {
+                    return bad(format!(
+                        "--dp-clip-quantile must be in (0, 1), got {quantile}"
+                    ));
+                }
+                if self.secure_aggregation {
+                    return bad(
+                        "--dp-clip-quantile needs the count of clients within the clip, which \
+                         secure aggregation does not release yet: use a fixed --dp-clip"
+                            .into(),
+                    );
+                }
+                self.adaptive_clip_noise()?;
+            } else if self.dp_clip_count_noise.is_some() {
+                return bad("--dp-clip-count-noise needs --dp-clip-quantile".into());
+            }
+        } else if self.dp_clip_quantile.is_some() || self.dp_clip_count_noise.is_some() {
+            return bad(
+                "--dp-clip-quantile and --dp-clip-count-noise need --dp-noise-multiplier".into(),
+            );
         } else if self.dp_epsilon.is_some() {
             return bad("--dp-epsilon needs --dp-noise-multiplier".into());
         }
@@ -443,6 +549,13 @@ impl SimulationConfig {
         {
             return bad(format!("--server-lr must be > 0, got {lr}"));
         }
+        self.straggler.validate()?;
+        if let Some(a) = self.target_accuracy
+            && !(a.is_finite() && a > 0.0 && a <= 1.0)
+        {
+            return bad(format!("--target-accuracy must be in (0, 1], got {a}"));
+        }
+        self.validate_mode()?;
         if matches!(self.partition_scheme(), PartitionScheme::Natural)
             && !matches!(self.dataset, DatasetSpec::Synthetic { .. })
         {
@@ -456,6 +569,69 @@ impl SimulationConfig {
             .map_err(|e| ConfigError(e.to_string()))
     }
 
+    /// The settings of `--mode`: FedBuff's own, and what it cannot be combined with.
+    fn validate_mode(&self) -> Result<(), ConfigError> {
+        let bad = |msg: String| Err(ConfigError(msg));
+        if self.mode == Mode::Sync {
+            if self.buffer_size.is_some()
+                || self.concurrency.is_some()
+                || self.staleness_exponent.is_some()
+            {
+                return bad(
+                    "--buffer-size, --concurrency and --staleness-exponent need --mode fedbuff"
+                        .into(),
+                );
+            }
+            return Ok(());
+        }
+        if self.secure_aggregation {
+            return bad(
+                "--mode fedbuff and --secure-aggregation do not combine: SecAgg+ masks cancel \
+                 only within one synchronous cohort, and FedBuff's buffer fills from clients \
+                 that started on different models at different times"
+                    .into(),
+            );
+        }
+        if self.dp_noise_multiplier.is_some() {
+            return bad(
+                "--mode fedbuff and --dp-noise-multiplier do not combine: the privacy \
+                 accountant assumes Poisson-sampled synchronous rounds, which FedBuff does not run"
+                    .into(),
+            );
+        }
+        if let Some(rule) = self.aggregator {
+            return bad(format!(
+                "--mode fedbuff and --aggregator {rule} do not combine: FedBuff weighs each \
+                 update by its staleness as it arrives, and a robust rule needs a cohort of \
+                 updates from one model"
+            ));
+        }
+        if self.min_participants != 1 {
+            return bad(format!(
+                "--min-participants {} is the quorum of a synchronous round; with --mode \
+                 fedbuff the server steps after every --buffer-size updates",
+                self.min_participants
+            ));
+        }
+        if self.buffer_size() == 0 {
+            return bad("--buffer-size must be at least 1".into());
+        }
+        let c = self.concurrency();
+        if c == 0 || c > self.clients {
+            return bad(format!(
+                "--concurrency must be between 1 and --clients ({}), got {c}",
+                self.clients
+            ));
+        }
+        let a = self.staleness_exponent();
+        if !(a.is_finite() && a >= 0.0) {
+            return bad(format!(
+                "--staleness-exponent must be a number >= 0, got {a}"
+            ));
+        }
+        Ok(())
+    }
+
     /// Local training settings (the strategy adds its proximal mu per task).
     pub fn train_config(&self) -> cohort_edge::train::TrainConfig {
         cohort_edge::train::TrainConfig {
@@ -465,6 +641,47 @@ impl SimulationConfig {
             momentum: self.momentum as f32,
             weight_decay: self.weight_decay as f32,
             proximal_mu: None,
+        }
+    }
+}
+
+/// FedBuff's default buffer size K (the paper's choice for its cross-device runs).
+pub const DEFAULT_BUFFER_SIZE: usize = 10;
+
+/// FedBuff's default staleness exponent: `s(tau) = 1 / sqrt(1 + tau)`, as in the paper.
+pub const DEFAULT_STALENESS_EXPONENT: f64 = 0.5;
+
+/// How a simulation schedules training and aggregation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Synchronous rounds: the server waits for every selected client before it moves.
+    #[default]
+    Sync,
+    /// Buffered asynchronous aggregation (FedBuff, Nguyen et al. 2022): clients train
+    /// whenever a slot is free, and the server steps after every `buffer-size` updates.
+    Fedbuff,
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Mode::Sync => "sync",
+            Mode::Fedbuff => "fedbuff",
+        })
+    }
+}
+
+impl FromStr for Mode {
+    type Err = ConfigError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "sync" => Ok(Mode::Sync),
+            "fedbuff" => Ok(Mode::Fedbuff),
+            _ => Err(ConfigError(format!(
+                "unknown mode `{text}`: expected sync or fedbuff"
+            ))),
         }
     }
 }
@@ -649,5 +866,112 @@ mod tests {
             assert!(err.contains(needle), "`{err}` should mention `{needle}`");
         }
         base.validate().unwrap();
+    }
+
+    #[test]
+    fn fedbuff_settings_are_checked() {
+        let fedbuff = SimulationConfig {
+            mode: Mode::Fedbuff,
+            clients: 20,
+            clients_per_round: Some(5),
+            ..SimulationConfig::default()
+        };
+        fedbuff.validate().unwrap();
+        let resolved = fedbuff.resolved();
+        assert_eq!(resolved.buffer_size, Some(DEFAULT_BUFFER_SIZE));
+        assert_eq!(
+            resolved.concurrency,
+            Some(5),
+            "defaults to clients per round"
+        );
+        assert_eq!(
+            resolved.staleness_exponent,
+            Some(DEFAULT_STALENESS_EXPONENT)
+        );
+        assert_eq!(SimulationConfig::default().resolved().buffer_size, None);
+        let cases = [
+            (
+                SimulationConfig {
+                    secure_aggregation: true,
+                    ..fedbuff.clone()
+                },
+                "--secure-aggregation",
+            ),
+            (
+                SimulationConfig {
+                    dp_noise_multiplier: Some(1.0),
+                    ..fedbuff.clone()
+                },
+                "--dp-noise-multiplier",
+            ),
+            (
+                SimulationConfig {
+                    aggregator: Some(cohort_aggregation::robust::RobustRule::Median),
+                    ..fedbuff.clone()
+                },
+                "--aggregator median",
+            ),
+            (
+                SimulationConfig {
+                    buffer_size: Some(0),
+                    ..fedbuff.clone()
+                },
+                "--buffer-size",
+            ),
+            (
+                SimulationConfig {
+                    concurrency: Some(21),
+                    ..fedbuff.clone()
+                },
+                "--concurrency",
+            ),
+            (
+                SimulationConfig {
+                    staleness_exponent: Some(-1.0),
+                    ..fedbuff.clone()
+                },
+                "--staleness-exponent",
+            ),
+            (
+                SimulationConfig {
+                    min_participants: 2,
+                    ..fedbuff.clone()
+                },
+                "--min-participants",
+            ),
+            (
+                SimulationConfig {
+                    buffer_size: Some(4),
+                    ..SimulationConfig::default()
+                },
+                "need --mode fedbuff",
+            ),
+            (
+                SimulationConfig {
+                    target_accuracy: Some(1.5),
+                    ..SimulationConfig::default()
+                },
+                "--target-accuracy",
+            ),
+            (
+                SimulationConfig {
+                    straggler: StragglerModel::Pareto { alpha: 0.0 },
+                    ..SimulationConfig::default()
+                },
+                "--straggler",
+            ),
+        ];
+        for (cfg, needle) in cases {
+            let err = cfg.validate().unwrap_err().0;
+            assert!(err.contains(needle), "`{err}` should mention `{needle}`");
+        }
+        let toml: SimulationConfig = toml::from_str(
+            "mode = \"fedbuff\"\nbuffer-size = 4\nstaleness_exponent = 1.0\nstraggler = \"pareto:1.5\"",
+        )
+        .unwrap();
+        assert_eq!(toml.mode, Mode::Fedbuff);
+        assert_eq!(toml.buffer_size, Some(4));
+        assert_eq!(toml.straggler, StragglerModel::Pareto { alpha: 1.5 });
+        assert!(toml::from_str::<SimulationConfig>("mode = \"async\"").is_err());
     }
 }

@@ -8,9 +8,11 @@
 //! failed run never leaves a directory that looks like a finished one.
 
 mod config;
+mod fedbuff;
 mod output;
-mod plot;
+pub mod plot;
 mod run;
+mod straggler;
 
 use std::path::{Path, PathBuf};
 
@@ -22,10 +24,14 @@ use cohort_edge::partition::PartitionError;
 use cohort_edge::train::TrainError;
 use serde::Serialize;
 
-pub use config::{Attack, ConfigError, DatasetSpec, SimulationConfig};
+pub use config::{
+    Attack, ConfigError, DEFAULT_BUFFER_SIZE, DEFAULT_STALENESS_EXPONENT, DatasetSpec, Mode,
+    SimulationConfig,
+};
 pub use output::{MetricsWriter, StagedDir};
 pub use plot::{Series, write_plots};
 pub use run::{DataFacts, Prepared, RoundRecord, SimulationResult, prepare, run_rounds};
+pub use straggler::{SECONDS_PER_SAMPLE_EPOCH, StragglerModel, Stragglers};
 
 use crate::engine::{ClientId, EngineError};
 
@@ -128,6 +134,52 @@ pub struct Summary {
     /// Why the run ended before its last round, if it did.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stopped: Option<String>,
+    /// Simulated seconds for the whole run, by the straggler model.
+    pub sim_seconds: f64,
+    /// FedBuff: mean staleness of the updates aggregated, in server steps.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mean_staleness: Option<f64>,
+    /// When the run first reached `--target-accuracy` (absent without a target).
+    #[serde(flatten)]
+    pub target: Option<TargetReached>,
+}
+
+/// When a run first reached its target test accuracy. With a target that was never
+/// reached the `*_to_target` fields are `null`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TargetReached {
+    /// The target test accuracy.
+    pub target_accuracy: f64,
+    /// The first round whose test accuracy is at least the target.
+    pub rounds_to_target: Option<u32>,
+    /// Simulated seconds at the end of that round.
+    pub sim_seconds_to_target: Option<f64>,
+    /// Client updates aggregated up to and including that round.
+    pub updates_to_target: Option<usize>,
+}
+
+impl TargetReached {
+    /// The first of `rounds` to reach `target` test accuracy.
+    pub fn find(target: f64, rounds: &[RoundRecord]) -> Self {
+        let mut updates = 0;
+        for r in rounds {
+            updates += r.participants;
+            if r.test_accuracy >= target {
+                return Self {
+                    target_accuracy: target,
+                    rounds_to_target: Some(r.round),
+                    sim_seconds_to_target: Some(r.sim_seconds),
+                    updates_to_target: Some(updates),
+                };
+            }
+        }
+        Self {
+            target_accuracy: target,
+            rounds_to_target: None,
+            sim_seconds_to_target: None,
+            updates_to_target: None,
+        }
+    }
 }
 
 impl Summary {
@@ -158,6 +210,11 @@ impl Summary {
             cohort_version: env!("CARGO_PKG_VERSION"),
             epsilon: last.and_then(|r| r.epsilon),
             stopped: result.stopped.clone(),
+            sim_seconds: last.map_or(0.0, |r| r.sim_seconds),
+            mean_staleness: result.mean_staleness,
+            target: cfg
+                .target_accuracy
+                .map(|t| TargetReached::find(t, &result.rounds)),
         }
     }
 }

@@ -107,7 +107,8 @@ pub struct MetricsWriter {
 }
 
 /// Column names of `metrics.csv`, in order (also the keys of each `metrics.jsonl` line).
-pub const METRICS_COLUMNS: [&str; 12] = [
+/// New columns go before `epsilon`: `epsilon` and `strategy` stay the last two.
+pub const METRICS_COLUMNS: [&str; 13] = [
     "round",
     "test_accuracy",
     "test_loss",
@@ -118,6 +119,7 @@ pub const METRICS_COLUMNS: [&str; 12] = [
     "train_loss",
     "samples",
     "status",
+    "sim_seconds",
     "epsilon",
     "strategy",
 ];
@@ -164,7 +166,7 @@ impl MetricsWriter {
     /// Appends one round of `strategy` to both files.
     pub fn write(&mut self, r: &RoundRecord, strategy: &str) -> Result<(), SimulationError> {
         let line = format!(
-            "{},{},{},{},{},{:.6},{},{},{},{},{},{}",
+            "{},{},{},{},{},{:.6},{},{},{},{},{},{},{}",
             r.round,
             r.test_accuracy,
             r.test_loss,
@@ -175,6 +177,7 @@ impl MetricsWriter {
             r.train_loss.map(|l| l.to_string()).unwrap_or_default(),
             r.samples,
             r.status.as_str(),
+            r.sim_seconds,
             r.epsilon.map(|e| e.to_string()).unwrap_or_default(),
             strategy
         );

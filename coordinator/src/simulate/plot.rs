@@ -185,3 +185,159 @@ fn draw<DB: DrawingBackend>(
         .map_err(err)?;
     root.present().map_err(err)
 }
+
+/// One run for [`write_privacy_plot`]: per round, the epsilon spent so far (`None`
+/// without differential privacy), the test accuracy and the round number.
+#[derive(Debug, Clone)]
+pub struct PrivacyRun {
+    /// Legend text.
+    pub label: String,
+    /// `(epsilon, test_accuracy, round)` per round.
+    pub points: Vec<(Option<f64>, f64, u32)>,
+}
+
+/// Draws test accuracy against epsilon spent (left: one line per run as its budget is
+/// spent; right: each run's final accuracy at its final epsilon) into a PNG and an SVG
+/// file. Runs without differential privacy appear as a dashed reference level.
+pub fn write_privacy_plot(
+    runs: &[PrivacyRun],
+    title: &str,
+    png: &Path,
+    svg: &Path,
+) -> Result<(), String> {
+    register_font();
+    const SIZE: (u32, u32) = (1100, 440);
+    draw_privacy(
+        BitMapBackend::new(png, SIZE).into_drawing_area(),
+        runs,
+        title,
+    )?;
+    draw_privacy(SVGBackend::new(svg, SIZE).into_drawing_area(), runs, title)
+}
+
+fn draw_privacy<DB: DrawingBackend>(
+    root: DrawingArea<DB, Shift>,
+    runs: &[PrivacyRun],
+    title: &str,
+) -> Result<(), String> {
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| format!("cannot draw plot: {e}");
+    root.fill(&WHITE).map_err(err)?;
+    let root = root.titled(title, ("sans-serif", 20)).map_err(err)?;
+    let (left, right) = root.split_horizontally(root.dim_in_pixel().0 / 2);
+    let max_eps = runs
+        .iter()
+        .flat_map(|r| r.points.iter().filter_map(|p| p.0))
+        .filter(|e| e.is_finite())
+        .fold(0.0f64, f64::max)
+        .max(1.0)
+        * 1.05;
+    let colour = |i: usize| PALETTE[i % PALETTE.len()];
+    let references: Vec<(usize, &PrivacyRun, f64)> = runs
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.points.iter().all(|p| p.0.is_none()))
+        .filter_map(|(i, r)| r.points.last().map(|p| (i, r, p.1)))
+        .collect();
+
+    let mut chart = ChartBuilder::on(&left)
+        .caption("accuracy as the budget is spent", ("sans-serif", 16))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0f64..max_eps, 0f64..1f64)
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("epsilon spent")
+        .y_desc("test accuracy")
+        .draw()
+        .map_err(err)?;
+    for (i, run) in runs.iter().enumerate() {
+        let c = colour(i);
+        let pts: Vec<(f64, f64)> = run
+            .points
+            .iter()
+            .filter_map(|&(e, a, _)| e.filter(|e| e.is_finite()).map(|e| (e, a)))
+            .collect();
+        if pts.is_empty() {
+            continue;
+        }
+        chart
+            .draw_series(LineSeries::new(pts, c.stroke_width(2)))
+            .map_err(err)?
+            .label(run.label.as_str())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
+    }
+    for &(i, run, level) in &references {
+        let c = colour(i);
+        chart
+            .draw_series(DashedLineSeries::new(
+                vec![(0.0, level), (max_eps, level)],
+                8,
+                5,
+                c.stroke_width(2),
+            ))
+            .map_err(err)?
+            .label(format!("{} ({level:.3})", run.label))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 14))
+        .draw()
+        .map_err(err)?;
+
+    let mut chart = ChartBuilder::on(&right)
+        .caption("final accuracy against final epsilon", ("sans-serif", 16))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0f64..max_eps, 0f64..1f64)
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("epsilon")
+        .y_desc("test accuracy")
+        .draw()
+        .map_err(err)?;
+    let finals: Vec<(usize, f64, f64)> = runs
+        .iter()
+        .enumerate()
+        .filter_map(|(i, r)| {
+            let last = r.points.last()?;
+            last.0.filter(|e| e.is_finite()).map(|e| (i, e, last.1))
+        })
+        .collect();
+    let mut line: Vec<(f64, f64)> = finals.iter().map(|&(_, e, a)| (e, a)).collect();
+    line.sort_by(|a, b| a.0.total_cmp(&b.0));
+    chart
+        .draw_series(LineSeries::new(line, BLACK.mix(0.4).stroke_width(1)))
+        .map_err(err)?;
+    for &(i, e, a) in &finals {
+        let c = colour(i);
+        chart
+            .draw_series(std::iter::once(Circle::new((e, a), 5, c.filled())))
+            .map_err(err)?;
+        chart
+            .draw_series(std::iter::once(Text::new(
+                format!("{a:.3}"),
+                (e, (a - 0.06).max(0.0)),
+                ("sans-serif", 13),
+            )))
+            .map_err(err)?;
+    }
+    for &(i, _, level) in &references {
+        chart
+            .draw_series(DashedLineSeries::new(
+                vec![(0.0, level), (max_eps, level)],
+                8,
+                5,
+                colour(i).stroke_width(2),
+            ))
+            .map_err(err)?;
+    }
+    root.present().map_err(err)
+}

@@ -13,7 +13,8 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use super::SimulationError;
-use super::config::{ConfigError, DatasetSpec, SimulationConfig};
+use super::config::{ConfigError, DatasetSpec, Mode, SimulationConfig};
+use super::straggler::Stragglers;
 use crate::engine::{
     ClientId, ClientUpdate, EngineConfig, RoundEngine, RoundOutcome, RoundPlan, RoundStatus,
     SecureMean,
@@ -44,6 +45,10 @@ pub struct RoundRecord {
     pub samples: u64,
     /// Whether the global model was updated.
     pub status: RoundStatus,
+    /// Simulated seconds from the start of the run to the end of this round, by the
+    /// straggler model: a synchronous round lasts as long as its slowest reporting
+    /// client; a FedBuff step happens when the update that fills the buffer arrives.
+    pub sim_seconds: f64,
     /// Differential privacy: epsilon spent up to and including this round (at the run's
     /// delta); `None` without differential privacy.
     pub epsilon: Option<f64>,
@@ -89,6 +94,9 @@ pub struct SimulationResult {
     pub threads: usize,
     /// Why the run ended before its last round (the privacy budget), if it did.
     pub stopped: Option<String>,
+    /// FedBuff: mean staleness (server steps between a client's download and its
+    /// update's use) over the updates aggregated; `None` for synchronous runs.
+    pub mean_staleness: Option<f64>,
 }
 
 impl SimulationResult {
@@ -124,6 +132,13 @@ impl Prepared {
     /// Facts about the prepared data.
     pub fn facts(&self) -> &DataFacts {
         &self.facts
+    }
+
+    /// Loss and accuracy of the model `params` on the held-out test set.
+    pub(super) fn evaluate(&self, params: &[f32]) -> Result<Evaluation, SimulationError> {
+        Ok(self
+            .spec
+            .evaluate(params, self.test.features.view(), &self.test.labels)?)
     }
 }
 
@@ -221,6 +236,9 @@ pub fn run_rounds(
     prepared: &Prepared,
     mut on_round: impl FnMut(&RoundRecord) -> Result<(), SimulationError>,
 ) -> Result<SimulationResult, SimulationError> {
+    if cfg.mode == Mode::Fedbuff {
+        return super::fedbuff::run(cfg, prepared, on_round);
+    }
     let started = Instant::now();
     let initial = prepared
         .spec
@@ -240,14 +258,13 @@ pub fn run_rounds(
         .reducer;
     engine.set_reducer(reducer.clone());
     let all: Vec<ClientId> = (0..prepared.clients.len() as u64).map(ClientId).collect();
-    // The malicious clients, fixed for the run.
-    let malicious: std::collections::BTreeSet<ClientId> = {
-        let count = (cfg.malicious * all.len() as f64).round() as usize;
-        let mut rng = ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::Malicious, 0, 0));
-        rand::seq::index::sample(&mut rng, all.len(), count.min(all.len()))
-            .into_iter()
-            .map(|i| all[i])
-            .collect()
+    let malicious = malicious_clients(cfg, all.len());
+    let stragglers = Stragglers::new(cfg.straggler, all.len(), cfg.seed);
+    // The simulated clock: every round lasts as long as its slowest reporting client.
+    let mut clock = 0.0;
+    let mut tick = |reporting: &[ClientId]| {
+        clock += round_sim_seconds(cfg, prepared, &stragglers, reporting);
+        clock
     };
     let threads = rayon::current_num_threads();
     // Updates are trained a chunk at a time and folded in selection order: memory stays
@@ -261,32 +278,116 @@ pub fn run_rounds(
     let mut total_updates = 0;
     let mut training_seconds = 0.0;
     let mut accountant = cohort_aggregation::privacy::rdp::RdpAccountant::new();
+    let mut adaptive_clip = match cfg.dp_clip_quantile {
+        Some(quantile) => Some(cohort_aggregation::privacy::clip::AdaptiveClip {
+            bound: cfg.dp_clip,
+            target_quantile: quantile,
+            learning_rate: 0.2,
+            count_noise_std: cfg.adaptive_clip_noise()?.0,
+        }),
+        None => None,
+    };
     let mut stopped = None;
     for _ in 0..cfg.rounds {
         let round_start = Instant::now();
         let round_no = engine.rounds_closed() + 1;
         if let Some(sigma) = cfg.dp_noise_multiplier {
-            // The round is accounted before it runs: one that would go over the budget
-            // never starts.
-            let mut next = accountant.clone();
-            next.compose(cfg.sampling_rate(), sigma, 1)
-                .map_err(|e| ConfigError(format!("differential privacy: {e}")))?;
-            let eps = next
-                .epsilon(cfg.dp_delta)
-                .map_err(|e| ConfigError(format!("differential privacy: {e}")))?;
-            if cfg.dp_epsilon.is_some_and(|budget| eps > budget) {
-                stopped = Some(format!(
-                    "privacy budget: round {round_no} would bring epsilon to {eps:.4} > {}",
-                    cfg.dp_epsilon.unwrap_or_default()
-                ));
-                break;
+            let sampled = poisson_sample(cfg, &all, round_no);
+            // Under secure aggregation the noise is the survivors' shares, so a round's
+            // multiplier falls when clients drop, down to what the threshold (the fewest
+            // clients that can still unmask) carries. The round is accounted at that
+            // worst case before it runs: one that could go over the budget never starts.
+            let graph = cfg
+                .secure_aggregation
+                .then(|| round_graph(cfg, sampled.len()));
+            let worst = match graph {
+                Some(Some((_, t))) => sigma * (t as f64 / sampled.len() as f64).sqrt(),
+                // Too few clients for a secure round: nothing is released.
+                Some(None) => f64::INFINITY,
+                None => sigma,
+            };
+            let dp_error = |e: cohort_aggregation::privacy::rdp::PrivacyError| {
+                ConfigError(format!("differential privacy: {e}"))
+            };
+            if let Some(budget) = cfg.dp_epsilon
+                && worst.is_finite()
+            {
+                let mut next = accountant.clone();
+                next.compose(cfg.sampling_rate(), worst, 1)
+                    .map_err(dp_error)?;
+                let eps = next.epsilon(cfg.dp_delta).map_err(dp_error)?;
+                if eps > budget {
+                    stopped = Some(format!(
+                        "privacy budget: round {round_no} could bring epsilon to {eps:.4} > {budget}"
+                    ));
+                    break;
+                }
             }
-            accountant = next;
-            let outcome = private_round(cfg, prepared, &mut engine, &all, round_no, sigma)?;
+            let plan = engine.open_round_for(&sampled)?;
+            let mut drop_rng =
+                ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::Dropout, round_no, 0));
+            let dropping: Vec<bool> = plan
+                .selected
+                .iter()
+                .map(|_| drop_rng.random::<f64>() < cfg.dropout)
+                .collect();
+            let (outcome, spent) = match graph {
+                Some(Some((k, t))) => {
+                    let noise = cohort_aggregation::privacy::distributed::DistributedNoise {
+                        l2_clip: cfg.dp_clip,
+                        noise_multiplier: sigma,
+                    };
+                    let outcome = secure_round(
+                        cfg,
+                        prepared,
+                        &mut engine,
+                        &plan,
+                        &dropping,
+                        round_no,
+                        SecureSettings {
+                            reducer: reducer.clone(),
+                            neighbours: k,
+                            threshold: t,
+                            noise: Some((noise, cfg.sampling_rate() * all.len() as f64)),
+                        },
+                    )?;
+                    // A round that could not be unmasked released nothing.
+                    let spent = (outcome.status == RoundStatus::Published).then(|| {
+                        sigma * (outcome.participants as f64 / plan.selected.len() as f64).sqrt()
+                    });
+                    (outcome, spent)
+                }
+                Some(None) => (engine.close_round_secure(None)?, None),
+                None => (
+                    private_round(
+                        cfg,
+                        prepared,
+                        &mut engine,
+                        &plan,
+                        round_no,
+                        sigma,
+                        &mut adaptive_clip,
+                    )?,
+                    Some(sigma),
+                ),
+            };
+            if let Some(spent) = spent {
+                accountant
+                    .compose(cfg.sampling_rate(), spent, 1)
+                    .map_err(dp_error)?;
+            }
             training_seconds += round_start.elapsed().as_secs_f64();
             total_updates += outcome.participants;
-            let mut record = record_round(prepared, &engine, &outcome, round_start)?;
-            record.epsilon = Some(eps);
+            let reporting: Vec<ClientId> = plan
+                .selected
+                .iter()
+                .zip(&dropping)
+                .filter(|(_, d)| !**d)
+                .map(|(id, _)| *id)
+                .collect();
+            let sim = tick(&reporting);
+            let mut record = record_round(prepared, &engine, &outcome, round_start, sim)?;
+            record.epsilon = Some(accountant.epsilon(cfg.dp_delta).map_err(dp_error)?);
             on_round(&record)?;
             records.push(record);
             continue;
@@ -311,11 +412,24 @@ pub fn run_rounds(
                 &plan,
                 &dropping,
                 round_no,
-                reducer.clone(),
+                SecureSettings {
+                    reducer: reducer.clone(),
+                    neighbours: cfg.secure_graph().0,
+                    threshold: cfg.secure_graph().1,
+                    noise: None,
+                },
             )?;
             training_seconds += round_start.elapsed().as_secs_f64();
             total_updates += outcome.participants;
-            let record = record_round(prepared, &engine, &outcome, round_start)?;
+            let reporting: Vec<ClientId> = plan
+                .selected
+                .iter()
+                .zip(&dropping)
+                .filter(|(_, d)| !**d)
+                .map(|(id, _)| *id)
+                .collect();
+            let sim = tick(&reporting);
+            let record = record_round(prepared, &engine, &outcome, round_start, sim)?;
             on_round(&record)?;
             records.push(record);
             continue;
@@ -378,7 +492,8 @@ pub fn run_rounds(
             let outcome = close_robust(&mut engine, rule, &kept, global, task)?;
             training_seconds += round_start.elapsed().as_secs_f64();
             total_updates += outcome.participants;
-            let record = record_round(prepared, &engine, &outcome, round_start)?;
+            let sim = tick(&reporting);
+            let record = record_round(prepared, &engine, &outcome, round_start, sim)?;
             on_round(&record)?;
             records.push(record);
             continue;
@@ -386,7 +501,8 @@ pub fn run_rounds(
         let outcome = engine.close_round()?;
         training_seconds += round_start.elapsed().as_secs_f64();
         total_updates += outcome.participants;
-        let record = record_round(prepared, &engine, &outcome, round_start)?;
+        let sim = tick(&reporting);
+        let record = record_round(prepared, &engine, &outcome, round_start, sim)?;
         on_round(&record)?;
         records.push(record);
     }
@@ -398,7 +514,40 @@ pub fn run_rounds(
         wall_seconds: started.elapsed().as_secs_f64(),
         threads,
         stopped,
+        mean_staleness: None,
     })
+}
+
+/// The malicious clients of a run of `clients`, fixed for the run by the seed.
+pub(super) fn malicious_clients(
+    cfg: &SimulationConfig,
+    clients: usize,
+) -> std::collections::BTreeSet<ClientId> {
+    let count = (cfg.malicious * clients as f64).round() as usize;
+    let mut rng = ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::Malicious, 0, 0));
+    rand::seq::index::sample(&mut rng, clients, count.min(clients))
+        .into_iter()
+        .map(|i| ClientId(i as u64))
+        .collect()
+}
+
+/// Simulated seconds of a synchronous round: its slowest reporting client's local
+/// training. A round nobody reports to takes no time (the model does not move, and the
+/// next round starts at once).
+fn round_sim_seconds(
+    cfg: &SimulationConfig,
+    prepared: &Prepared,
+    stragglers: &Stragglers,
+    reporting: &[ClientId],
+) -> f64 {
+    reporting
+        .iter()
+        .map(|id| {
+            let i = id.0 as usize;
+            let samples = prepared.clients.get(i).map_or(0, |c| c.num_samples());
+            stragglers.task_seconds(i, samples, cfg.local_epochs)
+        })
+        .fold(0.0, f64::max)
 }
 
 /// Client `id` trains on the round's task, with its own reproducible shuffling seed.
@@ -419,6 +568,34 @@ fn train_client(
         })
 }
 
+/// Poisson sampling, as the privacy accountant assumes: every client takes part in round
+/// `round_no` with probability `q`, independently.
+fn poisson_sample(cfg: &SimulationConfig, all: &[ClientId], round_no: u32) -> Vec<ClientId> {
+    let q = cfg.sampling_rate();
+    let mut select_rng =
+        ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::Selection, round_no, 0));
+    all.iter()
+        .copied()
+        .filter(|_| select_rng.random::<f64>() < q)
+        .collect()
+}
+
+/// Secure aggregation's neighbours and threshold for a round of `n` sampled clients
+/// (defaults filled in); `None` when `n` clients cannot hold a secure round with them.
+fn round_graph(cfg: &SimulationConfig, n: usize) -> Option<(usize, usize)> {
+    if n < 2 {
+        return None;
+    }
+    let k = cfg
+        .neighbours
+        .unwrap_or_else(|| secagg::default_neighbours(n));
+    let t = cfg
+        .threshold
+        .unwrap_or_else(|| secagg::default_threshold(n, k));
+    let effective = secagg::effective_degree(n, k);
+    (t <= effective && 2 * t > effective).then_some((k, t))
+}
+
 /// One round of central differential privacy (DP-FedAvg, McMahan et al. 2018): every
 /// client takes part with probability `q` (Poisson sampling, as the accountant assumes),
 /// each update is clipped to L2 norm `C`, the sum gets `N(0, (sigma C)^2)` per
@@ -429,19 +606,19 @@ fn private_round(
     cfg: &SimulationConfig,
     prepared: &Prepared,
     engine: &mut RoundEngine,
-    all: &[ClientId],
+    plan: &RoundPlan,
     round_no: u32,
     sigma: f64,
+    adaptive_clip: &mut Option<cohort_aggregation::privacy::clip::AdaptiveClip>,
 ) -> Result<RoundOutcome, SimulationError> {
     let q = cfg.sampling_rate();
-    let mut select_rng =
-        ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::Selection, round_no, 0));
-    let sampled: Vec<ClientId> = all
-        .iter()
-        .copied()
-        .filter(|_| select_rng.random::<f64>() < q)
-        .collect();
-    let plan = engine.open_round_for(&sampled)?;
+    let expected = (q * prepared.clients.len() as f64).max(1.0);
+    // With an adaptive clip, part of the privacy goes to the count that moves it, and the
+    // update gets the noise multiplier that is left (see `adaptive_clip_noise`).
+    let (clip, update_sigma) = match adaptive_clip {
+        Some(rule) => (rule.bound, cfg.adaptive_clip_noise()?.1),
+        None => (cfg.dp_clip, sigma),
+    };
     let mut drop_rng =
         ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::Dropout, round_no, 0));
     let reporting: Vec<ClientId> = plan
@@ -452,7 +629,7 @@ fn private_round(
         .collect();
     let task = &plan.task;
     let global = task.global.values();
-    let updates: Vec<(Vec<f32>, u64, f64)> = reporting
+    let updates: Vec<(Vec<f32>, u64, f64, bool)> = reporting
         .par_iter()
         .map(|&id| {
             let u = train_client(cfg, prepared, task, round_no, id)?;
@@ -463,12 +640,12 @@ fn private_round(
                 .zip(global)
                 .map(|(p, g)| p - g)
                 .collect();
-            cohort_aggregation::privacy::clip::clip_l2(&mut delta, cfg.dp_clip);
-            Ok((delta, u.num_samples as u64, u.train_loss))
+            let norm = cohort_aggregation::privacy::clip::clip_l2(&mut delta, clip);
+            Ok((delta, u.num_samples as u64, u.train_loss, norm <= clip))
         })
         .collect::<Result<_, SimulationError>>()?;
     let mut sum = vec![0.0f32; global.len()];
-    for (delta, _, _) in &updates {
+    for (delta, ..) in &updates {
         for (s, d) in sum.iter_mut().zip(delta) {
             *s += d;
         }
@@ -481,18 +658,23 @@ fn private_round(
     ));
     cohort_aggregation::privacy::noise::add_gaussian(
         &mut sum,
-        sigma * f64::from(cfg.dp_clip),
+        update_sigma * f64::from(clip),
         &mut noise_rng,
     );
-    let expected = (q * all.len() as f64).max(1.0);
+    if let Some(rule) = adaptive_clip {
+        let within = updates.iter().filter(|u| u.3).count();
+        let noise = cohort_aggregation::privacy::noise::standard_normal(&mut noise_rng);
+        // The fixed denominator again: the fraction is over the expected count.
+        rule.update(within, expected.round() as usize, noise);
+    }
     let mean: Vec<f32> = global
         .iter()
         .zip(&sum)
         .map(|(g, s)| g + (f64::from(*s) / expected) as f32)
         .collect();
-    let samples: u64 = updates.iter().map(|(_, n, _)| n).sum();
+    let samples: u64 = updates.iter().map(|u| u.1).sum();
     let train_loss = (samples > 0)
-        .then(|| updates.iter().map(|(_, n, l)| *n as f64 * l).sum::<f64>() / samples as f64);
+        .then(|| updates.iter().map(|u| u.1 as f64 * u.2).sum::<f64>() / samples as f64);
     Ok(engine.close_round_secure(Some(SecureMean {
         mean: cohort_aggregation::ModelVector::new(task.global.layout().clone(), mean)
             .expect("the model's own layout"),
@@ -540,6 +722,7 @@ fn record_round(
     engine: &RoundEngine,
     outcome: &RoundOutcome,
     round_start: Instant,
+    sim_seconds: f64,
 ) -> Result<RoundRecord, SimulationError> {
     let eval = evaluate_global(prepared, engine)?;
     Ok(RoundRecord {
@@ -553,8 +736,23 @@ fn record_round(
         train_loss: outcome.train_loss,
         samples: outcome.samples,
         status: outcome.status,
+        sim_seconds,
         epsilon: None,
     })
+}
+
+/// How one secure round is set up.
+struct SecureSettings {
+    neighbours: usize,
+    threshold: usize,
+    /// Removes the masks on the server's side.
+    reducer: std::sync::Arc<dyn cohort_aggregation::reduce::Reducer>,
+    /// Distributed differential privacy: each client's noise share and the fixed
+    /// denominator (the expected number of clients) that the noisy sum is divided by.
+    noise: Option<(
+        cohort_aggregation::privacy::distributed::DistributedNoise,
+        f64,
+    )>,
 }
 
 /// One round under secure aggregation: the selected clients train and run the SecAgg+
@@ -568,9 +766,14 @@ fn secure_round(
     plan: &RoundPlan,
     dropping: &[bool],
     round_no: u32,
-    reducer: std::sync::Arc<dyn cohort_aggregation::reduce::Reducer>,
+    settings: SecureSettings,
 ) -> Result<RoundOutcome, SimulationError> {
-    let (neighbours, threshold) = cfg.secure_graph();
+    let SecureSettings {
+        neighbours,
+        threshold,
+        noise,
+        reducer,
+    } = settings;
     let max_weight = cfg.max_weight.unwrap_or(
         prepared
             .facts
@@ -586,6 +789,7 @@ fn secure_round(
         quantization: secagg::QuantizationParams {
             clip: cfg.clip,
             max_weight,
+            distributed_noise: noise.map(|(n, _)| n),
             ..secagg::QuantizationParams::default()
         },
     };
@@ -633,17 +837,22 @@ fn secure_round(
         return Err(e);
     }
     let result = round.result.ok().map(|unmasked| {
+        // Under differential privacy the noisy sum is divided by the expected count, not
+        // the survivors', so that the scale reveals nothing either.
+        let rescale = noise.map_or(1.0, |(_, expected)| {
+            unmasked.survivors.len() as f64 / expected.max(1.0)
+        });
         let mean: Vec<f32> = global
             .iter()
             .zip(&unmasked.decoded.mean)
-            .map(|(g, d)| g + d)
+            .map(|(g, d)| g + (f64::from(*d) * rescale) as f32)
             .collect();
         SecureMean {
             mean: cohort_aggregation::ModelVector::new(task.global.layout().clone(), mean)
                 .expect("the model's own layout"),
             participants: unmasked.survivors.len(),
             samples: unmasked.decoded.total_weight,
-            train_loss: Some(unmasked.decoded.mean_loss),
+            train_loss: unmasked.decoded.mean_loss,
         }
     });
     Ok(engine.close_round_secure(result)?)
