@@ -288,10 +288,11 @@ pub fn run_rounds(
         None => None,
     };
     let mut stopped = None;
+    let (neighbours, threshold) = cfg.secure_graph();
     for _ in 0..cfg.rounds {
         let round_start = Instant::now();
         let round_no = engine.rounds_closed() + 1;
-        if let Some(sigma) = cfg.dp_noise_multiplier {
+        let (outcome, reporting) = if let Some(sigma) = cfg.dp_noise_multiplier {
             let sampled = poisson_sample(cfg, &all, round_no);
             // Under secure aggregation the noise is the survivors' shares, so a round's
             // multiplier falls when clients drop, down to what the threshold (the fewest
@@ -324,13 +325,8 @@ pub fn run_rounds(
                 }
             }
             let plan = engine.open_round_for(&sampled)?;
-            let mut drop_rng =
-                ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::Dropout, round_no, 0));
-            let dropping: Vec<bool> = plan
-                .selected
-                .iter()
-                .map(|_| drop_rng.random::<f64>() < cfg.dropout)
-                .collect();
+            let dropping = dropouts(cfg, round_no, &plan.selected);
+            let reporting = survivors(&plan.selected, &dropping);
             let (outcome, spent) = match graph {
                 Some(Some((k, t))) => {
                     let noise = cohort_aggregation::privacy::distributed::DistributedNoise {
@@ -364,7 +360,7 @@ pub fn run_rounds(
                         prepared,
                         &mut engine,
                         &plan,
-                        round_no,
+                        &reporting,
                         sigma,
                         &mut adaptive_clip,
                     )?,
@@ -376,133 +372,54 @@ pub fn run_rounds(
                     .compose(cfg.sampling_rate(), spent, 1)
                     .map_err(dp_error)?;
             }
-            training_seconds += round_start.elapsed().as_secs_f64();
-            total_updates += outcome.participants;
-            let reporting: Vec<ClientId> = plan
-                .selected
-                .iter()
-                .zip(&dropping)
-                .filter(|(_, d)| !**d)
-                .map(|(id, _)| *id)
-                .collect();
-            let sim = tick(&reporting);
-            let mut record = record_round(prepared, &engine, &outcome, round_start, sim)?;
-            record.epsilon = Some(accountant.epsilon(cfg.dp_delta).map_err(dp_error)?);
-            on_round(&record)?;
-            records.push(record);
-            continue;
-        }
-        let mut select_rng =
-            ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::Selection, round_no, 0));
-        let plan = engine.open_round(&all, &mut select_rng)?;
-        let mut drop_rng =
-            ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::Dropout, round_no, 0));
-        if cfg.secure_aggregation {
-            // The same clients drop as in a plain run with this seed; they only stop at
-            // another stage.
-            let dropping: Vec<bool> = plan
-                .selected
-                .iter()
-                .map(|_| drop_rng.random::<f64>() < cfg.dropout)
-                .collect();
-            let outcome = secure_round(
-                cfg,
-                prepared,
-                &mut engine,
-                &plan,
-                &dropping,
-                round_no,
-                SecureSettings {
-                    reducer: reducer.clone(),
-                    neighbours: cfg.secure_graph().0,
-                    threshold: cfg.secure_graph().1,
-                    noise: None,
-                },
-            )?;
-            training_seconds += round_start.elapsed().as_secs_f64();
-            total_updates += outcome.participants;
-            let reporting: Vec<ClientId> = plan
-                .selected
-                .iter()
-                .zip(&dropping)
-                .filter(|(_, d)| !**d)
-                .map(|(id, _)| *id)
-                .collect();
-            let sim = tick(&reporting);
-            let record = record_round(prepared, &engine, &outcome, round_start, sim)?;
-            on_round(&record)?;
-            records.push(record);
-            continue;
-        }
-        let reporting: Vec<ClientId> = plan
-            .selected
-            .iter()
-            .copied()
-            .filter(|_| drop_rng.random::<f64>() >= cfg.dropout)
-            .collect();
-        let task = &plan.task;
-        let global = task.global.values();
-        // A robust rule needs every update at once; the weighted mean folds them as they
-        // come.
-        let mut kept: Vec<(Vec<f32>, u64, f64)> = Vec::new();
-        for batch in reporting.chunks(chunk) {
-            let mut updates: Vec<(ClientId, LocalUpdate)> = batch
-                .par_iter()
-                .map(|&id| train_client(cfg, prepared, task, round_no, id).map(|u| (id, u)))
-                .collect::<Result<_, _>>()?;
-            for (id, u) in &mut updates {
-                if malicious.contains(id) {
-                    let attacked: Vec<f32> = u
-                        .params
-                        .values()
-                        .iter()
-                        .zip(global)
-                        .map(|(p, g)| g + cfg.attack.apply(p - g))
-                        .collect();
-                    u.params = cohort_aggregation::ModelVector::new(
-                        task.global.layout().clone(),
-                        attacked,
-                    )
-                    .expect("the model's own layout");
-                }
-            }
-            for (id, u) in updates {
-                if cfg.aggregator.is_some() {
-                    let delta = u
-                        .params
-                        .values()
-                        .iter()
-                        .zip(global)
-                        .map(|(p, g)| p - g)
-                        .collect();
-                    kept.push((delta, u.num_samples as u64, u.train_loss));
-                } else {
-                    engine.submit(
-                        id,
-                        ClientUpdate {
-                            params: &u.params,
-                            num_samples: u.num_samples as u64,
-                            train_loss: u.train_loss,
-                        },
-                    )?;
-                }
-            }
-        }
-        if let Some(rule) = cfg.aggregator {
-            let outcome = close_robust(&mut engine, rule, &kept, global, task)?;
-            training_seconds += round_start.elapsed().as_secs_f64();
-            total_updates += outcome.participants;
-            let sim = tick(&reporting);
-            let record = record_round(prepared, &engine, &outcome, round_start, sim)?;
-            on_round(&record)?;
-            records.push(record);
-            continue;
-        }
-        let outcome = engine.close_round()?;
+            (outcome, reporting)
+        } else {
+            let mut select_rng =
+                ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::Selection, round_no, 0));
+            let plan = engine.open_round(&all, &mut select_rng)?;
+            // Under secure aggregation the same clients drop as in a plain run with this
+            // seed; they only stop at another stage.
+            let dropping = dropouts(cfg, round_no, &plan.selected);
+            let reporting = survivors(&plan.selected, &dropping);
+            let outcome = if cfg.secure_aggregation {
+                secure_round(
+                    cfg,
+                    prepared,
+                    &mut engine,
+                    &plan,
+                    &dropping,
+                    round_no,
+                    SecureSettings {
+                        reducer: reducer.clone(),
+                        neighbours,
+                        threshold,
+                        noise: None,
+                    },
+                )?
+            } else {
+                plain_round(
+                    cfg,
+                    prepared,
+                    &mut engine,
+                    &plan,
+                    &reporting,
+                    &malicious,
+                    chunk,
+                )?
+            };
+            (outcome, reporting)
+        };
         training_seconds += round_start.elapsed().as_secs_f64();
         total_updates += outcome.participants;
         let sim = tick(&reporting);
-        let record = record_round(prepared, &engine, &outcome, round_start, sim)?;
+        let mut record = record_round(prepared, &engine, &outcome, round_start, sim)?;
+        if cfg.dp_noise_multiplier.is_some() {
+            record.epsilon = Some(
+                accountant
+                    .epsilon(cfg.dp_delta)
+                    .map_err(|e| ConfigError(format!("differential privacy: {e}")))?,
+            );
+        }
         on_round(&record)?;
         records.push(record);
     }
@@ -516,6 +433,71 @@ pub fn run_rounds(
         stopped,
         mean_staleness: None,
     })
+}
+
+/// A plaintext round: the reporting clients train (a chunk at a time, folded in
+/// selection order), the malicious ones replace their update with the attack, and the
+/// round closes with the weighted mean or the robust rule.
+fn plain_round(
+    cfg: &SimulationConfig,
+    prepared: &Prepared,
+    engine: &mut RoundEngine,
+    plan: &RoundPlan,
+    reporting: &[ClientId],
+    malicious: &std::collections::BTreeSet<ClientId>,
+    chunk: usize,
+) -> Result<RoundOutcome, SimulationError> {
+    let round_no = plan.task.round;
+    let task = &plan.task;
+    let global = task.global.values();
+    // A robust rule needs every update at once; the weighted mean folds them as they
+    // come.
+    let mut kept: Vec<(Vec<f32>, u64, f64)> = Vec::new();
+    for batch in reporting.chunks(chunk) {
+        let mut updates: Vec<(ClientId, LocalUpdate)> = batch
+            .par_iter()
+            .map(|&id| train_client(cfg, prepared, task, round_no, id).map(|u| (id, u)))
+            .collect::<Result<_, _>>()?;
+        for (id, u) in &mut updates {
+            if malicious.contains(id) {
+                let attacked: Vec<f32> = u
+                    .params
+                    .values()
+                    .iter()
+                    .zip(global)
+                    .map(|(p, g)| g + cfg.attack.apply(p - g))
+                    .collect();
+                u.params =
+                    cohort_aggregation::ModelVector::new(task.global.layout().clone(), attacked)
+                        .expect("the model's own layout");
+            }
+        }
+        for (id, u) in updates {
+            if cfg.aggregator.is_some() {
+                let delta = u
+                    .params
+                    .values()
+                    .iter()
+                    .zip(global)
+                    .map(|(p, g)| p - g)
+                    .collect();
+                kept.push((delta, u.num_samples as u64, u.train_loss));
+            } else {
+                engine.submit(
+                    id,
+                    ClientUpdate {
+                        params: &u.params,
+                        num_samples: u.num_samples as u64,
+                        train_loss: u.train_loss,
+                    },
+                )?;
+            }
+        }
+    }
+    match cfg.aggregator {
+        Some(rule) => close_robust(engine, rule, &kept, global, task),
+        None => Ok(engine.close_round()?),
+    }
 }
 
 /// The malicious clients of a run of `clients`, fixed for the run by the seed.
@@ -568,6 +550,27 @@ fn train_client(
         })
 }
 
+/// Which of a round's selected clients drop out (the same draws whatever the round's
+/// kind, so a seed drops the same clients in plain and secure runs).
+fn dropouts(cfg: &SimulationConfig, round_no: u32, selected: &[ClientId]) -> Vec<bool> {
+    let mut drop_rng =
+        ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::Dropout, round_no, 0));
+    selected
+        .iter()
+        .map(|_| drop_rng.random::<f64>() < cfg.dropout)
+        .collect()
+}
+
+/// The selected clients that do not drop.
+fn survivors(selected: &[ClientId], dropping: &[bool]) -> Vec<ClientId> {
+    selected
+        .iter()
+        .zip(dropping)
+        .filter(|(_, d)| !**d)
+        .map(|(id, _)| *id)
+        .collect()
+}
+
 /// Poisson sampling, as the privacy accountant assumes: every client takes part in round
 /// `round_no` with probability `q`, independently.
 fn poisson_sample(cfg: &SimulationConfig, all: &[ClientId], round_no: u32) -> Vec<ClientId> {
@@ -607,10 +610,11 @@ fn private_round(
     prepared: &Prepared,
     engine: &mut RoundEngine,
     plan: &RoundPlan,
-    round_no: u32,
+    reporting: &[ClientId],
     sigma: f64,
     adaptive_clip: &mut Option<cohort_aggregation::privacy::clip::AdaptiveClip>,
 ) -> Result<RoundOutcome, SimulationError> {
+    let round_no = plan.task.round;
     let q = cfg.sampling_rate();
     let expected = (q * prepared.clients.len() as f64).max(1.0);
     // With an adaptive clip, part of the privacy goes to the count that moves it, and the
@@ -619,14 +623,6 @@ fn private_round(
         Some(rule) => (rule.bound, cfg.adaptive_clip_noise()?.1),
         None => (cfg.dp_clip, sigma),
     };
-    let mut drop_rng =
-        ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::Dropout, round_no, 0));
-    let reporting: Vec<ClientId> = plan
-        .selected
-        .iter()
-        .copied()
-        .filter(|_| drop_rng.random::<f64>() >= cfg.dropout)
-        .collect();
     let task = &plan.task;
     let global = task.global.values();
     let updates: Vec<(Vec<f32>, u64, f64, bool)> = reporting
