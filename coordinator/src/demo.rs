@@ -203,6 +203,8 @@ async fn run_async(args: &DemoArgs) -> Result<DemoOutcome, String> {
         secure_aggregation: args
             .secure_aggregation
             .then(crate::server::secure_rounds::SecureAggregationSpec::default),
+        privacy: None,
+        aggregator: None,
     };
     spec.validate().map_err(|e| e.to_string())?;
     let store = &state.store;

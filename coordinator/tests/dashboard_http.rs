@@ -526,3 +526,89 @@ async fn the_form_shows_each_problem_next_to_its_field_and_pages_render() {
     assert_eq!(r.status(), StatusCode::UNPROCESSABLE_ENTITY);
     server.shut_down().await;
 }
+
+/// The form carries the privacy settings and the robust rule to the API, and the
+/// experiment page shows the budget (and says plainly when there is none).
+#[tokio::test]
+async fn privacy_settings_go_from_the_form_to_the_experiment_page() {
+    let server = start().await;
+    let session = server.sign_in().await;
+    let html = server
+        .get("/experiments/new", Some(&session))
+        .await
+        .text()
+        .await
+        .unwrap();
+    for field in [
+        "privacy.noise_multiplier",
+        "privacy.epsilon_budget",
+        "aggregator",
+    ] {
+        assert!(
+            html.contains(&format!("name=\"{field}\"")),
+            "no {field} field"
+        );
+    }
+    let csrf = hidden(&html, "csrf");
+    let mut form = experiment_form(&csrf);
+    form.extend([
+        ("privacy", "on".to_string()),
+        ("privacy.noise_multiplier", "1.2".to_string()),
+        ("privacy.clip", "0.4".to_string()),
+        ("privacy.delta", "0.00001".to_string()),
+        ("privacy.epsilon_budget", "6".to_string()),
+    ]);
+    let r = server
+        .post("/experiments", Some(&session), &pairs(&form))
+        .await;
+    assert_eq!(r.status(), StatusCode::SEE_OTHER);
+    let page = r.headers()[LOCATION].to_str().unwrap().to_string();
+    let list = server.api(Method::GET, "/experiments", None).await;
+    let privacy = &list[0]["spec"]["privacy"];
+    assert_eq!(privacy["noise_multiplier"], 1.2, "{privacy}");
+    assert_eq!(privacy["clip"], 0.4, "{privacy}");
+    assert_eq!(privacy["epsilon_budget"], 6.0, "{privacy}");
+    let html = server
+        .get(&page, Some(&session))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        html.contains("id=\"privacy\">ε 0.000 of 6</p>"),
+        "{}",
+        &html[html.find("id=\"privacy\"").unwrap()..][..200]
+    );
+    assert!(html.contains("central noise"));
+    let id = page.rsplit('/').next().unwrap();
+    let report = server
+        .api(Method::GET, &format!("/experiments/{id}/privacy"), None)
+        .await;
+    assert_eq!(report["epsilon_spent"], 0.0, "{report}");
+    assert_eq!(report["budget_exhausted"], false, "{report}");
+
+    // Without privacy, the card says so instead of showing a number.
+    let mut plain = experiment_form(&csrf);
+    plain.push(("aggregator", "median".to_string()));
+    let r = server
+        .post("/experiments", Some(&session), &pairs(&plain))
+        .await;
+    assert_eq!(r.status(), StatusCode::SEE_OTHER);
+    let page = r.headers()[LOCATION].to_str().unwrap().to_string();
+    let html = server
+        .get(&page, Some(&session))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(html.contains("id=\"privacy\">not enabled</p>"));
+    let list = server.api(Method::GET, "/experiments", None).await;
+    assert!(
+        list.as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["spec"]["aggregator"] == "median"),
+        "{list}"
+    );
+    server.shut_down().await;
+}

@@ -766,11 +766,39 @@ async fn invalid_experiments_are_refused_and_nothing_is_created() {
     bad_model["model"] = "resnet".into();
     let mut bad_lr = experiment_spec();
     bad_lr["train"]["lr"] = (-1.0).into();
+    // A robust rule must see each update: secure aggregation shows only the sum.
+    let mut robust_and_secure = experiment_spec();
+    robust_and_secure["aggregator"] = "median".into();
+    robust_and_secure["secure_aggregation"] = serde_json::json!({});
+    let mut unknown_rule = experiment_spec();
+    unknown_rule["aggregator"] = "mode".into();
+    let mut krum_over_quorum = experiment_spec();
+    krum_over_quorum["aggregator"] = "krum:4".into();
+    let mut bad_delta = experiment_spec();
+    bad_delta["privacy"] = serde_json::json!({"noise_multiplier": 1.0, "clip": 0.5, "epsilon_budget": 8, "delta": 1.5});
+    let mut no_budget = experiment_spec();
+    no_budget["privacy"] = serde_json::json!({"noise_multiplier": 1.0, "clip": 0.5});
+    let mut adaptive_and_secure = experiment_spec();
+    adaptive_and_secure["secure_aggregation"] = serde_json::json!({});
+    adaptive_and_secure["privacy"] = serde_json::json!(
+        {"noise_multiplier": 1.0, "clip": 0.5, "epsilon_budget": 8, "clip_quantile": 0.5});
     for (body, needle) in [
         (quorum_too_big, "min_participants"),
         (unknown_field, "colour"),
         (bad_model, "resnet"),
         (bad_lr, "learning rate"),
+        (
+            robust_and_secure,
+            "secure aggregation shows the coordinator only their sum",
+        ),
+        (unknown_rule, "mode"),
+        (krum_over_quorum, "min_participants"),
+        (bad_delta, "delta must be in (0, 1)"),
+        (no_budget, "epsilon_budget"),
+        (
+            adaptive_and_secure,
+            "adaptive clipping is for central noise only",
+        ),
     ] {
         let r = server.admin(Method::POST, "/experiments", Some(body)).await;
         assert_eq!(r.status(), StatusCode::UNPROCESSABLE_ENTITY);

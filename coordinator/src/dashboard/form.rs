@@ -7,6 +7,7 @@ use cohort_aggregation::Strategy;
 use cohort_edge::model::ModelKind;
 
 use crate::server::admin::{ExperimentSpec, TrainSettings};
+use crate::server::privacy::PrivacySpec;
 use crate::server::secure_rounds::SecureAggregationSpec;
 
 /// What kind of control a field is.
@@ -125,6 +126,14 @@ const GROUPS: &[(&str, &[FieldDef])] = &[
                 Text,
                 false,
                 true,
+            ),
+            def(
+                "aggregator",
+                "Robust aggregator",
+                "Empty for the weighted mean; median, trimmed-mean:BETA, krum:F or multi-krum:F:M to withstand bad clients (plaintext rounds only: not with secure aggregation or differential privacy).",
+                Text,
+                false,
+                false,
             ),
             def(
                 "seed",
@@ -303,7 +312,80 @@ const GROUPS: &[(&str, &[FieldDef])] = &[
             ),
         ],
     ),
+    (
+        "Differential privacy",
+        &[
+            def(
+                "privacy",
+                "Differential privacy",
+                "Clip every update and add Gaussian noise: the coordinator adds it to plain rounds; under secure aggregation each client adds its share before masking. Rounds stop before the budget is exceeded.",
+                Checkbox,
+                false,
+                false,
+            ),
+            def(
+                "privacy.noise_multiplier",
+                "Noise multiplier",
+                "Noise standard deviation over the clip (z > 0).",
+                Number,
+                true,
+                true,
+            ),
+            def(
+                "privacy.clip",
+                "L2 clip",
+                "Each client's update is clipped to this L2 norm (the starting bound when adaptive).",
+                Number,
+                true,
+                true,
+            ),
+            def(
+                "privacy.delta",
+                "Delta",
+                "The delta of the (epsilon, delta) guarantee, in (0, 1).",
+                Number,
+                true,
+                true,
+            ),
+            def(
+                "privacy.epsilon_budget",
+                "Epsilon budget",
+                "No round starts that could take epsilon past this.",
+                Number,
+                true,
+                true,
+            ),
+            def(
+                "privacy.clip_quantile",
+                "Adaptive clip quantile",
+                "Empty for a fixed clip; a quantile in (0, 1) of update norms for the bound to track (central noise only).",
+                Number,
+                true,
+                false,
+            ),
+            def(
+                "privacy.clip_count_noise",
+                "Clip count noise",
+                "Adaptive clipping: noise on the count within the bound; empty for the default (expected clients / 20).",
+                Number,
+                true,
+                false,
+            ),
+        ],
+    ),
 ];
+
+/// The privacy settings a ticked box starts from.
+fn default_privacy() -> PrivacySpec {
+    PrivacySpec {
+        noise_multiplier: 1.0,
+        clip: 0.5,
+        delta: 1e-5,
+        epsilon_budget: 8.0,
+        clip_quantile: None,
+        clip_count_noise: None,
+    }
+}
 
 /// The values a fresh form shows: the API's defaults.
 /// The spec a fresh form shows.
@@ -323,6 +405,8 @@ fn default_spec() -> ExperimentSpec {
         train: TrainSettings::default(),
         seed: 0,
         secure_aggregation: None,
+        privacy: None,
+        aggregator: None,
     }
 }
 
@@ -331,12 +415,14 @@ fn default_spec() -> ExperimentSpec {
 fn defaults() -> HashMap<&'static str, String> {
     let d = default_spec();
     let secure = SecureAggregationSpec::default();
+    let privacy = default_privacy();
     HashMap::from([
         ("name", d.name),
         ("features", d.features.to_string()),
         ("classes", d.classes.to_string()),
         ("model", d.model.to_string()),
         ("strategy", d.strategy.to_string()),
+        ("aggregator", String::new()),
         ("seed", d.seed.to_string()),
         ("rounds", d.rounds.to_string()),
         ("clients_per_round", d.clients_per_round.to_string()),
@@ -372,6 +458,16 @@ fn defaults() -> HashMap<&'static str, String> {
             "secure_aggregation.unmask_seconds",
             secure.unmask_seconds.to_string(),
         ),
+        ("privacy", String::new()),
+        (
+            "privacy.noise_multiplier",
+            privacy.noise_multiplier.to_string(),
+        ),
+        ("privacy.clip", privacy.clip.to_string()),
+        ("privacy.delta", privacy.delta.to_string()),
+        ("privacy.epsilon_budget", privacy.epsilon_budget.to_string()),
+        ("privacy.clip_quantile", String::new()),
+        ("privacy.clip_count_noise", String::new()),
     ])
 }
 
@@ -470,6 +566,20 @@ impl Reader {
         parsed.map(Some)
     }
 
+    /// An optional decimal: `Some(None)` when empty, `None` when it does not parse.
+    fn optional_number(&mut self, name: &'static str) -> Option<Option<f64>> {
+        let text = self.text(name).to_string();
+        if text.is_empty() {
+            return Some(None);
+        }
+        let parsed = text.parse::<f64>().ok();
+        if parsed.is_none() {
+            self.errors
+                .insert(name, format!("`{text}` is not a number"));
+        }
+        parsed.map(Some)
+    }
+
     /// A value whose own parser explains what is wrong.
     fn parsed<T: std::str::FromStr>(&mut self, name: &'static str) -> Option<T>
     where
@@ -534,6 +644,28 @@ pub fn parse(fields: &[(String, String)]) -> Parsed {
                 .unwrap_or(s.unmask_seconds),
         })
     };
+    let privacy = if r.text("privacy").is_empty() {
+        None
+    } else {
+        let p = default_privacy();
+        Some(PrivacySpec {
+            noise_multiplier: r
+                .number("privacy.noise_multiplier")
+                .unwrap_or(p.noise_multiplier),
+            clip: r.number("privacy.clip").unwrap_or(p.clip),
+            delta: r.number("privacy.delta").unwrap_or(p.delta),
+            epsilon_budget: r
+                .number("privacy.epsilon_budget")
+                .unwrap_or(p.epsilon_budget),
+            clip_quantile: r.optional_number("privacy.clip_quantile").flatten(),
+            clip_count_noise: r.optional_number("privacy.clip_count_noise").flatten(),
+        })
+    };
+    let aggregator = if r.text("aggregator").is_empty() {
+        None
+    } else {
+        r.parsed("aggregator")
+    };
     let spec = ExperimentSpec {
         name: r.text("name").to_string(),
         features: r.whole("features").unwrap_or(d.features),
@@ -563,6 +695,8 @@ pub fn parse(fields: &[(String, String)]) -> Parsed {
         },
         seed: r.whole("seed").unwrap_or(d.seed),
         secure_aggregation: secure,
+        privacy,
+        aggregator,
     };
     if spec.name.is_empty() {
         r.errors.insert("name", "required".into());
@@ -665,6 +799,47 @@ mod tests {
         assert!(errs.contains_key("secure_aggregation"), "{errs:?}");
         match parse(&submitted(&[("secure_aggregation", "on")])) {
             Parsed::Spec(spec) => assert!(spec.secure_aggregation.is_some()),
+            Parsed::Invalid(sets) => panic!("{sets:?}"),
+        }
+    }
+
+    /// The form reaches every privacy setting and the robust rule, and their cross-field
+    /// rules point at the field a user has to change.
+    #[test]
+    fn privacy_and_robust_settings_are_read_and_checked() {
+        match parse(&submitted(&[
+            ("privacy", "on"),
+            ("privacy.noise_multiplier", "0.9"),
+            ("privacy.epsilon_budget", "4"),
+            ("privacy.clip_quantile", "0.5"),
+        ])) {
+            Parsed::Spec(spec) => {
+                let p = spec.privacy.expect("privacy ticked");
+                assert_eq!(p.noise_multiplier, 0.9);
+                assert_eq!(p.epsilon_budget, 4.0);
+                assert_eq!(p.clip_quantile, Some(0.5));
+                assert_eq!(p.delta, 1e-5);
+            }
+            Parsed::Invalid(sets) => panic!("{sets:?}"),
+        }
+        let errs = errors(parse(&submitted(&[
+            ("privacy", "on"),
+            ("privacy.delta", "2"),
+            ("privacy.clip", "none"),
+        ])));
+        assert!(errs["privacy.delta"].contains("delta"), "{errs:?}");
+        assert!(errs["privacy.clip"].contains("not a number"), "{errs:?}");
+        let errs = errors(parse(&submitted(&[
+            ("aggregator", "median"),
+            ("secure_aggregation", "on"),
+        ])));
+        assert!(errs["aggregator"].contains("secure"), "{errs:?}");
+        let errs = errors(parse(&submitted(&[("aggregator", "krum:9")])));
+        assert!(errs["aggregator"].contains("min_participants"), "{errs:?}");
+        match parse(&submitted(&[("aggregator", "trimmed-mean:0.2")])) {
+            Parsed::Spec(spec) => {
+                assert_eq!(spec.aggregator.unwrap().to_string(), "trimmed-mean:0.2")
+            }
             Parsed::Invalid(sets) => panic!("{sets:?}"),
         }
     }

@@ -187,6 +187,7 @@ pub struct RoundRow {
     train_loss: String,
     test_loss: String,
     accuracy: String,
+    epsilon: String,
     duration: String,
     failure: String,
 }
@@ -237,6 +238,7 @@ struct ExperimentPage {
     best_accuracy: String,
     latest_loss: String,
     privacy: String,
+    privacy_detail: String,
     model_round: Option<i64>,
     accuracy_chart: String,
     loss_chart: String,
@@ -432,6 +434,7 @@ pub async fn experiment(
             train_loss: number(r.train_loss),
             test_loss: number(r.test_loss),
             accuracy: percent(r.test_accuracy),
+            epsilon: r.epsilon.map_or_else(|| "–".into(), |e| format!("{e:.3}")),
             duration: r
                 .finished_at
                 .map(|f| format!("{:.1} s", (f - r.started_at) as f64 / 1000.0))
@@ -447,6 +450,7 @@ pub async fn experiment(
             Some(best.map_or(a, |b| b.max(a)))
         });
     let latest = published.last();
+    let (privacy, privacy_detail) = privacy_summary(&exp.spec, &rounds);
     let state_now = exp.state;
     let page = ExperimentPage {
         page: Chrome::signed_in(&session, "experiments"),
@@ -462,9 +466,8 @@ pub async fn experiment(
         latest_accuracy: percent(latest.and_then(|r| r.test_accuracy)),
         best_accuracy: percent(best),
         latest_loss: number(latest.and_then(|r| r.test_loss)),
-        // Differential privacy is not built yet; nothing is spent, and nothing is
-        // claimed.
-        privacy: "not tracked".into(),
+        privacy,
+        privacy_detail,
         model_round: model.map(|m| m.round),
         accuracy_chart,
         loss_chart,
@@ -499,6 +502,43 @@ pub async fn experiment(
         settings: settings_lines(&exp.spec),
     };
     Ok(render(&page))
+}
+
+/// The privacy card: epsilon spent of the budget (the last charged attempt's figure,
+/// which composes every earlier charge), and how the noise is added.
+fn privacy_summary(spec: &serde_json::Value, rounds: &[Round]) -> (String, String) {
+    let spec: Option<crate::server::admin::ExperimentSpec> =
+        serde_json::from_value(spec.clone()).ok();
+    let Some(spec) = spec else {
+        return ("unknown".into(), "the stored settings do not parse".into());
+    };
+    let Some(privacy) = &spec.privacy else {
+        return (
+            "not enabled".into(),
+            "no noise is added: the published models carry no privacy guarantee".into(),
+        );
+    };
+    let spent = rounds.iter().rev().find_map(|r| r.epsilon).unwrap_or(0.0);
+    let mechanism = if spec.secure_aggregation.is_some() {
+        "distributed noise (each client's share, before masking)"
+    } else {
+        "central noise (added by the coordinator)"
+    };
+    let clip = if privacy.clip_quantile.is_some() {
+        format!(
+            "adaptive clip, now {:.4}",
+            crate::server::privacy::current_clip(privacy, rounds)
+        )
+    } else {
+        format!("clip {}", privacy.clip)
+    };
+    (
+        format!("ε {spent:.3} of {}", privacy.epsilon_budget),
+        format!(
+            "δ {:e}; {mechanism}; noise multiplier {}; {clip}",
+            privacy.delta, privacy.noise_multiplier
+        ),
+    )
 }
 
 /// The round in progress, with a secure round's protocol progress and who dropped where.

@@ -101,6 +101,15 @@ pub struct ExperimentSpec {
     /// coordinator learns only their sum. `{}` takes every default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secure_aggregation: Option<super::secure_rounds::SecureAggregationSpec>,
+    /// Differential privacy: clipping, noise (central on plain rounds, distributed among
+    /// the clients under secure aggregation) and an epsilon budget.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub privacy: Option<super::privacy::PrivacySpec>,
+    /// A robust rule in place of the weighted mean, for plaintext rounds: `median`,
+    /// `trimmed-mean:BETA`, `krum:F` or `multi-krum:F:M`. Absent: the weighted mean.
+    #[schema(value_type = Option<String>, example = "median")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aggregator: Option<cohort_aggregation::robust::RobustRule>,
 }
 
 fn default_strategy() -> Strategy {
@@ -234,6 +243,41 @@ impl ExperimentSpec {
                     _ => "secure_aggregation.max_weight",
                 });
                 bad(field, format!("secure_aggregation: {e}"));
+            }
+        }
+        if let Some(privacy) = &self.privacy {
+            for (field, message) in
+                privacy.problems(self.selected_per_round(), self.secure_aggregation.is_some())
+            {
+                bad(field, message);
+            }
+        }
+        if let Some(rule) = self.aggregator {
+            if self.secure_aggregation.is_some() {
+                bad(
+                    "aggregator",
+                    format!(
+                        "aggregator: {rule} needs to see each client's update, and secure \
+                         aggregation shows the coordinator only their sum; choose one"
+                    ),
+                );
+            } else if self.privacy.is_some() {
+                bad(
+                    "aggregator",
+                    format!(
+                        "aggregator: {rule} with differential privacy is not supported: the \
+                         noise is calibrated to the sensitivity of the clipped mean"
+                    ),
+                );
+            } else if let Err(e) = rule.check(self.min_participants) {
+                bad(
+                    "aggregator",
+                    format!(
+                        "aggregator: {e} (a round may aggregate as few as min_participants = {} \
+                         updates)",
+                        self.min_participants
+                    ),
+                );
             }
         }
         let train = cohort_edge::train::TrainConfig {
@@ -429,6 +473,107 @@ async fn list_rounds(
     let id = parse_id(&id, "experiment")?;
     state.store.experiment(id).await?;
     Ok(Json(state.store.rounds(id).await?))
+}
+
+/// What a differentially private experiment has spent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct PrivacyReport {
+    /// `central` (the coordinator adds the noise) or `distributed` (each client adds a
+    /// share before masking).
+    pub mechanism: String,
+    /// The delta epsilon is stated at.
+    pub delta: f64,
+    /// The budget.
+    pub epsilon_budget: f64,
+    /// Epsilon spent so far: the RDP composition of every round attempt's charge.
+    pub epsilon_spent: f64,
+    /// Round attempts charged (a failed attempt stays charged).
+    pub attempts_charged: usize,
+    /// The configured noise multiplier.
+    pub noise_multiplier: f64,
+    /// The L2 clip the next round uses (it moves when clipping is adaptive).
+    pub clip: f64,
+    /// Whether the experiment stopped because its next round could have gone over the
+    /// budget.
+    pub budget_exhausted: bool,
+    /// Epsilon after each charged attempt, in order.
+    pub rounds: Vec<PrivacyRound>,
+}
+
+/// One charged round attempt.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct PrivacyRound {
+    /// Round number.
+    pub round: i64,
+    /// Attempt.
+    pub attempt: i64,
+    /// Probability that an available client was selected.
+    pub sampling_rate: f64,
+    /// The noise multiplier charged (after dropouts, for distributed noise).
+    pub noise_multiplier: f64,
+    /// The L2 clip of the round.
+    pub clip: f64,
+    /// Epsilon spent up to and including it.
+    pub epsilon: f64,
+}
+
+/// Differential privacy: epsilon spent against the budget, round by round. 404 names an
+/// experiment without differential privacy as well as an unknown one.
+#[utoipa::path(get, path = "/api/v1/admin/experiments/{id}/privacy", tag = "admin",
+    security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
+    responses((status = 200, description = "Privacy spent", body = PrivacyReport),
+              (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)))]
+async fn get_privacy(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<PrivacyReport>, ApiError> {
+    let id = parse_id(&id, "experiment")?;
+    let exp = state.store.experiment(id).await?;
+    let (spec, _) = super::driver::experiment_model(&exp).map_err(ApiError::internal)?;
+    let Some(privacy) = &spec.privacy else {
+        return Err(ApiError::NotFound(format!(
+            "experiment {id} has no differential privacy settings"
+        )));
+    };
+    let rounds = state.store.rounds(id).await?;
+    let charged: Vec<PrivacyRound> = rounds
+        .iter()
+        .filter_map(|r| {
+            let p = r.privacy.as_ref()?;
+            Some(PrivacyRound {
+                round: r.round,
+                attempt: r.attempt,
+                sampling_rate: p.sampling_rate,
+                noise_multiplier: p.noise_multiplier,
+                clip: p.clip,
+                epsilon: p.epsilon,
+            })
+        })
+        .collect();
+    let published = rounds
+        .iter()
+        .filter(|r| r.stage == crate::store::RoundStage::Published)
+        .map(|r| r.round)
+        .max()
+        .unwrap_or(0);
+    Ok(Json(PrivacyReport {
+        mechanism: if spec.secure_aggregation.is_some() {
+            "distributed"
+        } else {
+            "central"
+        }
+        .into(),
+        delta: privacy.delta,
+        epsilon_budget: privacy.epsilon_budget,
+        epsilon_spent: charged.last().map_or(0.0, |r| r.epsilon),
+        attempts_charged: charged.len(),
+        noise_multiplier: privacy.noise_multiplier,
+        clip: super::privacy::current_clip(privacy, &rounds),
+        // A running experiment finishes early only at the budget check.
+        budget_exhausted: exp.state == ExperimentState::Finished
+            && published < i64::from(spec.rounds),
+        rounds: charged,
+    }))
 }
 
 /// Who dropped out of a secure round, by the stage they missed.
@@ -722,6 +867,7 @@ pub(crate) fn routes() -> Router<AppState> {
         .route("/experiments/{id}/resume", post(resume_experiment))
         .route("/experiments/{id}/stop", post(stop_experiment))
         .route("/experiments/{id}/rounds", get(list_rounds))
+        .route("/experiments/{id}/privacy", get(get_privacy))
         .route(
             "/experiments/{id}/rounds/{round}/attempts/{attempt}",
             get(get_round),
@@ -751,6 +897,7 @@ pub(crate) fn routes() -> Router<AppState> {
         stop_experiment,
         list_rounds,
         get_round,
+        get_privacy,
         list_jobs,
         create_token,
         list_tokens,
@@ -764,6 +911,9 @@ pub(crate) fn routes() -> Router<AppState> {
         NewEnrolmentToken,
         IssuedEnrolmentToken,
         super::secure_rounds::SecureAggregationSpec,
+        super::privacy::PrivacySpec,
+        PrivacyReport,
+        PrivacyRound,
         RoundDetail,
         SecureRoundView,
         DroppedAt,

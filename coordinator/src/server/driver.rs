@@ -204,6 +204,15 @@ async fn open(
     if available.len() < needed {
         return Ok(());
     }
+    if let Some(privacy) = &spec.privacy {
+        let round = RoundToOpen {
+            round,
+            attempt,
+            needed,
+            now,
+        };
+        return open_private(state, exp, spec, privacy, &available, round).await;
+    }
     let k = wanted.clamp(1, available.len());
     let selected: Vec<Uuid> = index::sample(&mut rand::rng(), available.len(), k)
         .into_iter()
@@ -230,12 +239,110 @@ async fn open(
                 .await
         }
     };
+    opened_or_raced(opened)
+}
+
+fn opened_or_raced(opened: Result<Round, StoreError>) -> Result<(), DriverError> {
     match opened {
         // A concurrent coordinator opened it, or the experiment just stopped.
         Ok(_) | Err(StoreError::Conflict(_)) => Ok(()),
         Err(StoreError::Database(e)) if is_unique_violation(&e) => Ok(()),
         Err(e) => Err(e.into()),
     }
+}
+
+/// Which attempt is opening, and the fewest clients it can run with.
+struct RoundToOpen {
+    round: i64,
+    attempt: i64,
+    needed: usize,
+    now: i64,
+}
+
+/// Opens an attempt of a differentially private round: Poisson sampling among the
+/// available clients, and the budget check against the attempt's worst-case charge. An
+/// attempt that could take epsilon past the budget never opens: the experiment finishes.
+async fn open_private(
+    state: &AppState,
+    exp: &Experiment,
+    spec: &ExperimentSpec,
+    privacy: &super::privacy::PrivacySpec,
+    available: &[Uuid],
+    to_open: RoundToOpen,
+) -> Result<(), DriverError> {
+    let RoundToOpen {
+        round,
+        attempt,
+        needed,
+        now,
+    } = to_open;
+    let wanted = spec.selected_per_round();
+    let q = (wanted as f64 / available.len() as f64).min(1.0);
+    let denominator = q * available.len() as f64;
+    let selected: Vec<Uuid> = {
+        let mut rng = rand::rng();
+        available
+            .iter()
+            .filter(|_| rand::RngExt::random_bool(&mut rng, q))
+            .copied()
+            .collect()
+    };
+    // Too small a draw to run: draw again on the next tick. Conditioning on the size
+    // raises each client's chance of selection above q only by the (tiny, for the
+    // cohorts a budget is planned for) chance of a draw this small.
+    if selected.len() < needed {
+        return Ok(());
+    }
+    let rounds = state.store.rounds(exp.id).await?;
+    let threshold = spec
+        .secure_aggregation
+        .as_ref()
+        .map(|secure| secure.graph(wanted).1);
+    let charge =
+        super::privacy::charge_round(privacy, &rounds, q, denominator, selected.len(), threshold)
+            .map_err(|e| DriverError::Spec(exp.id, format!("differential privacy: {e}")))?;
+    if charge.epsilon > privacy.epsilon_budget {
+        let why = format!(
+            "finished: privacy budget: round {round} could bring epsilon to {:.4} > {}",
+            charge.epsilon, privacy.epsilon_budget
+        );
+        tracing::info!(experiment = %exp.id, round, epsilon = charge.epsilon, "{why}");
+        return match state
+            .store
+            .set_experiment_state_because(exp.id, ExperimentState::Finished, "coordinator", &why)
+            .await
+        {
+            Ok(_) | Err(StoreError::Conflict(_)) => Ok(()),
+            Err(e) => Err(e.into()),
+        };
+    }
+    let (secagg, deadline) = match &spec.secure_aggregation {
+        Some(secure) => {
+            let (_, model) = experiment_model(exp)?;
+            let mut session = [0u8; 32];
+            rand::RngExt::fill(&mut rand::rng(), &mut session);
+            let mut config =
+                secure.round_config(wanted, selected.len(), model.num_params(), session);
+            config.quantization.distributed_noise = Some(privacy.distributed_noise());
+            let text = serde_json::to_string(&config).expect("settings serialise");
+            (Some(text), now + (secure.advertise_seconds as i64) * 1000)
+        }
+        None => (None, now + (spec.collect_deadline_seconds as i64) * 1000),
+    };
+    let opened = state
+        .store
+        .open_private_round(
+            exp.id,
+            round,
+            attempt,
+            &selected,
+            secagg.as_deref(),
+            &charge.record,
+            deadline,
+            now,
+        )
+        .await;
+    opened_or_raced(opened)
 }
 
 fn is_unique_violation(e: &sqlx::Error) -> bool {
@@ -310,6 +417,8 @@ async fn aggregate_secure(
     let path = model_blob(exp.id, round.round);
     let current_path = current.blob_path.clone();
     let mean_loss = unmasked.decoded.mean_loss;
+    let survivors = unmasked.survivors.len();
+    let denominator = round.privacy.as_ref().map(|p| p.denominator);
     let round_no = round.round;
     let eval = state.eval.clone();
     let model = model.clone();
@@ -319,12 +428,15 @@ async fn aggregate_secure(
             let bad = |e: &dyn std::fmt::Display| DriverError::Aggregation(e.to_string());
             let mut global =
                 wire::decode(&layout, &blobs.get(&current_path)?).map_err(|e| bad(&e))?;
-            // The clients masked their updates' differences from this model.
+            // The clients masked their updates' differences from this model. Under
+            // distributed noise the noisy sum is divided by the expected count, not the
+            // survivors', so that the scale reveals nothing either.
+            let rescale = denominator.map_or(1.0, |d| survivors as f64 / d.max(1.0));
             let mean: Vec<f32> = global
                 .values()
                 .iter()
                 .zip(&unmasked.decoded.mean)
-                .map(|(g, d)| g + d)
+                .map(|(g, d)| g + (f64::from(*d) * rescale) as f32)
                 .collect();
             let mean =
                 cohort_aggregation::ModelVector::new(layout.clone(), mean).map_err(|e| bad(&e))?;
@@ -348,7 +460,21 @@ async fn aggregate_secure(
         train_loss: mean_loss,
         ..tested
     };
-    publish(state, exp.id, round, &published, metrics).await
+    match &round.privacy {
+        // The survivors' shares carried `z * sqrt(m / n)` of the noise: the round is
+        // charged for that, in place of the worst case it opened with.
+        Some(record) => {
+            let parties = round.selected.max(1) as f64;
+            let record = crate::store::RoundPrivacy {
+                noise_multiplier: spec.privacy.as_ref().map_or(record.noise_multiplier, |p| {
+                    p.noise_multiplier * (survivors as f64 / parties).sqrt()
+                }),
+                ..record.clone()
+            };
+            publish_private(state, exp.id, round, &published, metrics, record).await
+        }
+        None => publish(state, exp.id, round, &published, metrics).await,
+    }
 }
 
 /// Test accuracy and loss of a just-aggregated model on the coordinator's held-out set,
@@ -428,6 +554,12 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
         return aggregate_secure(state, &exp, &spec, &model, &round, &current).await;
     }
     let uploads = store.uploads(exp.id, round.round, round.attempt).await?;
+    if let (Some(privacy), Some(record)) = (&spec.privacy, &round.privacy) {
+        return aggregate_central(
+            state, &exp, &spec, privacy, record, &model, &round, &current, uploads,
+        )
+        .await;
+    }
     let participations = store
         .participations(exp.id, round.round, round.attempt)
         .await?;
@@ -437,6 +569,7 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
     let exp_id = exp.id;
     let round_no = round.round;
     let reducer = state.reducer.clone();
+    let aggregator = spec.aggregator;
     let eval = state.eval.clone();
     let eval_model = model.clone();
     let (published, tested) = tokio::task::spawn_blocking(
@@ -444,24 +577,56 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
             let bad = |e: &dyn std::fmt::Display| DriverError::Aggregation(e.to_string());
             let mut global =
                 wire::decode(&layout, &blobs.get(&current.blob_path)?).map_err(|e| bad(&e))?;
-            let mut mean = WeightedMean::with_reducer(layout.clone(), reducer.as_ref())
-                .map_err(|e| bad(&e))?;
-            // A batch at a time: the reducer reads each update once while the sums stay in
-            // cache (or on the device), and memory holds one batch, not the round.
-            for batch in uploads.chunks(FOLD_BATCH) {
-                let updates = batch
-                    .iter()
-                    .map(|upload| {
-                        let bytes = blobs.get_verified(&upload.blob_path, &upload.sha256)?;
-                        let update = wire::decode(&layout, &bytes).map_err(|e| bad(&e))?;
-                        Ok((update, upload.num_samples as f64))
-                    })
-                    .collect::<Result<Vec<_>, DriverError>>()?;
-                let pairs: Vec<(&cohort_aggregation::ModelVector, f64)> =
-                    updates.iter().map(|(u, w)| (u, *w)).collect();
-                mean.fold_batch(&pairs).map_err(|e| bad(&e))?;
-            }
-            let mean = mean.finish().map_err(|e| bad(&e))?;
+            let read = |upload: &crate::store::Upload| -> Result<_, DriverError> {
+                let bytes = blobs.get_verified(&upload.blob_path, &upload.sha256)?;
+                wire::decode(&layout, &bytes).map_err(|e| bad(&e))
+            };
+            let mean = match aggregator {
+                Some(rule) => {
+                    // A robust rule compares the updates with each other, so it holds
+                    // them all; the quorum check at creation made sure there are enough.
+                    let deltas = uploads
+                        .iter()
+                        .map(|upload| {
+                            let update = read(upload)?;
+                            Ok(update
+                                .values()
+                                .iter()
+                                .zip(global.values())
+                                .map(|(u, g)| u - g)
+                                .collect::<Vec<f32>>())
+                        })
+                        .collect::<Result<Vec<_>, DriverError>>()?;
+                    let views: Vec<&[f32]> = deltas.iter().map(Vec::as_slice).collect();
+                    let delta = cohort_aggregation::robust::aggregate(rule, &views)
+                        .map_err(|e| bad(&format!("aggregator {rule}: {e}")))?;
+                    let mean = global
+                        .values()
+                        .iter()
+                        .zip(&delta)
+                        .map(|(g, d)| g + d)
+                        .collect();
+                    cohort_aggregation::ModelVector::new(layout.clone(), mean)
+                        .map_err(|e| bad(&e))?
+                }
+                None => {
+                    let mut mean = WeightedMean::with_reducer(layout.clone(), reducer.as_ref())
+                        .map_err(|e| bad(&e))?;
+                    // A batch at a time: the reducer reads each update once while the sums
+                    // stay in cache (or on the device), and memory holds one batch, not
+                    // the round.
+                    for batch in uploads.chunks(FOLD_BATCH) {
+                        let updates = batch
+                            .iter()
+                            .map(|upload| Ok((read(upload)?, upload.num_samples as f64)))
+                            .collect::<Result<Vec<_>, DriverError>>()?;
+                        let pairs: Vec<(&cohort_aggregation::ModelVector, f64)> =
+                            updates.iter().map(|(u, w)| (u, *w)).collect();
+                        mean.fold_batch(&pairs).map_err(|e| bad(&e))?;
+                    }
+                    mean.finish().map_err(|e| bad(&e))?
+                }
+            };
             let mut optimizer = strategy.server_optimizer(None).map_err(|e| bad(&e))?;
             optimizer.step(&mut global, &mean).map_err(|e| bad(&e))?;
             let path = model_blob(exp_id, round_no);
@@ -488,4 +653,143 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
         ..tested
     };
     publish(state, exp.id, &round, &published, metrics).await
+}
+
+/// A round of central differential privacy (DP-FedAvg, McMahan et al. 2018): each
+/// upload's difference from the global model is clipped to the round's L2 bound, the sum
+/// gets Gaussian noise of standard deviation `z * clip` per coordinate from a generator
+/// seeded by the operating system, and is divided by the round's fixed denominator.
+/// Clients weigh equally (a sample count would raise a client's influence past the clip)
+/// and no training loss is published, since it is not noised. With adaptive clipping the
+/// noised count of clients within the bound moves the bound for the next round.
+#[allow(clippy::too_many_arguments)]
+async fn aggregate_central(
+    state: &AppState,
+    exp: &Experiment,
+    spec: &ExperimentSpec,
+    privacy: &super::privacy::PrivacySpec,
+    record: &crate::store::RoundPrivacy,
+    model: &ModelSpec,
+    round: &Round,
+    current: &PublishedModel,
+    uploads: Vec<crate::store::Upload>,
+) -> Result<(), DriverError> {
+    let blobs = state.blobs.clone();
+    let layout = model.layout().clone();
+    let strategy = spec.strategy;
+    let path = model_blob(exp.id, round.round);
+    let current_path = current.blob_path.clone();
+    let round_no = round.round;
+    let eval = state.eval.clone();
+    let eval_model = model.clone();
+    let exp_id = exp.id;
+    let clip = record.clip as f32;
+    let denominator = record.denominator.max(1.0);
+    let update_sigma = privacy
+        .update_noise_multiplier(denominator)
+        .map_err(|e| DriverError::Spec(exp.id, e))?;
+    let mut adaptive = privacy.adaptive_rule(record.clip, denominator);
+    let (published, tested, next_clip) = tokio::task::spawn_blocking(
+        move || -> Result<(PublishedModel, RoundMetrics, Option<f64>), DriverError> {
+            use rand::SeedableRng;
+            let bad = |e: &dyn std::fmt::Display| DriverError::Aggregation(e.to_string());
+            let mut global =
+                wire::decode(&layout, &blobs.get(&current_path)?).map_err(|e| bad(&e))?;
+            let mut sum = vec![0.0f32; global.len()];
+            let mut within = 0;
+            for upload in &uploads {
+                let bytes = blobs.get_verified(&upload.blob_path, &upload.sha256)?;
+                let update = wire::decode(&layout, &bytes).map_err(|e| bad(&e))?;
+                let mut delta: Vec<f32> = update
+                    .values()
+                    .iter()
+                    .zip(global.values())
+                    .map(|(u, g)| u - g)
+                    .collect();
+                let norm = cohort_aggregation::privacy::clip::clip_l2(&mut delta, clip);
+                within += usize::from(norm <= clip);
+                for (s, d) in sum.iter_mut().zip(&delta) {
+                    *s += d;
+                }
+            }
+            let mut seed = [0u8; 32];
+            rand::RngExt::fill(&mut rand::rng(), &mut seed);
+            let mut noise_rng = rand_chacha::ChaCha20Rng::from_seed(seed);
+            cohort_aggregation::privacy::noise::add_gaussian(
+                &mut sum,
+                update_sigma * f64::from(clip),
+                &mut noise_rng,
+            );
+            let next_clip = adaptive.as_mut().map(|rule| {
+                let noise = cohort_aggregation::privacy::noise::standard_normal(&mut noise_rng);
+                f64::from(rule.update(within, denominator.round() as usize, noise))
+            });
+            let mean: Vec<f32> = global
+                .values()
+                .iter()
+                .zip(&sum)
+                .map(|(g, s)| g + (f64::from(*s) / denominator) as f32)
+                .collect();
+            let mean =
+                cohort_aggregation::ModelVector::new(layout.clone(), mean).map_err(|e| bad(&e))?;
+            let mut optimizer = strategy.server_optimizer(None).map_err(|e| bad(&e))?;
+            optimizer.step(&mut global, &mean).map_err(|e| bad(&e))?;
+            blobs.put(&path, &wire::encode(&global))?;
+            let tested = evaluate(eval.as_deref(), &eval_model, global.values(), exp_id);
+            Ok((
+                PublishedModel {
+                    round: round_no,
+                    blob_path: path,
+                    parameters: global.len() as i64,
+                },
+                tested,
+                next_clip,
+            ))
+        },
+    )
+    .await
+    .map_err(|e| DriverError::Aggregation(e.to_string()))??;
+    let final_record = crate::store::RoundPrivacy {
+        next_clip,
+        ..record.clone()
+    };
+    publish_private(state, exp.id, round, &published, tested, final_record).await
+}
+
+/// Publishes a private round with its final charge, and epsilon recomputed with it.
+async fn publish_private(
+    state: &AppState,
+    experiment: Uuid,
+    round: &Round,
+    model: &PublishedModel,
+    metrics: RoundMetrics,
+    mut record: crate::store::RoundPrivacy,
+) -> Result<(), DriverError> {
+    let exp = state.store.experiment(experiment).await?;
+    let (spec, _) = experiment_model(&exp)?;
+    let delta = spec.privacy.as_ref().map_or(1e-5, |p| p.delta);
+    let rounds = state.store.rounds(experiment).await?;
+    record.epsilon = super::privacy::epsilon_spent(
+        &rounds,
+        Some((round.round, round.attempt)),
+        Some((record.sampling_rate, record.noise_multiplier)),
+        delta,
+    )
+    .map_err(|e| DriverError::Spec(experiment, format!("differential privacy: {e}")))?;
+    match state
+        .store
+        .publish_private_model(
+            experiment,
+            round.round,
+            round.attempt,
+            model,
+            metrics,
+            Some(&record),
+            now_millis(),
+        )
+        .await
+    {
+        Ok(()) | Err(StoreError::Conflict(_)) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
 }

@@ -669,14 +669,14 @@ fn private_round(
         .map(|(g, s)| g + (f64::from(*s) / expected) as f32)
         .collect();
     let samples: u64 = updates.iter().map(|u| u.1).sum();
-    let train_loss = (samples > 0)
-        .then(|| updates.iter().map(|u| u.1 as f64 * u.2).sum::<f64>() / samples as f64);
     Ok(engine.close_round_secure(Some(SecureMean {
         mean: cohort_aggregation::ModelVector::new(task.global.layout().clone(), mean)
             .expect("the model's own layout"),
         participants: updates.len(),
         samples,
-        train_loss,
+        // The clients' losses are not noised: releasing their mean would leak past the
+        // guarantee.
+        train_loss: None,
     }))?)
 }
 

@@ -31,8 +31,8 @@ pub use dashboard::{ClientPage, JobSummary, LatestAccuracy, SESSION_IDLE_MS};
 use jobs::JobRow;
 pub use jobs::{Job, JobKind, JobState};
 pub use rounds::{
-    NewUpload, Participation, ParticipationState, PendingTask, PublishedModel, Round, RoundMetrics,
-    RoundStage, Upload,
+    NewUpload, NoiseMechanism, Participation, ParticipationState, PendingTask, PublishedModel,
+    Round, RoundMetrics, RoundPrivacy, RoundStage, Upload,
 };
 pub use secagg::{SecAggMessage, SecAggMessageKind, SecureNext};
 pub use tokens::{Client, EnrolmentToken};
@@ -407,6 +407,19 @@ impl Store {
         to: ExperimentState,
         actor: &str,
     ) -> Result<Experiment, StoreError> {
+        self.set_experiment_state_because(id, to, actor, to.as_str())
+            .await
+    }
+
+    /// [`set_experiment_state`](Self::set_experiment_state), with `detail` (why) in the
+    /// audit log.
+    pub async fn set_experiment_state_because(
+        &self,
+        id: Uuid,
+        to: ExperimentState,
+        actor: &str,
+        detail: &str,
+    ) -> Result<Experiment, StoreError> {
         let now = now_millis();
         with_pool!(self, p => {
             let mut tx = p.begin_write().await?;
@@ -439,7 +452,7 @@ impl Store {
                     "experiment {id} changed state concurrently"
                 )));
             }
-            audit!(tx, now, actor, "experiment.state", id.to_string(), to.as_str());
+            audit!(tx, now, actor, "experiment.state", id.to_string(), detail);
             tx.commit().await?;
         });
         self.experiment(id).await

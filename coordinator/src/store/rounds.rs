@@ -3,7 +3,7 @@
 //! coordinator that restarts (or a second one on the same PostgreSQL) finds each round
 //! exactly where the last committed step left it.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use super::{BeginWrite, Pool, Store, StoreError, audit, parse_uuid, with_pool};
@@ -95,6 +95,44 @@ pub struct Round {
     pub secagg: Option<serde_json::Value>,
     /// Why the attempt failed.
     pub failure: Option<String>,
+    /// Differential privacy: what the attempt was charged, for a private experiment.
+    pub privacy: Option<RoundPrivacy>,
+    /// Differential privacy: epsilon the experiment has spent up to and including this
+    /// attempt (at the experiment's delta).
+    pub epsilon: Option<f64>,
+}
+
+/// How a private round adds its noise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NoiseMechanism {
+    /// The coordinator clips the plaintext updates and noises their sum.
+    Central,
+    /// Each client adds its share of Skellam noise before masking (secure aggregation).
+    Distributed,
+}
+
+/// What one attempt of a differentially private round is charged, and what it needs to
+/// run: stored with the round (JSON) when it opens, and updated when it publishes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoundPrivacy {
+    /// Where the noise comes from.
+    pub mechanism: NoiseMechanism,
+    /// Probability that any one available client was selected (Poisson sampling).
+    pub sampling_rate: f64,
+    /// The noise multiplier the accountant charges: the configured one for central
+    /// noise; for distributed noise, the one the round's survivors carry (until it
+    /// publishes, the worst case of only the threshold surviving).
+    pub noise_multiplier: f64,
+    /// The L2 bound on each client's update in this round.
+    pub clip: f64,
+    /// The fixed denominator of the noisy mean: the expected number of clients.
+    pub denominator: f64,
+    /// Adaptive clipping: the bound for the next round, once this one has published.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_clip: Option<f64>,
+    /// Epsilon spent by the experiment up to and including this attempt.
+    pub epsilon: f64,
 }
 
 type RoundRow = (
@@ -113,6 +151,7 @@ type RoundRow = (
     Option<i64>,
     Option<String>,
     Option<String>,
+    Option<String>,
 );
 
 /// A `SELECT` of every [`RoundRow`] column from `rounds`, followed by `$tail`.
@@ -121,7 +160,7 @@ macro_rules! select_rounds {
         concat!(
             "SELECT experiment_id, round, attempt, stage, stage_deadline, selected, reported, ",
             "dropped, test_accuracy, test_loss, train_loss, started_at, finished_at, secagg, ",
-            "failure FROM rounds ",
+            "failure, privacy FROM rounds ",
             $tail
         )
     };
@@ -129,7 +168,7 @@ macro_rules! select_rounds {
 
 impl Round {
     fn from_row(r: RoundRow) -> Result<Self, StoreError> {
-        Ok(Self {
+        Self {
             experiment_id: parse_uuid(&r.0)?,
             round: r.1,
             attempt: r.2,
@@ -151,7 +190,20 @@ impl Round {
                 })
                 .transpose()?,
             failure: r.14,
-        })
+            epsilon: None,
+            privacy: None,
+        }
+        .with_privacy(r.15)
+    }
+
+    fn with_privacy(mut self, text: Option<String>) -> Result<Self, StoreError> {
+        if let Some(text) = text {
+            let privacy: RoundPrivacy = serde_json::from_str(&text)
+                .map_err(|e| StoreError::Corrupt(format!("round privacy: {e}")))?;
+            self.epsilon = Some(privacy.epsilon);
+            self.privacy = Some(privacy);
+        }
+        Ok(self)
     }
 }
 
@@ -290,8 +342,45 @@ impl Store {
         deadline: i64,
         now: i64,
     ) -> Result<Round, StoreError> {
-        self.open_attempt(experiment_id, round, attempt, selected, None, deadline, now)
-            .await
+        self.open_attempt(
+            experiment_id,
+            round,
+            attempt,
+            selected,
+            None,
+            None,
+            deadline,
+            now,
+        )
+        .await
+    }
+
+    /// Starts an attempt of a differentially private round: a plaintext one, or a
+    /// secure one when `secagg` is given, recorded with what it is `privacy` charged.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn open_private_round(
+        &self,
+        experiment_id: Uuid,
+        round: i64,
+        attempt: i64,
+        selected: &[Uuid],
+        secagg: Option<&str>,
+        privacy: &RoundPrivacy,
+        deadline: i64,
+        now: i64,
+    ) -> Result<Round, StoreError> {
+        let privacy = serde_json::to_string(privacy).expect("privacy records serialise");
+        self.open_attempt(
+            experiment_id,
+            round,
+            attempt,
+            selected,
+            secagg,
+            Some(&privacy),
+            deadline,
+            now,
+        )
+        .await
     }
 
     /// Starts a secure round attempt: like [`open_round`](Self::open_round), but the
@@ -315,6 +404,7 @@ impl Store {
             attempt,
             selected,
             Some(secagg),
+            None,
             deadline,
             now,
         )
@@ -329,6 +419,7 @@ impl Store {
         attempt: i64,
         selected: &[Uuid],
         secagg: Option<&str>,
+        privacy: Option<&str>,
         deadline: i64,
         now: i64,
     ) -> Result<Round, StoreError> {
@@ -370,7 +461,8 @@ impl Store {
             }
             sqlx::query(
                 "INSERT INTO rounds (experiment_id, round, attempt, stage, stage_deadline, \
-                 selected, started_at, secagg) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+                 selected, started_at, secagg, privacy) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
             )
             .bind(&exp)
             .bind(round)
@@ -380,6 +472,7 @@ impl Store {
             .bind(selected.len() as i64)
             .bind(now)
             .bind(secagg)
+            .bind(privacy)
             .execute(&mut *tx)
             .await?;
             for (i, client) in selected.iter().enumerate() {
@@ -740,13 +833,33 @@ impl Store {
         metrics: RoundMetrics,
         now: i64,
     ) -> Result<(), StoreError> {
+        self.publish_private_model(experiment_id, round, attempt, model, metrics, None, now)
+            .await
+    }
+
+    /// [`publish_model`](Self::publish_model) for a private round, whose privacy record
+    /// is replaced by `privacy` (what it was finally charged, the next clip) in the same
+    /// transaction; `None` leaves the record as it is.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn publish_private_model(
+        &self,
+        experiment_id: Uuid,
+        round: i64,
+        attempt: i64,
+        model: &PublishedModel,
+        metrics: RoundMetrics,
+        privacy: Option<&RoundPrivacy>,
+        now: i64,
+    ) -> Result<(), StoreError> {
         let exp = experiment_id.to_string();
+        let privacy = privacy.map(|p| serde_json::to_string(p).expect("privacy records serialise"));
         with_pool!(self, p => {
             let mut tx = p.begin_write().await?;
             if round > 0 {
                 let moved = sqlx::query(
                     "UPDATE rounds SET stage = 'published', finished_at = $1, test_accuracy = $2, \
-                     test_loss = $3, train_loss = $4 WHERE experiment_id = $5 AND round = $6 \
+                     test_loss = $3, train_loss = $4, privacy = COALESCE($8, privacy) \
+                     WHERE experiment_id = $5 AND round = $6 \
                      AND attempt = $7 AND stage = 'aggregating'",
                 )
                 .bind(now)
@@ -756,6 +869,7 @@ impl Store {
                 .bind(&exp)
                 .bind(round)
                 .bind(attempt)
+                .bind(&privacy)
                 .execute(&mut *tx)
                 .await?;
                 if moved.rows_affected() != 1 {

@@ -1,0 +1,410 @@
+//! Differential privacy and robust rules in `cohort serve`, end to end: the real server
+//! over TLS and real `cohort edge` processes on Dirichlet(0.5) partitions of digits.
+//!
+//! What it protects:
+//! - central noise: the published model of round 1 is the initial model plus the sum of
+//!   the L2-clipped updates (recomputed here from the same data and seeds) over the fixed
+//!   denominator, plus noise whose standard deviation on the sum is `z * clip`; epsilon
+//!   per round is the accountant's; the round that would pass the budget never opens
+//!   and the experiment finishes, saying so; no un-noised training loss is published;
+//! - distributed noise under secure aggregation: the clients' Skellam shares sum to the
+//!   configured noise (`z` times the sensitivity) on the unmasked sum, which the
+//!   coordinator never sees without it;
+//! - a robust rule (coordinate-wise median) is what a served plaintext round publishes.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use cohort_aggregation::privacy::distributed::SkellamScale;
+use cohort_aggregation::privacy::rdp;
+use cohort_coordinator::blobs::BlobStore;
+use cohort_coordinator::demo::write_digits_partitions;
+use cohort_edge::agent::experiment_labels;
+use cohort_edge::model::{ModelKind, ModelSpec};
+use cohort_edge::partition::PartitionScheme;
+use cohort_edge::train::{LocalModel, TrainConfig, Trainer};
+use common::{admin, free_port, spawn_serve, wait_healthy};
+use reqwest::Method;
+
+/// A coordinator and `n` edge clients, all checked in.
+struct Federation {
+    server: Child,
+    edges: Vec<Child>,
+    http: reqwest::Client,
+    base: String,
+    data_dir: PathBuf,
+    csvs: Vec<PathBuf>,
+    _dir: tempfile::TempDir,
+}
+
+impl Federation {
+    async fn start(n: usize) -> Self {
+        cohort_coordinator::server::install_crypto_provider();
+        let dir = tempfile::tempdir().unwrap();
+        let data_dir = dir.path().join("coordinator");
+        let ca = data_dir.join("tls/ca.pem");
+        let port = free_port();
+        let base = format!("https://127.0.0.1:{port}");
+        let server = spawn_serve(&data_dir, port, None);
+        let http = wait_healthy(&base, &ca).await;
+        let (csvs, _) = write_digits_partitions(
+            &dir.path().join("sites"),
+            n,
+            &PartitionScheme::Dirichlet { alpha: 0.5 },
+            0,
+        )
+        .unwrap();
+        let mut edges = Vec::new();
+        for (site, csv) in csvs.iter().enumerate() {
+            let issued = admin(
+                &http,
+                &base,
+                Method::POST,
+                "/enrolment-tokens",
+                Some(serde_json::json!({"label": format!("site-{site}")})),
+            )
+            .await;
+            let token = issued["token"].as_str().unwrap();
+            let child = common::edge_command(site, &base, &ca, csv, dir.path(), token, 60)
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("cohort edge starts");
+            edges.push(child);
+        }
+        // A round samples among the clients available when it opens: start once all
+        // have checked in, so that the sampling rate is 1 and every client is in round 1.
+        let start = Instant::now();
+        loop {
+            let clients = admin(&http, &base, Method::GET, "/clients", None).await;
+            let seen = clients
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|c| !c["last_seen_at"].is_null())
+                .count();
+            if seen == n {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "only {seen} clients checked in"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Self {
+            server,
+            edges,
+            http,
+            base,
+            data_dir,
+            csvs,
+            _dir: dir,
+        }
+    }
+
+    /// Creates and starts an experiment; its id.
+    async fn run(&self, spec: serde_json::Value) -> String {
+        let exp = admin(
+            &self.http,
+            &self.base,
+            Method::POST,
+            "/experiments",
+            Some(spec),
+        )
+        .await;
+        let id = exp["id"].as_str().unwrap().to_string();
+        admin(
+            &self.http,
+            &self.base,
+            Method::POST,
+            &format!("/experiments/{id}/start"),
+            None,
+        )
+        .await;
+        id
+    }
+
+    /// Waits until the experiment is finished, showing its rounds if it does not.
+    async fn finished(&self, id: &str) -> Vec<serde_json::Value> {
+        let start = Instant::now();
+        loop {
+            let exp = admin(
+                &self.http,
+                &self.base,
+                Method::GET,
+                &format!("/experiments/{id}"),
+                None,
+            )
+            .await;
+            let rounds = common::rounds(&self.http, &self.base, id).await;
+            if exp["state"] == "finished" {
+                return rounds;
+            }
+            assert!(
+                exp["state"] == "running" && start.elapsed() < Duration::from_secs(180),
+                "experiment is {}: {rounds:#?}",
+                exp["state"]
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    fn round_model(&self, id: &str, round: i64) -> Vec<f32> {
+        let blobs = BlobStore::open(&self.data_dir.join("blobs")).unwrap();
+        blobs
+            .get(&format!("models/{id}/round-{round}.bin"))
+            .unwrap()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    }
+
+    /// Each site's round-1 update (its difference from the initial model), recomputed
+    /// as its edge client trained it: the experiment's model and settings, the site's
+    /// data, and the agent's seed for its first task (`--seed` + 1).
+    fn first_updates(&self, spec: &ModelSpec, train: &TrainConfig) -> (Vec<f32>, Vec<Vec<f32>>) {
+        let initial = spec.init(0);
+        let updates = self
+            .csvs
+            .iter()
+            .enumerate()
+            .map(|(site, csv)| {
+                let data = cohort_edge::data::load_csv(csv).unwrap();
+                let labels = experiment_labels(&data, 10).unwrap();
+                let local =
+                    LocalModel::from_parts(spec.clone(), data.features.clone(), labels).unwrap();
+                let u = local.train(&initial, train, site as u64 + 1).unwrap();
+                u.params
+                    .values()
+                    .iter()
+                    .zip(initial.values())
+                    .map(|(p, g)| p - g)
+                    .collect()
+            })
+            .collect();
+        (initial.values().to_vec(), updates)
+    }
+
+    fn stop(mut self) {
+        for child in &mut self.edges {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        self.server.kill().unwrap();
+        self.server.wait().unwrap();
+    }
+}
+
+fn mlp() -> ModelSpec {
+    ModelSpec::new(&ModelKind::Mlp { hidden: vec![32] }, 64, 10).unwrap()
+}
+
+/// `(published - initial - sum / denominator) * denominator`: the noise on the sum, per
+/// coordinate, given the clipped updates.
+fn noise_on_sum(
+    published: &[f32],
+    initial: &[f32],
+    clipped: &[Vec<f32>],
+    denominator: f64,
+) -> Vec<f64> {
+    (0..initial.len())
+        .map(|i| {
+            let sum: f64 = clipped.iter().map(|u| f64::from(u[i])).sum();
+            (f64::from(published[i]) - f64::from(initial[i]) - sum / denominator) * denominator
+        })
+        .collect()
+}
+
+fn mean_and_std(values: &[f64]) -> (f64, f64) {
+    let n = values.len() as f64;
+    let mean = values.iter().sum::<f64>() / n;
+    let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    (mean, var.sqrt())
+}
+
+fn clipped(updates: &[Vec<f32>], clip: f32) -> Vec<Vec<f32>> {
+    updates
+        .iter()
+        .map(|u| {
+            let mut u = u.clone();
+            cohort_aggregation::privacy::clip::clip_l2(&mut u, clip);
+            u
+        })
+        .collect()
+}
+
+const Z: f64 = 1.0;
+const CLIP: f64 = 0.5;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn central_noise_is_calibrated_accounted_and_stops_at_the_budget() {
+    const CLIENTS: usize = 10;
+    let f = Federation::start(CLIENTS).await;
+    // Every client is sampled (q = 1); the budget lies between two and three rounds.
+    let eps = |rounds: u64| rdp::epsilon(1.0, Z, rounds, 1e-5).unwrap();
+    let budget = (eps(2) + eps(3)) / 2.0;
+    let id = f
+        .run(serde_json::json!({
+            "name": "central dp", "features": 64, "classes": 10, "model": "mlp:32",
+            "rounds": 10, "clients_per_round": CLIENTS, "min_participants": CLIENTS,
+            "collect_deadline_seconds": 60,
+            "privacy": {"noise_multiplier": Z, "clip": CLIP, "epsilon_budget": budget}
+        }))
+        .await;
+    let rounds = f.finished(&id).await;
+    let published: Vec<&serde_json::Value> = rounds
+        .iter()
+        .filter(|r| r["stage"] == "published")
+        .collect();
+    assert_eq!(
+        published.len(),
+        2,
+        "the budget allows two rounds: {rounds:#?}"
+    );
+    assert_eq!(rounds.len(), 2, "the third round never opened: {rounds:#?}");
+    for (i, r) in published.iter().enumerate() {
+        let spent = r["epsilon"].as_f64().unwrap();
+        let expected = eps(i as u64 + 1);
+        assert!(
+            (spent - expected).abs() < 1e-9 * expected,
+            "round {}: epsilon {spent}, accountant {expected}",
+            i + 1
+        );
+        assert!(
+            r["train_loss"].is_null(),
+            "an un-noised loss was published: {r}"
+        );
+        assert_eq!(r["privacy"]["sampling_rate"], 1.0);
+        assert_eq!(r["privacy"]["mechanism"], "central");
+    }
+    let report = admin(
+        &f.http,
+        &f.base,
+        Method::GET,
+        &format!("/experiments/{id}/privacy"),
+        None,
+    )
+    .await;
+    assert_eq!(report["budget_exhausted"], true, "{report}");
+    assert_eq!(report["attempts_charged"], 2, "{report}");
+    assert!((report["epsilon_spent"].as_f64().unwrap() - eps(2)).abs() < 1e-9);
+
+    // Round 1: the initial model plus the clipped sum over the fixed denominator (10),
+    // plus N(0, (z C)^2) on the sum.
+    let (initial, updates) = f.first_updates(&mlp(), &TrainConfig::default());
+    let noise = noise_on_sum(
+        &f.round_model(&id, 1),
+        &initial,
+        &clipped(&updates, CLIP as f32),
+        CLIENTS as f64,
+    );
+    let (mean, std) = mean_and_std(&noise);
+    let d = noise.len() as f64;
+    eprintln!(
+        "central noise on the sum: mean {mean:.4}, std {std:.4} (configured {})",
+        Z * CLIP
+    );
+    // Standard errors: std / sqrt(d) for the mean, about std / sqrt(2 d) for the std.
+    assert!(mean.abs() < 5.0 * Z * CLIP / d.sqrt(), "mean {mean}");
+    assert!(
+        (std / (Z * CLIP) - 1.0).abs() < 5.0 / (2.0 * d).sqrt(),
+        "std {std}, configured {}",
+        Z * CLIP
+    );
+    f.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn distributed_noise_under_secure_aggregation_has_the_configured_scale() {
+    const CLIENTS: usize = 10;
+    let f = Federation::start(CLIENTS).await;
+    let id = f
+        .run(serde_json::json!({
+            "name": "distributed dp", "features": 64, "classes": 10, "model": "mlp:32",
+            "rounds": 1, "clients_per_round": CLIENTS, "min_participants": 8,
+            "collect_deadline_seconds": 60,
+            "secure_aggregation": {"advertise_seconds": 15, "share_seconds": 20, "unmask_seconds": 20},
+            "privacy": {"noise_multiplier": Z, "clip": CLIP, "epsilon_budget": 50}
+        }))
+        .await;
+    let rounds = f.finished(&id).await;
+    assert_eq!(rounds.len(), 1, "{rounds:#?}");
+    let r = &rounds[0];
+    assert_eq!(r["stage"], "published", "{r}");
+    assert_eq!(r["reported"], CLIENTS, "every client survived: {r}");
+    assert_eq!(r["privacy"]["mechanism"], "distributed");
+    assert!(r["train_loss"].is_null(), "{r}");
+    // All ten survived, so the round is charged at the full multiplier.
+    let expected = rdp::epsilon(1.0, Z, 1, 1e-5).unwrap();
+    assert!((r["epsilon"].as_f64().unwrap() - expected).abs() < 1e-9 * expected);
+
+    // The noise on the sum is the sum of ten Skellam shares: standard deviation z times
+    // the sensitivity, in the integer domain, over the scale gamma.
+    let spec = mlp();
+    let scale = SkellamScale::new(
+        cohort_aggregation::privacy::distributed::DistributedNoise {
+            l2_clip: CLIP as f32,
+            noise_multiplier: Z,
+        },
+        CLIENTS as u32,
+    )
+    .unwrap();
+    let configured = Z * scale.sensitivity(spec.num_params()) / scale.gamma();
+    let (initial, updates) = f.first_updates(&spec, &TrainConfig::default());
+    let noise = noise_on_sum(
+        &f.round_model(&id, 1),
+        &initial,
+        &clipped(&updates, CLIP as f32),
+        CLIENTS as f64,
+    );
+    let (mean, std) = mean_and_std(&noise);
+    let d = noise.len() as f64;
+    eprintln!(
+        "distributed noise on the sum: mean {mean:.4}, std {std:.4} (configured {configured:.4})"
+    );
+    assert!(mean.abs() < 5.0 * configured / d.sqrt(), "mean {mean}");
+    assert!(
+        (std / configured - 1.0).abs() < 5.0 / (2.0 * d).sqrt(),
+        "std {std}, configured {configured}"
+    );
+    f.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_served_median_round_publishes_the_coordinate_wise_median() {
+    const CLIENTS: usize = 5;
+    let f = Federation::start(CLIENTS).await;
+    let id = f
+        .run(serde_json::json!({
+            "name": "median", "features": 64, "classes": 10, "model": "mlp:32",
+            "rounds": 1, "clients_per_round": CLIENTS, "min_participants": CLIENTS,
+            "collect_deadline_seconds": 60, "aggregator": "median"
+        }))
+        .await;
+    let rounds = f.finished(&id).await;
+    assert_eq!(rounds[0]["stage"], "published", "{rounds:#?}");
+    let (initial, updates) = f.first_updates(&mlp(), &TrainConfig::default());
+    let published = f.round_model(&id, 1);
+    let mut worst = 0.0f32;
+    let mut off_mean = 0;
+    for i in 0..initial.len() {
+        let mut column: Vec<f32> = updates.iter().map(|u| u[i]).collect();
+        column.sort_by(f32::total_cmp);
+        let median = initial[i] + column[CLIENTS / 2];
+        worst = worst.max((published[i] - median).abs());
+        let mean = initial[i] + column.iter().sum::<f32>() / CLIENTS as f32;
+        off_mean += usize::from((published[i] - mean).abs() > 1e-4);
+    }
+    assert!(
+        worst < 1e-5,
+        "the published model is not the median ({worst})"
+    );
+    assert!(
+        off_mean > initial.len() / 4,
+        "indistinguishable from the mean"
+    );
+    f.stop();
+}
