@@ -408,3 +408,67 @@ async fn a_served_median_round_publishes_the_coordinate_wise_median() {
     );
     f.stop();
 }
+
+/// Adaptive clipping in a served experiment: each round clips at the bound the last one
+/// moved to, the bound moves, and the run spends what the Gaussian mechanism at the
+/// configured multiplier alone would (the count takes its share of the noise from the
+/// update, not extra budget).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn adaptive_clipping_moves_the_bound_round_by_round_at_the_same_cost() {
+    const CLIENTS: usize = 5;
+    const ROUNDS: usize = 3;
+    let f = Federation::start(CLIENTS).await;
+    // Start far above every update's norm, so that all are within the bound and the
+    // rule must pull it down (towards the median norm).
+    let (_, updates) = f.first_updates(&mlp(), &TrainConfig::default());
+    let largest = updates
+        .iter()
+        .map(|u| u.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>().sqrt())
+        .fold(0.0, f64::max);
+    let initial = f64::from((10.0 * largest) as f32);
+    let id = f
+        .run(serde_json::json!({
+            "name": "adaptive", "features": 64, "classes": 10, "model": "mlp:32",
+            "rounds": ROUNDS, "clients_per_round": CLIENTS, "min_participants": CLIENTS,
+            "collect_deadline_seconds": 60,
+            "privacy": {"noise_multiplier": Z, "clip": initial, "epsilon_budget": 100,
+                        "clip_quantile": 0.5, "clip_count_noise": 1.0}
+        }))
+        .await;
+    let rounds = f.finished(&id).await;
+    assert_eq!(rounds.len(), ROUNDS, "{rounds:#?}");
+    let mut bound = initial;
+    for (i, r) in rounds.iter().enumerate() {
+        assert_eq!(r["stage"], "published", "{r}");
+        let p = &r["privacy"];
+        assert_eq!(p["clip"].as_f64().unwrap(), bound, "round {}: {p}", i + 1);
+        let next = p["next_clip"]
+            .as_f64()
+            .expect("an adaptive round moves the bound");
+        assert!(next > 0.0 && next != bound, "{p}");
+        bound = next;
+        let expected = rdp::epsilon(1.0, Z, i as u64 + 1, 1e-5).unwrap();
+        assert!((r["epsilon"].as_f64().unwrap() - expected).abs() < 1e-9 * expected);
+    }
+    // Round 1 trains from the initial model, so every update is within the bound: the
+    // step is exp(-0.2 (fraction within - 0.5)) with the fraction near 1, and the bound
+    // falls unless the count's noise (standard deviation 1) is below -2.5. (Later rounds
+    // train from a model with noise of that large a clip in it, so their norms are
+    // anyone's guess.)
+    let first = rounds[0]["privacy"]["next_clip"].as_f64().unwrap();
+    assert!(
+        first < initial,
+        "the bound did not fall: {first} from {initial}"
+    );
+    let report = admin(
+        &f.http,
+        &f.base,
+        Method::GET,
+        &format!("/experiments/{id}/privacy"),
+        None,
+    )
+    .await;
+    assert_eq!(report["clip"].as_f64().unwrap(), bound, "{report}");
+    assert_eq!(report["budget_exhausted"], false, "{report}");
+    f.stop();
+}
