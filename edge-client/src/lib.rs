@@ -9,10 +9,13 @@
 //!   evaluation, behind the [`train::Trainer`] trait.
 //! - [`protocol`]: the client side of the coordinator's REST API.
 //! - [`agent`]: the edge loop: enrol once, then check in, train, upload, with retries.
+//! - [`local_dp`]: optional local differential privacy: clip and noise before upload,
+//!   with the client's own ledger and budget.
 
 pub mod agent;
 pub mod cli;
 pub mod data;
+pub mod local_dp;
 pub mod model;
 pub mod partition;
 pub mod protocol;
