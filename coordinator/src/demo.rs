@@ -203,6 +203,11 @@ async fn run_async(args: &DemoArgs) -> Result<DemoOutcome, String> {
         secure_aggregation: args
             .secure_aggregation
             .then(crate::server::secure_rounds::SecureAggregationSpec::default),
+        mode: Default::default(),
+        buffer_size: None,
+        concurrency: None,
+        staleness_exponent: None,
+        max_staleness: None,
     };
     spec.validate().map_err(|e| e.to_string())?;
     let store = &state.store;

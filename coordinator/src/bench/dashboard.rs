@@ -210,6 +210,11 @@ async fn run_async(args: &DashboardBenchArgs) -> Result<(), String> {
         train: TrainSettings::default(),
         seed: 0,
         secure_aggregation: None,
+        mode: Default::default(),
+        buffer_size: None,
+        concurrency: None,
+        staleness_exponent: None,
+        max_staleness: None,
     };
     let spec_json = serde_json::to_string(&spec).map_err(|e| e.to_string())?;
     let seeding = Instant::now();
