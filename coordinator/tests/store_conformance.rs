@@ -1437,6 +1437,19 @@ async fn fedbuff_hands_out_at_most_concurrency_tasks_and_expiry_frees_slots(stor
     assert_eq!(store.round(e.id, 1, 1).await.unwrap().reported, 0);
     // A sync round's pending task never shows a FedBuff task.
     assert_eq!(store.pending_task(c[2]).await.unwrap(), None);
+    // A stopped experiment takes no more updates, even for a task still in time.
+    store
+        .set_experiment_state(e.id, ExperimentState::Stopped, "admin")
+        .await
+        .unwrap();
+    let refused = store
+        .record_fedbuff_upload(e.id, 1, 1, &upload(c[2], 5), rules(3, None, 10), later)
+        .await;
+    assert!(
+        matches!(refused, Err(StoreError::Conflict(_))),
+        "{refused:?}"
+    );
+    assert_eq!(store.round(e.id, 1, 1).await.unwrap().reported, 0);
 }
 
 async fn fedbuff_full_buffer_opens_the_next_and_stale_updates_land_in_it(store: &Store) {

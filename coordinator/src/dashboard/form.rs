@@ -240,10 +240,10 @@ const GROUPS: &[(&str, &[FieldDef])] = &[
             def(
                 "mode",
                 "Mode",
-                "sync (rounds with a selected cohort) or fedbuff (buffered asynchronous: a server step every buffer-size updates; rounds are then server steps).",
+                "sync (rounds with a selected cohort; the default when empty) or fedbuff (buffered asynchronous: a server step every buffer-size updates; rounds are then server steps).",
                 Text,
                 false,
-                true,
+                false,
             ),
             def(
                 "buffer_size",
@@ -632,7 +632,12 @@ pub fn parse(fields: &[(String, String)]) -> Parsed {
         },
         seed: r.whole("seed").unwrap_or(d.seed),
         secure_aggregation: secure,
-        mode: r.parsed("mode").unwrap_or(d.mode),
+        // An empty (or absent, from an older page or a script) mode is the default.
+        mode: if r.text("mode").is_empty() {
+            d.mode
+        } else {
+            r.parsed("mode").unwrap_or(d.mode)
+        },
         buffer_size: r.optional("buffer_size").flatten(),
         concurrency: r.optional("concurrency").flatten(),
         staleness_exponent: r.optional_number("staleness_exponent").flatten(),
@@ -764,6 +769,11 @@ mod tests {
                 assert_eq!((f.buffer_size, f.concurrency), (3, 6));
                 assert_eq!((f.staleness_exponent, f.max_staleness), (1.0, Some(4)));
             }
+            Parsed::Invalid(_) => panic!("valid"),
+        }
+        // A form without the mode (an older page, a script) is a synchronous experiment.
+        match parse(&submitted(&[("mode", "")])) {
+            Parsed::Spec(spec) => assert!(spec.fedbuff().is_none()),
             Parsed::Invalid(_) => panic!("valid"),
         }
         let errs = errors(parse(&submitted(&[

@@ -389,7 +389,8 @@ impl Store {
     /// Records a durable FedBuff upload for the task of round `round`, attempt `attempt`
     /// into the buffer open now, whichever version the task trained on. Refused, with
     /// nothing changed, when the client holds no such outstanding task, the task has
-    /// expired, or no buffer is open (the experiment has published its last step). An
+    /// expired, the experiment is neither running nor paused, or no buffer is open (the
+    /// experiment has published its last step). An
     /// update staler than the rules allow is not buffered and its task is recorded as
     /// dropped. The upload that fills the buffer moves it to aggregating, queues its
     /// aggregation job and opens the next buffer, all in the same transaction.
@@ -420,8 +421,16 @@ impl Store {
             .bind(&exp)
             .fetch_optional(&mut *tx)
             .await?;
-            if state.is_none() {
-                return Err(StoreError::NotFound(format!("experiment {experiment_id}")));
+            match state {
+                None => return Err(StoreError::NotFound(format!("experiment {experiment_id}"))),
+                // A paused experiment still takes the updates of the tasks it handed out;
+                // a stopped or finished one takes nothing more.
+                Some((s,)) if s != "running" && s != "paused" => {
+                    return Err(StoreError::Conflict(format!(
+                        "experiment {experiment_id} is {s}: it takes no more updates"
+                    )));
+                }
+                Some(_) => {}
             }
             let part: Option<(String, Option<i64>, i64)> = sqlx::query_as(
                 "SELECT state, base_version, selected_at FROM participations \
