@@ -205,6 +205,11 @@ async fn run_async(args: &DemoArgs) -> Result<DemoOutcome, String> {
             .then(crate::server::secure_rounds::SecureAggregationSpec::default),
         privacy: None,
         aggregator: None,
+        mode: Default::default(),
+        buffer_size: None,
+        concurrency: None,
+        staleness_exponent: None,
+        max_staleness: None,
     };
     spec.validate().map_err(|e| e.to_string())?;
     let store = &state.store;

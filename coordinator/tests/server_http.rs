@@ -1237,6 +1237,7 @@ async fn edge_agents_enrol_train_and_upload_until_the_experiment_finishes() {
             state_dir,
             idle_exit: Some(Duration::from_secs(3)),
             seed: i,
+            slowdown: std::time::Duration::ZERO,
         };
         agents.push(tokio::spawn(cohort_edge::agent::run_agent(config)));
     }
@@ -1276,6 +1277,7 @@ async fn edge_agents_enrol_train_and_upload_until_the_experiment_finishes() {
         state_dir: server._dir.as_ref().unwrap().path().join("agent-0"),
         idle_exit: Some(Duration::from_millis(100)),
         seed: 9,
+        slowdown: std::time::Duration::ZERO,
     })
     .await
     .expect("stored credential still works");

@@ -6,8 +6,9 @@ use std::collections::HashSet;
 use std::str::FromStr;
 
 use cohort_coordinator::store::{
-    Experiment, ExperimentState, JobKind, JobState, NewUpload, ParticipationState, PublishedModel,
-    RoundMetrics, RoundStage, SecAggMessageKind, SecureNext, Store, StoreError, now_millis,
+    BufferRules, Buffered, Experiment, ExperimentState, JobKind, JobState, NewUpload,
+    ParticipationState, PublishedModel, RoundMetrics, RoundStage, SecAggMessageKind, SecureNext,
+    Store, StoreError, now_millis,
 };
 use sqlx::postgres::PgConnectOptions;
 use uuid::Uuid;
@@ -117,6 +118,10 @@ conformance!(
     secure_messages_out_of_turn_are_refused_and_change_nothing,
     secure_round_fails_with_its_reason_and_runs_again,
     concurrent_secure_advances_move_the_round_once,
+    fedbuff_hands_out_at_most_concurrency_tasks_and_expiry_frees_slots,
+    fedbuff_full_buffer_opens_the_next_and_stale_updates_land_in_it,
+    concurrent_fedbuff_uploads_fill_each_buffer_exactly,
+    fedbuff_first_buffer_opens_once_and_only_while_running,
 );
 
 async fn experiments_round_trip_and_list_newest_first(store: &Store) {
@@ -1319,4 +1324,346 @@ async fn concurrent_secure_advances_move_the_round_once(store: &Store) {
     assert_eq!(moved, 1, "exactly one advance wins");
     let audit = store.round(e.id, 1, 1).await.unwrap();
     assert_eq!(audit.stage, RoundStage::Sharing);
+}
+
+// ---- FedBuff buffers ----
+
+const TASK_MS: i64 = 60_000;
+
+fn rules(buffer_size: i64, max_staleness: Option<i64>, last_step: i64) -> BufferRules {
+    BufferRules {
+        buffer_size,
+        max_staleness,
+        task_ms: TASK_MS,
+        last_step,
+        job_attempts: 3,
+    }
+}
+
+/// A running experiment with `n` clients, its initial model published and its first
+/// buffer open.
+async fn fedbuff_with_clients(store: &Store, n: u8) -> (Experiment, Vec<Uuid>) {
+    let (e, c) = running_with_clients(store, n).await;
+    let t0 = now_millis();
+    store
+        .publish_model(e.id, 0, 0, &model(0), RoundMetrics::default(), t0)
+        .await
+        .unwrap();
+    store.open_buffer(e.id, 1, t0).await.unwrap();
+    (e, c)
+}
+
+fn model(round: i64) -> PublishedModel {
+    PublishedModel {
+        round,
+        blob_path: format!("models/round-{round}.bin"),
+        parameters: 10,
+    }
+}
+
+/// Publishes buffer `round` (which must be aggregating) as the next model version.
+async fn publish_step(store: &Store, e: Uuid, round: i64) {
+    store
+        .publish_model(
+            e,
+            round,
+            1,
+            &model(round),
+            RoundMetrics::default(),
+            now_millis(),
+        )
+        .await
+        .unwrap();
+}
+
+async fn fedbuff_hands_out_at_most_concurrency_tasks_and_expiry_frees_slots(store: &Store) {
+    let (e, c) = fedbuff_with_clients(store, 4).await;
+    let t0 = now_millis();
+    let a = store
+        .fedbuff_task(e.id, c[0], 2, TASK_MS, true, t0)
+        .await
+        .unwrap()
+        .expect("a free slot");
+    assert_eq!((a.round, a.attempt, a.base_version), (1, 1, 0));
+    assert_eq!(a.deadline, t0 + TASK_MS);
+    // Asking again returns the task it holds, not a second one.
+    let again = store
+        .fedbuff_task(e.id, c[0], 2, TASK_MS, true, t0 + 5)
+        .await
+        .unwrap();
+    assert_eq!(again, Some(a.clone()));
+    assert!(
+        store
+            .fedbuff_task(e.id, c[1], 2, TASK_MS, true, t0)
+            .await
+            .unwrap()
+            .is_some()
+    );
+    // Two outstanding with concurrency 2: the third client waits.
+    assert_eq!(
+        store
+            .fedbuff_task(e.id, c[2], 2, TASK_MS, true, t0)
+            .await
+            .unwrap(),
+        None
+    );
+    // Without hand-out (a paused experiment) nobody gets a new task.
+    assert_eq!(
+        store
+            .fedbuff_task(e.id, c[3], 5, TASK_MS, false, t0)
+            .await
+            .unwrap(),
+        None
+    );
+    // The two tasks expire: their slots free, and they count as dropped.
+    let later = t0 + TASK_MS + 1;
+    let fresh = store
+        .fedbuff_task(e.id, c[2], 2, TASK_MS, true, later)
+        .await
+        .unwrap()
+        .expect("expired tasks free their slots");
+    assert_eq!(fresh.round, 1);
+    let round = store.round(e.id, 1, 1).await.unwrap();
+    assert_eq!((round.selected, round.dropped), (3, 2), "{round:?}");
+    assert_eq!(store.fedbuff_drops(e.id).await.unwrap().expired, 2);
+    // An expired task's upload is refused and changes nothing.
+    let refused = store
+        .record_fedbuff_upload(e.id, 1, 1, &upload(c[0], 5), rules(3, None, 10), later)
+        .await;
+    assert!(
+        matches!(refused, Err(StoreError::Conflict(_))),
+        "{refused:?}"
+    );
+    assert_eq!(store.round(e.id, 1, 1).await.unwrap().reported, 0);
+    // A sync round's pending task never shows a FedBuff task.
+    assert_eq!(store.pending_task(c[2]).await.unwrap(), None);
+    // A stopped experiment takes no more updates, even for a task still in time.
+    store
+        .set_experiment_state(e.id, ExperimentState::Stopped, "admin")
+        .await
+        .unwrap();
+    let refused = store
+        .record_fedbuff_upload(e.id, 1, 1, &upload(c[2], 5), rules(3, None, 10), later)
+        .await;
+    assert!(
+        matches!(refused, Err(StoreError::Conflict(_))),
+        "{refused:?}"
+    );
+    assert_eq!(store.round(e.id, 1, 1).await.unwrap().reported, 0);
+}
+
+async fn fedbuff_full_buffer_opens_the_next_and_stale_updates_land_in_it(store: &Store) {
+    let (e, c) = fedbuff_with_clients(store, 5).await;
+    let t0 = now_millis();
+    let mut tasks = Vec::new();
+    for client in &c {
+        tasks.push(
+            store
+                .fedbuff_task(e.id, *client, 5, TASK_MS, true, t0)
+                .await
+                .unwrap()
+                .unwrap(),
+        );
+    }
+    let r = rules(2, Some(1), 3);
+    // Two updates fill buffer 1: it aggregates, its job is queued, buffer 2 opens.
+    for client in &c[..2] {
+        let b = store
+            .record_fedbuff_upload(e.id, 1, 1, &upload(*client, 4), r, t0 + 10)
+            .await
+            .unwrap();
+        assert!(
+            matches!(
+                b,
+                Buffered::Accepted {
+                    buffer: 1,
+                    staleness: 0,
+                    ..
+                }
+            ),
+            "{b:?}"
+        );
+    }
+    let one = store.round(e.id, 1, 1).await.unwrap();
+    assert_eq!((one.stage, one.reported), (RoundStage::Aggregating, 2));
+    let jobs = store.jobs(e.id).await.unwrap();
+    assert_eq!((jobs.len(), jobs[0].round), (1, 1));
+    assert_eq!(
+        store.round(e.id, 2, 1).await.unwrap().stage,
+        RoundStage::Collecting
+    );
+    // A replay is refused and changes nothing.
+    let replay = store
+        .record_fedbuff_upload(e.id, 1, 1, &upload(c[0], 4), r, t0 + 11)
+        .await;
+    assert!(matches!(replay, Err(StoreError::Conflict(_))), "{replay:?}");
+    // Version 1 is published; a client that trained on version 0 uploads into buffer 2
+    // with staleness 1, under its task's round 1 path.
+    publish_step(store, e.id, 1).await;
+    let stale = store
+        .record_fedbuff_upload(e.id, 1, 1, &upload(c[2], 4), r, t0 + 20)
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            stale,
+            Buffered::Accepted {
+                buffer: 2,
+                staleness: 1,
+                closed: false,
+                ..
+            }
+        ),
+        "{stale:?}"
+    );
+    // A client that downloads version 1 before training is not stale.
+    store.note_base_version(e.id, c[3], 1).await.unwrap();
+    let fresh = store
+        .record_fedbuff_upload(e.id, 1, 1, &upload(c[3], 4), r, t0 + 21)
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            fresh,
+            Buffered::Accepted {
+                buffer: 2,
+                staleness: 0,
+                closed: true,
+                ..
+            }
+        ),
+        "{fresh:?}"
+    );
+    let buffered = store.buffer_uploads(e.id, 2).await.unwrap();
+    let mut seen: Vec<(Uuid, i64, i64)> = buffered
+        .iter()
+        .map(|u| (u.upload.client_id, u.base_version, u.staleness))
+        .collect();
+    seen.sort();
+    let mut want = vec![(c[2], 0, 1), (c[3], 1, 0)];
+    want.sort();
+    assert_eq!(seen, want);
+    // Buffer 3 is open; version 2 is published. The last client still trains on
+    // version 0: two steps stale, more than max_staleness 1, so it is dropped.
+    publish_step(store, e.id, 2).await;
+    let dropped = store
+        .record_fedbuff_upload(e.id, 1, 1, &upload(c[4], 4), r, t0 + 30)
+        .await
+        .unwrap();
+    assert_eq!(
+        dropped,
+        Buffered::TooStale {
+            staleness: 2,
+            max_staleness: 1
+        }
+    );
+    assert_eq!(store.fedbuff_drops(e.id).await.unwrap().too_stale, 1);
+    assert_eq!(store.round(e.id, 3, 1).await.unwrap().reported, 0);
+    let steps = store.fedbuff_steps(e.id).await.unwrap();
+    assert_eq!(steps.len(), 2);
+    assert_eq!(
+        (
+            steps[1].step,
+            steps[1].updates,
+            steps[1].stale_updates,
+            steps[1].max_staleness
+        ),
+        (2, 2, 1, 1)
+    );
+    assert!((steps[1].mean_staleness - 0.5).abs() < 1e-9);
+    // Fill buffer 3, the last step: it opens no successor.
+    for client in &c[..2] {
+        let t = store
+            .fedbuff_task(e.id, *client, 5, TASK_MS, true, t0 + 40)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!((t.round, t.base_version), (3, 2));
+        store
+            .record_fedbuff_upload(e.id, 3, 1, &upload(*client, 4), r, t0 + 41)
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        store.round(e.id, 3, 1).await.unwrap().stage,
+        RoundStage::Aggregating
+    );
+    assert!(matches!(
+        store.round(e.id, 4, 1).await,
+        Err(StoreError::NotFound(_))
+    ));
+    // No buffer open: nobody gets a task.
+    assert_eq!(
+        store
+            .fedbuff_task(e.id, c[2], 5, TASK_MS, true, t0 + 42)
+            .await
+            .unwrap(),
+        None
+    );
+}
+
+async fn concurrent_fedbuff_uploads_fill_each_buffer_exactly(store: &Store) {
+    let (e, c) = fedbuff_with_clients(store, 12).await;
+    let t0 = now_millis();
+    for client in &c {
+        store
+            .fedbuff_task(e.id, *client, 12, TASK_MS, true, t0)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    // Twelve clients upload at once into buffers of 3, at most 3 steps: buffers 1-3 fill
+    // with exactly three updates each, and the rest are refused (no buffer open).
+    let r = rules(3, None, 3);
+    let uploaders: Vec<_> = c
+        .iter()
+        .map(|&client| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                retry_busy!(store.record_fedbuff_upload(
+                    e.id,
+                    1,
+                    1,
+                    &upload(client, 1),
+                    r,
+                    now_millis()
+                ))
+            })
+        })
+        .collect();
+    let mut accepted = 0;
+    for u in uploaders {
+        match u.await.unwrap() {
+            Ok(Buffered::Accepted { .. }) => accepted += 1,
+            Ok(other) => panic!("{other:?}"),
+            Err(StoreError::Conflict(_)) => {}
+            Err(other) => panic!("upload failed: {other}"),
+        }
+    }
+    assert_eq!(accepted, 9);
+    for round in 1..=3 {
+        let r = store.round(e.id, round, 1).await.unwrap();
+        assert_eq!((r.stage, r.reported), (RoundStage::Aggregating, 3), "{r:?}");
+        assert_eq!(store.buffer_uploads(e.id, round).await.unwrap().len(), 3);
+    }
+    assert_eq!(store.jobs(e.id).await.unwrap().len(), 3);
+}
+
+async fn fedbuff_first_buffer_opens_once_and_only_while_running(store: &Store) {
+    let (e, _) = running_with_clients(store, 1).await;
+    let t0 = now_millis();
+    store.open_buffer(e.id, 1, t0).await.unwrap();
+    assert!(matches!(
+        store.open_buffer(e.id, 1, t0).await,
+        Err(StoreError::Conflict(_))
+    ));
+    let other = store
+        .create_experiment("idle", &serde_json::json!({}))
+        .await
+        .unwrap();
+    assert!(matches!(
+        store.open_buffer(other.id, 1, t0).await,
+        Err(StoreError::Conflict(_))
+    ));
+    assert!(store.latest_round(other.id).await.unwrap().is_none());
 }

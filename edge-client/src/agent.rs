@@ -28,6 +28,9 @@ pub struct AgentConfig {
     pub idle_exit: Option<Duration>,
     /// Seed of local shuffling.
     pub seed: u64,
+    /// Extra time spent on every task after training and before the upload: emulates a
+    /// slow device (a straggler) in tests and demonstrations. Zero for real use.
+    pub slowdown: Duration,
 }
 
 /// Why the agent stopped with an error.
@@ -180,7 +183,16 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
         let task = with_retries(|| client.checkin(&cred, wait)).await?;
         let Some(task) = task else { continue };
         round_seed = round_seed.wrapping_add(1);
-        match serve_task(&client, &cred, &config.data, &task, round_seed).await {
+        match serve_task(
+            &client,
+            &cred,
+            &config.data,
+            &task,
+            round_seed,
+            config.slowdown,
+        )
+        .await
+        {
             Ok(()) => {
                 report.uploads += 1;
                 report
@@ -239,6 +251,7 @@ async fn serve_task(
     data: &Dataset,
     task: &Task,
     seed: u64,
+    slowdown: Duration,
 ) -> Result<(), AgentError> {
     if let Some(secure) = &task.secure_aggregation {
         return serve_secure_task(client, cred, data, task, secure, seed).await;
@@ -250,6 +263,9 @@ async fn serve_task(
         .await
         .map_err(|e| AgentError::Task(e.to_string()))?
         .map_err(|e| AgentError::Task(e.to_string()))?;
+    if !slowdown.is_zero() {
+        tokio::time::sleep(slowdown).await;
+    }
     with_retries(|| {
         client.upload(
             cred,

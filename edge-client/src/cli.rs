@@ -33,6 +33,15 @@ pub struct EdgeArgs {
     /// Seed of local shuffling
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Wait this many milliseconds after training each (non-secure) task, before its
+    /// upload: emulates a slow device for tests and demonstrations (default 0)
+    #[arg(
+        long,
+        value_name = "MS",
+        default_value_t = 0,
+        env = "COHORT_EDGE_SLOWDOWN_MS"
+    )]
+    pub slowdown_ms: u64,
 }
 
 /// Runs the client to the end: exit status 2 for bad input, 1 for a failure, 0 when it
@@ -73,6 +82,7 @@ pub fn run(args: EdgeArgs) -> ExitCode {
         state_dir: args.state_dir,
         idle_exit: args.idle_exit.map(Duration::from_secs),
         seed: args.seed,
+        slowdown: Duration::from_millis(args.slowdown_ms),
     };
     match runtime.block_on(run_agent(config)) {
         Ok(report) => {

@@ -212,6 +212,11 @@ async fn run_async(args: &DashboardBenchArgs) -> Result<(), String> {
         secure_aggregation: None,
         privacy: None,
         aggregator: None,
+        mode: Default::default(),
+        buffer_size: None,
+        concurrency: None,
+        staleness_exponent: None,
+        max_staleness: None,
     };
     let spec_json = serde_json::to_string(&spec).map_err(|e| e.to_string())?;
     let seeding = Instant::now();

@@ -244,6 +244,51 @@ const GROUPS: &[(&str, &[FieldDef])] = &[
         ],
     ),
     (
+        "Mode",
+        &[
+            def(
+                "mode",
+                "Mode",
+                "sync (rounds with a selected cohort; the default when empty) or fedbuff (buffered asynchronous: a server step every buffer-size updates; rounds are then server steps).",
+                Text,
+                false,
+                false,
+            ),
+            def(
+                "buffer_size",
+                "Buffer size (FedBuff)",
+                "Updates per server step (K); empty for clients per round.",
+                Number,
+                false,
+                false,
+            ),
+            def(
+                "concurrency",
+                "Concurrency (FedBuff)",
+                "Clients training at once (C); empty for clients per round x over-selection.",
+                Number,
+                false,
+                false,
+            ),
+            def(
+                "staleness_exponent",
+                "Staleness exponent (FedBuff)",
+                "A in the weight 1/(1+staleness)^A, 0 to 10; empty for 0.5.",
+                Number,
+                true,
+                false,
+            ),
+            def(
+                "max_staleness",
+                "Maximum staleness (FedBuff)",
+                "Updates more server steps stale than this are dropped; empty keeps every update.",
+                Number,
+                false,
+                false,
+            ),
+        ],
+    ),
+    (
         "Secure aggregation (SecAgg+)",
         &[
             def(
@@ -407,6 +452,11 @@ fn default_spec() -> ExperimentSpec {
         secure_aggregation: None,
         privacy: None,
         aggregator: None,
+        mode: Default::default(),
+        buffer_size: None,
+        concurrency: None,
+        staleness_exponent: None,
+        max_staleness: None,
     }
 }
 
@@ -438,6 +488,11 @@ fn defaults() -> HashMap<&'static str, String> {
         ("train.lr", d.train.lr.to_string()),
         ("train.momentum", d.train.momentum.to_string()),
         ("train.weight_decay", d.train.weight_decay.to_string()),
+        ("mode", d.mode.as_str().to_string()),
+        ("buffer_size", String::new()),
+        ("concurrency", String::new()),
+        ("staleness_exponent", String::new()),
+        ("max_staleness", String::new()),
         ("secure_aggregation", String::new()),
         ("secure_aggregation.threshold", String::new()),
         ("secure_aggregation.neighbours", String::new()),
@@ -697,6 +752,23 @@ pub fn parse(fields: &[(String, String)]) -> Parsed {
         secure_aggregation: secure,
         privacy,
         aggregator,
+        // An empty (or absent, from an older page or a script) mode is the default.
+        mode: if r.text("mode").is_empty() {
+            d.mode
+        } else {
+            r.parsed("mode").unwrap_or(d.mode)
+        },
+        buffer_size: r.optional("buffer_size").flatten(),
+        concurrency: r.optional("concurrency").flatten(),
+        staleness_exponent: r.optional_number("staleness_exponent").flatten(),
+        max_staleness: r.optional("max_staleness").flatten().and_then(|m| {
+            let m = u32::try_from(m).ok();
+            if m.is_none() {
+                r.errors
+                    .insert("max_staleness", "must be at most 4294967295".into());
+            }
+            m
+        }),
     };
     if spec.name.is_empty() {
         r.errors.insert("name", "required".into());
@@ -842,6 +914,42 @@ mod tests {
             }
             Parsed::Invalid(sets) => panic!("{sets:?}"),
         }
+    }
+
+    #[test]
+    fn fedbuff_settings_come_from_the_form_and_are_checked() {
+        match parse(&submitted(&[
+            ("mode", "fedbuff"),
+            ("buffer_size", "3"),
+            ("concurrency", "6"),
+            ("staleness_exponent", "1"),
+            ("max_staleness", "4"),
+        ])) {
+            Parsed::Spec(spec) => {
+                let f = spec.fedbuff().expect("fedbuff mode");
+                assert_eq!((f.buffer_size, f.concurrency), (3, 6));
+                assert_eq!((f.staleness_exponent, f.max_staleness), (1.0, Some(4)));
+            }
+            Parsed::Invalid(_) => panic!("valid"),
+        }
+        // A form without the mode (an older page, a script) is a synchronous experiment.
+        match parse(&submitted(&[("mode", "")])) {
+            Parsed::Spec(spec) => assert!(spec.fedbuff().is_none()),
+            Parsed::Invalid(_) => panic!("valid"),
+        }
+        let errs = errors(parse(&submitted(&[
+            ("mode", "later"),
+            ("buffer_size", "x"),
+            ("staleness_exponent", "much"),
+        ])));
+        for field in ["mode", "buffer_size", "staleness_exponent"] {
+            assert!(errs.contains_key(field), "{field}: {errs:?}");
+        }
+        let errs = errors(parse(&submitted(&[
+            ("mode", "fedbuff"),
+            ("secure_aggregation", "on"),
+        ])));
+        assert!(errs.contains_key("secure_aggregation"), "{errs:?}");
     }
 
     #[test]

@@ -234,6 +234,12 @@ struct ExperimentPage {
     can_stop: bool,
     round: i64,
     rounds: i64,
+    /// `Round`, or `Server step` in mode fedbuff (a round is then a buffer's step).
+    round_label: &'static str,
+    /// `sync` or `fedbuff`.
+    mode: &'static str,
+    /// The mode's settings in a line.
+    mode_detail: String,
     latest_accuracy: String,
     best_accuracy: String,
     latest_loss: String,
@@ -322,6 +328,7 @@ pub async fn experiment(
     )?;
     let spec: Option<ExperimentSpec> = serde_json::from_value(exp.spec.clone()).ok();
     let total_rounds = spec.as_ref().map_or(0, |s| i64::from(s.rounds));
+    let fedbuff = spec.as_ref().and_then(ExperimentSpec::fedbuff);
     let now = now_millis();
 
     // The last attempt of each round carries the round's outcome.
@@ -463,6 +470,24 @@ pub async fn experiment(
         can_stop: ExperimentState::Stopped.allowed_from().contains(&state_now),
         round: exp.current_round,
         rounds: total_rounds,
+        round_label: if fedbuff.is_some() {
+            "Server step"
+        } else {
+            "Round"
+        },
+        mode: spec.as_ref().map_or("sync", |s| s.mode.as_str()),
+        mode_detail: match fedbuff {
+            Some(f) => format!(
+                "a step every {} updates, {} clients training at once, staleness exponent {}{}",
+                f.buffer_size,
+                f.concurrency,
+                f.staleness_exponent,
+                f.max_staleness
+                    .map(|m| format!(", updates over {m} steps stale dropped"))
+                    .unwrap_or_default()
+            ),
+            None => "rounds with a selected cohort".into(),
+        },
         latest_accuracy: percent(latest.and_then(|r| r.test_accuracy)),
         best_accuracy: percent(best),
         latest_loss: number(latest.and_then(|r| r.test_loss)),

@@ -110,6 +110,32 @@ pub struct ExperimentSpec {
     #[schema(value_type = Option<String>, example = "median")]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub aggregator: Option<cohort_aggregation::robust::RobustRule>,
+    /// `sync` (the default): rounds with a selected cohort, a deadline and a quorum.
+    /// `fedbuff`: buffered asynchronous aggregation (see [`super::fedbuff`]); `rounds` is
+    /// then the number of server steps (model versions) to publish,
+    /// `collect_deadline_seconds` how long a task may take before its slot is freed, and
+    /// `min_participants` and `max_round_attempts` are not used (a step waits for its
+    /// `buffer_size` updates, however long they take).
+    #[serde(
+        default,
+        skip_serializing_if = "super::fedbuff::ExperimentMode::is_sync"
+    )]
+    #[schema(value_type = String, example = "sync")]
+    pub mode: super::fedbuff::ExperimentMode,
+    /// FedBuff: updates per server step (K), 1 to 10000; default `clients_per_round`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub buffer_size: Option<usize>,
+    /// FedBuff: clients training at once (C); default `clients_per_round *
+    /// over_selection`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<usize>,
+    /// FedBuff: A in the staleness weight `1 / (1 + tau)^A`, 0 to 10; default 0.5.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staleness_exponent: Option<f64>,
+    /// FedBuff: updates more than this many server steps stale are dropped (and counted);
+    /// default none, every update is kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_staleness: Option<u32>,
 }
 
 fn default_strategy() -> Strategy {
@@ -280,6 +306,7 @@ impl ExperimentSpec {
                 );
             }
         }
+        super::fedbuff::problems(self, &mut bad);
         let train = cohort_edge::train::TrainConfig {
             local_epochs: self.train.local_epochs,
             batch_size: self.train.batch_size,

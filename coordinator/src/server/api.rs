@@ -48,6 +48,7 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
     doc.merge(super::admin::AdminDoc::openapi());
     doc.merge(super::client_api::ClientDoc::openapi());
     doc.merge(super::secagg_api::SecAggDoc::openapi());
+    doc.merge(super::fedbuff::FedBuffDoc::openapi());
     let components = doc.components.get_or_insert_with(Default::default);
     let mut scheme = Http::new(HttpAuthScheme::Bearer);
     scheme.description =
@@ -147,6 +148,7 @@ pub fn admin_router() -> Router<AppState> {
     Router::new()
         .route("/whoami", get(whoami))
         .merge(super::admin::routes())
+        .merge(super::fedbuff::routes())
 }
 
 /// Middleware: lets a request through only with `Authorization: Bearer <admin token>`.

@@ -216,7 +216,39 @@ pub struct CheckInReply {
     pub task: Option<Task>,
 }
 
+/// A task of experiment `experiment` with `spec`'s model and training settings, and no
+/// secure aggregation.
+pub(super) fn plain_task(
+    spec: &super::admin::ExperimentSpec,
+    experiment: Uuid,
+    round: i64,
+    attempt: i64,
+    deadline_ms: Option<i64>,
+) -> Task {
+    Task {
+        experiment_id: experiment,
+        round,
+        attempt,
+        deadline_ms,
+        model: spec.model.to_string(),
+        features: spec.features,
+        classes: spec.classes,
+        train: cohort_edge::train::TrainConfig {
+            local_epochs: spec.train.local_epochs,
+            batch_size: spec.train.batch_size,
+            lr: spec.train.lr,
+            momentum: spec.train.momentum,
+            weight_decay: spec.train.weight_decay,
+            proximal_mu: spec.strategy.proximal_mu(),
+        },
+        secure_aggregation: None,
+    }
+}
+
 async fn task_for(state: &AppState, client: Uuid) -> Result<Option<Task>, ApiError> {
+    if let Some(task) = super::fedbuff::task_for(state, client).await? {
+        return Ok(Some(task));
+    }
     let Some(pending) = state.store.pending_task(client).await? else {
         return Ok(None);
     };
@@ -230,22 +262,14 @@ async fn task_for(state: &AppState, client: Uuid) -> Result<Option<Task>, ApiErr
         _ => None,
     };
     Ok(Some(Task {
-        experiment_id: exp.id,
-        round: pending.round,
-        attempt: pending.attempt,
-        deadline_ms: pending.deadline,
-        model: spec.model.to_string(),
-        features: spec.features,
-        classes: spec.classes,
-        train: cohort_edge::train::TrainConfig {
-            local_epochs: spec.train.local_epochs,
-            batch_size: spec.train.batch_size,
-            lr: spec.train.lr,
-            momentum: spec.train.momentum,
-            weight_decay: spec.train.weight_decay,
-            proximal_mu: spec.strategy.proximal_mu(),
-        },
         secure_aggregation,
+        ..plain_task(
+            &spec,
+            exp.id,
+            pending.round,
+            pending.attempt,
+            pending.deadline,
+        )
     }))
 }
 
@@ -293,8 +317,9 @@ async fn model(
     client: AuthenticatedClient,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<axum::response::Response, ApiError> {
-    let (_, round, bytes) = super::admin::current_model(&state, &id).await?;
+    let (exp, round, bytes) = super::admin::current_model(&state, &id).await?;
     client.seen(&state).await?;
+    super::fedbuff::note_download(&state, &exp, client.0.id, round).await;
     super::admin::octets(bytes, round, None)
 }
 
@@ -356,7 +381,7 @@ async fn upload(
     }
     let id = super::admin::parse_id(&id, "experiment")?;
     let exp = state.store.experiment(id).await?;
-    let (_, model) = super::driver::experiment_model(&exp).map_err(ApiError::internal)?;
+    let (spec, model) = super::driver::experiment_model(&exp).map_err(ApiError::internal)?;
     // A secure round takes only masked words; a plain round takes floats and a weight.
     let secure = match state.store.round(id, round, attempt).await {
         Ok(r) => super::secure_rounds::round_config(&r)
@@ -392,24 +417,35 @@ async fn upload(
     );
     let info = receive_update(&state, &headers, body, expected, &path).await?;
     let path = info.path.clone();
-    let recorded = state
-        .store
-        .record_upload(
-            id,
-            round,
-            attempt,
-            &crate::store::NewUpload {
-                client_id: client.id,
-                blob_path: &info.path,
-                bytes: info.bytes as i64,
-                sha256: &info.sha256,
-                // A secure upload's weight is masked; the row records none.
-                num_samples: query.num_samples.unwrap_or(0),
-                train_loss: query.train_loss,
-            },
-            now_millis(),
-        )
-        .await;
+    let new_upload = crate::store::NewUpload {
+        client_id: client.id,
+        blob_path: &info.path,
+        bytes: info.bytes as i64,
+        sha256: &info.sha256,
+        // A secure upload's weight is masked; the row records none.
+        num_samples: query.num_samples.unwrap_or(0),
+        train_loss: query.train_loss,
+    };
+    let recorded = match spec.fedbuff() {
+        // FedBuff takes the upload into the buffer open now, whichever round its task
+        // was handed out in.
+        Some(settings) => {
+            super::fedbuff::record_upload(
+                &state,
+                &spec,
+                &settings,
+                id,
+                (round, attempt),
+                &new_upload,
+            )
+            .await
+        }
+        None => state
+            .store
+            .record_upload(id, round, attempt, &new_upload, now_millis())
+            .await
+            .map_err(ApiError::from),
+    };
     match recorded {
         Ok(upload) => {
             // Best effort: the upload is committed, and a failed touch must not turn
@@ -425,7 +461,7 @@ async fn upload(
         Err(e) => {
             let blobs = state.blobs.clone();
             let _ = tokio::task::spawn_blocking(move || blobs.remove(&path)).await;
-            Err(e.into())
+            Err(e)
         }
     }
 }

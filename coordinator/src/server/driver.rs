@@ -6,6 +6,9 @@
 //! committed. So a coordinator killed at any point resumes where it stopped, and several
 //! coordinators on one PostgreSQL can run drivers side by side: their conditional updates
 //! and the job claim let exactly one of them make each change.
+//!
+//! An experiment in mode `fedbuff` has no rounds in this sense: [`super::fedbuff`] takes
+//! its steps and its aggregation jobs.
 
 use std::time::Duration;
 
@@ -60,7 +63,7 @@ pub fn experiment_model(exp: &Experiment) -> Result<(ExperimentSpec, ModelSpec),
     Ok((spec, model))
 }
 
-fn model_blob(experiment: Uuid, round: i64) -> String {
+pub(super) fn model_blob(experiment: Uuid, round: i64) -> String {
     format!("models/{experiment}/round-{round}.bin")
 }
 
@@ -126,6 +129,9 @@ async fn step_experiment(state: &AppState, exp: &Experiment) -> Result<(), Drive
             .publish_model(exp.id, 0, 0, &published, RoundMetrics::default(), now)
             .await?;
     }
+    if let Some(settings) = spec.fedbuff() {
+        return super::fedbuff::step(state, exp, &spec, &settings, now).await;
+    }
     let Some(round) = store.latest_round(exp.id).await? else {
         return open(state, exp, &spec, 1, 1, now).await;
     };
@@ -170,7 +176,11 @@ async fn secure_step(
     super::secure_rounds::step(state, spec, round, spec.min_participants, JOB_ATTEMPTS, now).await
 }
 
-async fn set_state(state: &AppState, id: Uuid, to: ExperimentState) -> Result<(), DriverError> {
+pub(super) async fn set_state(
+    state: &AppState,
+    id: Uuid,
+    to: ExperimentState,
+) -> Result<(), DriverError> {
     match state
         .store
         .set_experiment_state(id, to, "coordinator")
@@ -481,7 +491,7 @@ async fn aggregate_secure(
 /// when it has one that fits the experiment (same features and classes). Runs where the
 /// model is still in memory. Evaluation is a report, not a step of the round: when it
 /// cannot run, the round publishes without it.
-fn evaluate(
+pub(super) fn evaluate(
     eval: Option<&cohort_edge::data::Dataset>,
     model: &ModelSpec,
     params: &[f32],
@@ -507,7 +517,7 @@ fn evaluate(
 }
 
 /// Publishes a round's model; a conflict means an earlier run of the job already did.
-async fn publish(
+pub(super) async fn publish(
     state: &AppState,
     experiment: Uuid,
     round: &Round,
@@ -536,6 +546,9 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
     let store = &state.store;
     let exp = store.experiment(job.experiment_id).await?;
     let (spec, model) = experiment_model(&exp)?;
+    if let Some(settings) = spec.fedbuff() {
+        return super::fedbuff::aggregate(state, &exp, &spec, &settings, &model, job.round).await;
+    }
     let round = store
         .rounds(exp.id)
         .await?

@@ -16,6 +16,7 @@ pub mod auth;
 pub mod client_api;
 pub mod driver;
 pub mod error;
+pub mod fedbuff;
 pub mod privacy;
 pub mod secagg_api;
 pub mod secure_rounds;

@@ -43,7 +43,7 @@ use crate::engine::{ClientId, EngineError, RoundStatus};
 use crate::seeds::{Stream, derive_seed};
 
 /// The weight of an update `tau` server steps stale: `1 / (1 + tau)^exponent`.
-pub(super) fn staleness_weight(tau: u32, exponent: f64) -> f64 {
+pub fn staleness_weight(tau: u32, exponent: f64) -> f64 {
     (1.0 + f64::from(tau)).powf(-exponent)
 }
 

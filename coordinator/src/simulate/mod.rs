@@ -28,6 +28,7 @@ pub use config::{
     Attack, ConfigError, DEFAULT_BUFFER_SIZE, DEFAULT_STALENESS_EXPONENT, DatasetSpec, Mode,
     SimulationConfig,
 };
+pub use fedbuff::staleness_weight;
 pub use output::{MetricsWriter, StagedDir};
 pub use plot::{Series, write_plots};
 pub use run::{DataFacts, Prepared, RoundRecord, SimulationResult, prepare, run_rounds};

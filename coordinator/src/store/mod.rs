@@ -12,6 +12,7 @@
 //! and changes nothing.
 
 mod dashboard;
+mod fedbuff;
 mod jobs;
 mod rounds;
 mod secagg;
@@ -28,6 +29,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePo
 use uuid::Uuid;
 
 pub use dashboard::{ClientPage, JobSummary, LatestAccuracy, SESSION_IDLE_MS};
+pub use fedbuff::{BufferRules, Buffered, BufferedUpload, FedBuffDrops, FedBuffTask, StepStats};
 use jobs::JobRow;
 pub use jobs::{Job, JobKind, JobState};
 pub use rounds::{

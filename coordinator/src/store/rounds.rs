@@ -939,14 +939,15 @@ type PendingRow = (String, i64, i64, Option<i64>, Option<String>, Option<i64>);
 impl Store {
     /// The oldest round attempt that `client` is selected for and should start now: a
     /// plain round collecting uploads it has not uploaded to, or a secure round
-    /// collecting public keys it has not advertised.
+    /// collecting public keys it has not advertised. (FedBuff tasks are not rounds a client
+    /// is selected for; [`fedbuff_task`](Self::fedbuff_task) hands them out.)
     pub async fn pending_task(&self, client: Uuid) -> Result<Option<PendingTask>, StoreError> {
         with_pool!(self, p => {
             let row: Option<PendingRow> = sqlx::query_as(
                 "SELECT p.experiment_id, p.round, p.attempt, r.stage_deadline, r.secagg, p.secagg_index \
                  FROM participations p JOIN rounds r ON r.experiment_id = p.experiment_id \
                    AND r.round = p.round AND r.attempt = p.attempt \
-                 WHERE p.client_id = $1 AND p.state = 'selected' \
+                 WHERE p.client_id = $1 AND p.state = 'selected' AND p.base_version IS NULL \
                    AND ((r.stage = 'collecting' AND r.secagg IS NULL) \
                      OR (r.stage = 'advertising' AND p.secagg_stage IS NULL)) \
                  ORDER BY r.started_at LIMIT 1",
