@@ -34,6 +34,7 @@ struct Federation {
     server: Child,
     edges: Vec<Child>,
     http: reqwest::Client,
+    state: PathBuf,
     base: String,
     data_dir: PathBuf,
     csvs: Vec<PathBuf>,
@@ -42,6 +43,11 @@ struct Federation {
 
 impl Federation {
     async fn start(n: usize) -> Self {
+        Self::start_with(n, &[]).await
+    }
+
+    /// `n` edge clients with `edge_args` added to their command lines.
+    async fn start_with(n: usize, edge_args: &[&str]) -> Self {
         cohort_coordinator::server::install_crypto_provider();
         let dir = tempfile::tempdir().unwrap();
         let data_dir = dir.path().join("coordinator");
@@ -69,6 +75,7 @@ impl Federation {
             .await;
             let token = issued["token"].as_str().unwrap();
             let child = common::edge_command(site, &base, &ca, csv, dir.path(), token, 60)
+                .args(edge_args)
                 .stderr(Stdio::null())
                 .spawn()
                 .expect("cohort edge starts");
@@ -98,6 +105,7 @@ impl Federation {
             server,
             edges,
             http,
+            state: dir.path().to_path_buf(),
             base,
             data_dir,
             csvs,
@@ -470,5 +478,99 @@ async fn adaptive_clipping_moves_the_bound_round_by_round_at_the_same_cost() {
     .await;
     assert_eq!(report["clip"].as_f64().unwrap(), bound, "{report}");
     assert_eq!(report["budget_exhausted"], false, "{report}");
+    f.stop();
+}
+
+/// Local DP on the edge: each client clips and noises its own update before it leaves,
+/// sends it at weight 1, records the spend in its ledger before uploading, and stops
+/// checking in once another update would pass its own budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn local_dp_noises_each_update_at_the_edge_and_keeps_the_clients_budget() {
+    const CLIENTS: usize = 5;
+    const LOCAL_Z: f64 = 0.2;
+    let eps = |t: u64| rdp::epsilon(1.0, LOCAL_Z, t, 1e-5).unwrap();
+    // One update fits the budget, a second would not.
+    let budget = format!("{}", (eps(1) + eps(2)) / 2.0);
+    let z = LOCAL_Z.to_string();
+    let clip = CLIP.to_string();
+    let mut f = Federation::start_with(
+        CLIENTS,
+        &[
+            "--local-dp-noise-multiplier",
+            &z,
+            "--local-dp-clip",
+            &clip,
+            "--local-dp-epsilon",
+            &budget,
+        ],
+    )
+    .await;
+    let id = f
+        .run(serde_json::json!({
+            "name": "local dp", "features": 64, "classes": 10, "model": "mlp:32",
+            "rounds": 2, "clients_per_round": CLIENTS, "min_participants": CLIENTS,
+            "collect_deadline_seconds": 60
+        }))
+        .await;
+    // Round 1 publishes; for round 2 every client's budget is spent, so each one exits
+    // (successfully) instead of training.
+    let start = Instant::now();
+    for child in &mut f.edges {
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                assert!(status.success(), "an edge client failed: {status}");
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(120),
+                "an edge client kept going past its budget"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let rounds = common::rounds(&f.http, &f.base, &id).await;
+    let first = rounds.iter().find(|r| r["round"] == 1).unwrap();
+    assert_eq!(first["stage"], "published", "{rounds:#?}");
+    assert!(
+        first["train_loss"].is_null(),
+        "a client sent its loss: {first}"
+    );
+    assert!(
+        rounds.iter().all(|r| r["round"] != 2 || r["reported"] == 0),
+        "{rounds:#?}"
+    );
+    for site in 0..CLIENTS {
+        let ledger: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(f.state.join(format!("edge-state-{site}/local_dp.json"))).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(ledger["noise_multipliers"], serde_json::json!([LOCAL_Z]));
+    }
+    // Weight 1 each: the published model is the initial one plus the mean of the clipped
+    // updates plus the mean of five independent noises of standard deviation z C.
+    let (initial, updates) = f.first_updates(&mlp(), &TrainConfig::default());
+    let noise = noise_on_sum(
+        &f.round_model(&id, 1),
+        &initial,
+        &clipped(&updates, CLIP as f32),
+        CLIENTS as f64,
+    );
+    let (mean, std) = mean_and_std(&noise);
+    let configured = (CLIENTS as f64).sqrt() * LOCAL_Z * CLIP;
+    let d = noise.len() as f64;
+    eprintln!("local noise on the sum: mean {mean:.4}, std {std:.4} (configured {configured:.4})");
+    assert!(mean.abs() < 5.0 * configured / d.sqrt(), "mean {mean}");
+    assert!(
+        (std / configured - 1.0).abs() < 5.0 / (2.0 * d).sqrt(),
+        "std {std}, configured {configured}"
+    );
+    admin(
+        &f.http,
+        &f.base,
+        Method::POST,
+        &format!("/experiments/{id}/stop"),
+        None,
+    )
+    .await;
     f.stop();
 }

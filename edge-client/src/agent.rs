@@ -28,6 +28,9 @@ pub struct AgentConfig {
     pub idle_exit: Option<Duration>,
     /// Seed of local shuffling.
     pub seed: u64,
+    /// Local differential privacy: clip and noise every update before it leaves, within
+    /// the client's own budget.
+    pub local_dp: Option<crate::local_dp::LocalDp>,
     /// Extra time spent on every task after training and before the upload: emulates a
     /// slow device (a straggler) in tests and demonstrations. Zero for real use.
     pub slowdown: Duration,
@@ -57,6 +60,9 @@ pub enum AgentError {
     /// or too few of its neighbours remained. The round goes on without it.
     #[error("secure aggregation: {0}")]
     SecureAggregation(#[from] cohort_aggregation::secagg::SecAggError),
+    /// Local differential privacy settings or ledger.
+    #[error(transparent)]
+    LocalDp(#[from] crate::local_dp::LocalDpError),
 }
 
 /// What the agent did before it stopped.
@@ -167,6 +173,13 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
         client_id: Some(cred.client_id),
         ..AgentReport::default()
     };
+    let mut ledger = match &config.local_dp {
+        Some(dp) => {
+            dp.validate()?;
+            Some(crate::local_dp::Ledger::load(&config.state_dir)?)
+        }
+        None => None,
+    };
     let mut idle_since = Instant::now();
     let mut round_seed = config.seed;
     loop {
@@ -182,6 +195,26 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
         });
         let task = with_retries(|| client.checkin(&cred, wait)).await?;
         let Some(task) = task else { continue };
+        if let (Some(dp), Some(ledger)) = (&config.local_dp, &mut ledger) {
+            // Charged, and the ledger on disk, before the update can leave: a crash after
+            // the upload cannot forget what it spent.
+            match ledger.charge(dp) {
+                Ok(epsilon) => {
+                    ledger.store(&config.state_dir)?;
+                    note(&format!(
+                        "local dp: epsilon {epsilon:.4} (delta {}) with this update",
+                        dp.delta
+                    ));
+                }
+                Err(e @ crate::local_dp::LocalDpError::BudgetSpent { .. }) => {
+                    // A client that can no longer contribute stops checking in, rather
+                    // than be selected and drop out of every round.
+                    note(&e.to_string());
+                    return Ok(report);
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
         round_seed = round_seed.wrapping_add(1);
         match serve_task(
             &client,
@@ -190,6 +223,7 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
             &task,
             round_seed,
             config.slowdown,
+            config.local_dp.as_ref(),
         )
         .await
         {
@@ -252,13 +286,15 @@ async fn serve_task(
     task: &Task,
     seed: u64,
     slowdown: Duration,
+    local_dp: Option<&crate::local_dp::LocalDp>,
 ) -> Result<(), AgentError> {
     if let Some(secure) = &task.secure_aggregation {
-        return serve_secure_task(client, cred, data, task, secure, seed).await;
+        return serve_secure_task(client, cred, data, task, secure, seed, local_dp).await;
     }
     let (spec, local) = local_model(data, task)?;
     let global = with_retries(|| client.model(cred, task.experiment_id, spec.layout())).await?;
     let train = task.train.clone();
+    let base = global.clone();
     let update = tokio::task::spawn_blocking(move || local.train(&global, &train, seed))
         .await
         .map_err(|e| AgentError::Task(e.to_string()))?
@@ -266,16 +302,32 @@ async fn serve_task(
     if !slowdown.is_zero() {
         tokio::time::sleep(slowdown).await;
     }
-    with_retries(|| {
-        client.upload(
-            cred,
-            task,
-            &update.params,
-            update.num_samples,
-            update.train_loss,
-        )
-    })
-    .await?;
+    let (params, samples, loss) = match local_dp {
+        // The clipped, noised update, at weight 1 and with no loss: a sample count would
+        // raise this client's influence past the clip (and tell its data's size), and the
+        // loss is not noised.
+        Some(dp) => {
+            let mut delta: Vec<f32> = update
+                .params
+                .values()
+                .iter()
+                .zip(base.values())
+                .map(|(p, g)| p - g)
+                .collect();
+            dp.privatize(&mut delta, &mut rand::rng());
+            let noised: Vec<f32> = base
+                .values()
+                .iter()
+                .zip(&delta)
+                .map(|(g, d)| g + d)
+                .collect();
+            let params = cohort_aggregation::ModelVector::new(base.layout().clone(), noised)
+                .map_err(|e| AgentError::Task(e.to_string()))?;
+            (params, 1, f64::NAN)
+        }
+        None => (update.params, update.num_samples, update.train_loss),
+    };
+    with_retries(|| client.upload(cred, task, &params, samples, loss)).await?;
     Ok(())
 }
 
@@ -303,6 +355,7 @@ async fn serve_secure_task(
     task: &Task,
     secure: &crate::protocol::SecureTask,
     seed: u64,
+    local_dp: Option<&crate::local_dp::LocalDp>,
 ) -> Result<(), AgentError> {
     use cohort_aggregation::secagg::ClientSession;
 
@@ -343,12 +396,22 @@ async fn serve_secure_task(
         .zip(base.values())
         .map(|(p, g)| p - g)
         .collect();
-    let loss = if update.train_loss.is_finite() {
-        update.train_loss
-    } else {
-        0.0
+    let mut delta = delta;
+    let (loss, samples) = match local_dp {
+        // Noised before masking; weight 1 and no loss, as on plain rounds.
+        Some(dp) => {
+            dp.privatize(&mut delta, &mut rand::rng());
+            (0.0, 1)
+        }
+        None => (
+            if update.train_loss.is_finite() {
+                update.train_loss
+            } else {
+                0.0
+            },
+            update.num_samples as u64,
+        ),
     };
-    let samples = update.num_samples as u64;
     // Masking is a few passes over the model: off the async threads.
     let (mut session, masked) = tokio::task::spawn_blocking(move || {
         let masked = session.mask(&forwarded, &delta, samples, loss, &mut rand::rng());

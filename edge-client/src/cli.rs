@@ -42,6 +42,20 @@ pub struct EdgeArgs {
         env = "COHORT_EDGE_SLOWDOWN_MS"
     )]
     pub slowdown_ms: u64,
+    /// Local differential privacy: clip every update to --local-dp-clip and add Gaussian
+    /// noise of this multiple of the clip before it leaves (default: off)
+    #[arg(long, value_name = "Z", requires = "local_dp_clip")]
+    pub local_dp_noise_multiplier: Option<f64>,
+    /// Local differential privacy: L2 bound on each update
+    #[arg(long, value_name = "C", requires = "local_dp_noise_multiplier")]
+    pub local_dp_clip: Option<f32>,
+    /// Local differential privacy: the delta epsilon is stated at
+    #[arg(long, value_name = "D", default_value_t = 1e-5)]
+    pub local_dp_delta: f64,
+    /// Local differential privacy: send no update that would take this client's epsilon
+    /// past this (default: no limit; the ledger is kept either way)
+    #[arg(long, value_name = "E", requires = "local_dp_noise_multiplier")]
+    pub local_dp_epsilon: Option<f64>,
 }
 
 /// Runs the client to the end: exit status 2 for bad input, 1 for a failure, 0 when it
@@ -64,6 +78,22 @@ pub fn run(args: EdgeArgs) -> ExitCode {
         },
         None => None,
     };
+    let local_dp = match (args.local_dp_noise_multiplier, args.local_dp_clip) {
+        (Some(noise_multiplier), Some(clip)) => {
+            let dp = crate::local_dp::LocalDp {
+                noise_multiplier,
+                clip,
+                delta: args.local_dp_delta,
+                epsilon_budget: args.local_dp_epsilon,
+            };
+            if let Err(e) = dp.validate() {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
+            Some(dp)
+        }
+        _ => None,
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -83,6 +113,7 @@ pub fn run(args: EdgeArgs) -> ExitCode {
         idle_exit: args.idle_exit.map(Duration::from_secs),
         seed: args.seed,
         slowdown: Duration::from_millis(args.slowdown_ms),
+        local_dp,
     };
     match runtime.block_on(run_agent(config)) {
         Ok(report) => {
