@@ -12,7 +12,7 @@
 
 use std::time::Duration;
 
-use cohort_aggregation::{WeightedMean, wire};
+use cohort_aggregation::{ModelVector, WeightedMean, wire};
 use cohort_edge::model::ModelSpec;
 use rand::seq::index;
 use uuid::Uuid;
@@ -65,6 +65,77 @@ pub fn experiment_model(exp: &Experiment) -> Result<(ExperimentSpec, ModelSpec),
 
 pub(super) fn model_blob(experiment: Uuid, round: i64) -> String {
     format!("models/{experiment}/round-{round}.bin")
+}
+
+/// The last step of every aggregation job, off the async threads: the experiment's
+/// server optimizer moves the global model towards the round's target, the result is
+/// stored as the round's model and evaluated on the held-out set.
+#[derive(Clone)]
+pub(super) struct ModelStep {
+    blobs: crate::blobs::BlobStore,
+    strategy: cohort_aggregation::Strategy,
+    eval: Option<std::sync::Arc<cohort_edge::data::Dataset>>,
+    model: ModelSpec,
+    experiment: Uuid,
+    round: i64,
+}
+
+impl ModelStep {
+    pub(super) fn new(
+        state: &AppState,
+        experiment: Uuid,
+        spec: &ExperimentSpec,
+        model: &ModelSpec,
+        round: i64,
+    ) -> Self {
+        Self {
+            blobs: state.blobs.clone(),
+            strategy: spec.strategy,
+            eval: state.eval.clone(),
+            model: model.clone(),
+            experiment,
+            round,
+        }
+    }
+
+    /// A stored model (the current one, or the one an update started from).
+    pub(super) fn load(&self, path: &str) -> Result<ModelVector, DriverError> {
+        wire::decode(self.model.layout(), &self.blobs.get(path)?)
+            .map_err(|e| DriverError::Aggregation(e.to_string()))
+    }
+
+    /// A model vector of the experiment's layout from raw values.
+    pub(super) fn vector(&self, values: Vec<f32>) -> Result<ModelVector, DriverError> {
+        ModelVector::new(self.model.layout().clone(), values)
+            .map_err(|e| DriverError::Aggregation(e.to_string()))
+    }
+
+    /// Steps `global` towards `target`, stores it as the round's model and evaluates it.
+    pub(super) fn finish(
+        &self,
+        mut global: ModelVector,
+        target: &ModelVector,
+    ) -> Result<(PublishedModel, RoundMetrics), DriverError> {
+        let bad = |e: &dyn std::fmt::Display| DriverError::Aggregation(e.to_string());
+        let mut optimizer = self.strategy.server_optimizer(None).map_err(|e| bad(&e))?;
+        optimizer.step(&mut global, target).map_err(|e| bad(&e))?;
+        let path = model_blob(self.experiment, self.round);
+        self.blobs.put(&path, &wire::encode(&global))?;
+        let tested = evaluate(
+            self.eval.as_deref(),
+            &self.model,
+            global.values(),
+            self.experiment,
+        );
+        Ok((
+            PublishedModel {
+                round: self.round,
+                blob_path: path,
+                parameters: global.len() as i64,
+            },
+            tested,
+        ))
+    }
 }
 
 /// One pass: every running experiment takes its next step, then queued jobs run until
@@ -421,23 +492,14 @@ async fn aggregate_secure(
         error_bound = unmasked.decoded.error_bound,
         "secure sum unmasked"
     );
-    let blobs = state.blobs.clone();
-    let layout = model.layout().clone();
-    let strategy = spec.strategy;
-    let path = model_blob(exp.id, round.round);
+    let step = ModelStep::new(state, exp.id, spec, model, round.round);
     let current_path = current.blob_path.clone();
     let mean_loss = unmasked.decoded.mean_loss;
     let survivors = unmasked.survivors.len();
     let denominator = round.privacy.as_ref().map(|p| p.denominator);
-    let round_no = round.round;
-    let eval = state.eval.clone();
-    let model = model.clone();
-    let exp_id = exp.id;
     let (published, tested) = tokio::task::spawn_blocking(
         move || -> Result<(PublishedModel, RoundMetrics), DriverError> {
-            let bad = |e: &dyn std::fmt::Display| DriverError::Aggregation(e.to_string());
-            let mut global =
-                wire::decode(&layout, &blobs.get(&current_path)?).map_err(|e| bad(&e))?;
+            let global = step.load(&current_path)?;
             // The clients masked their updates' differences from this model. Under
             // distributed noise the noisy sum is divided by the expected count, not the
             // survivors', so that the scale reveals nothing either.
@@ -448,20 +510,8 @@ async fn aggregate_secure(
                 .zip(&unmasked.decoded.mean)
                 .map(|(g, d)| g + (f64::from(*d) * rescale) as f32)
                 .collect();
-            let mean =
-                cohort_aggregation::ModelVector::new(layout.clone(), mean).map_err(|e| bad(&e))?;
-            let mut optimizer = strategy.server_optimizer(None).map_err(|e| bad(&e))?;
-            optimizer.step(&mut global, &mean).map_err(|e| bad(&e))?;
-            blobs.put(&path, &wire::encode(&global))?;
-            let tested = evaluate(eval.as_deref(), &model, global.values(), exp_id);
-            Ok((
-                PublishedModel {
-                    round: round_no,
-                    blob_path: path,
-                    parameters: global.len() as i64,
-                },
-                tested,
-            ))
+            let mean = step.vector(mean)?;
+            step.finish(global, &mean)
         },
     )
     .await
@@ -576,20 +626,15 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
     let participations = store
         .participations(exp.id, round.round, round.attempt)
         .await?;
+    let step = ModelStep::new(state, exp.id, &spec, &model, round.round);
     let blobs = state.blobs.clone();
     let layout = model.layout().clone();
-    let strategy = spec.strategy;
-    let exp_id = exp.id;
-    let round_no = round.round;
     let reducer = state.reducer.clone();
     let aggregator = spec.aggregator;
-    let eval = state.eval.clone();
-    let eval_model = model.clone();
     let (published, tested) = tokio::task::spawn_blocking(
         move || -> Result<(PublishedModel, RoundMetrics), DriverError> {
             let bad = |e: &dyn std::fmt::Display| DriverError::Aggregation(e.to_string());
-            let mut global =
-                wire::decode(&layout, &blobs.get(&current.blob_path)?).map_err(|e| bad(&e))?;
+            let global = step.load(&current.blob_path)?;
             let read = |upload: &crate::store::Upload| -> Result<_, DriverError> {
                 let bytes = blobs.get_verified(&upload.blob_path, &upload.sha256)?;
                 wire::decode(&layout, &bytes).map_err(|e| bad(&e))
@@ -613,14 +658,14 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
                     let views: Vec<&[f32]> = deltas.iter().map(Vec::as_slice).collect();
                     let delta = cohort_aggregation::robust::aggregate(rule, &views)
                         .map_err(|e| bad(&format!("aggregator {rule}: {e}")))?;
-                    let mean = global
-                        .values()
-                        .iter()
-                        .zip(&delta)
-                        .map(|(g, d)| g + d)
-                        .collect();
-                    cohort_aggregation::ModelVector::new(layout.clone(), mean)
-                        .map_err(|e| bad(&e))?
+                    step.vector(
+                        global
+                            .values()
+                            .iter()
+                            .zip(&delta)
+                            .map(|(g, d)| g + d)
+                            .collect(),
+                    )?
                 }
                 None => {
                     let mut mean = WeightedMean::with_reducer(layout.clone(), reducer.as_ref())
@@ -640,19 +685,7 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
                     mean.finish().map_err(|e| bad(&e))?
                 }
             };
-            let mut optimizer = strategy.server_optimizer(None).map_err(|e| bad(&e))?;
-            optimizer.step(&mut global, &mean).map_err(|e| bad(&e))?;
-            let path = model_blob(exp_id, round_no);
-            blobs.put(&path, &wire::encode(&global))?;
-            let tested = evaluate(eval.as_deref(), &eval_model, global.values(), exp_id);
-            Ok((
-                PublishedModel {
-                    round: round_no,
-                    blob_path: path,
-                    parameters: global.len() as i64,
-                },
-                tested,
-            ))
+            step.finish(global, &mean)
         },
     )
     .await
@@ -687,15 +720,10 @@ async fn aggregate_central(
     current: &PublishedModel,
     uploads: Vec<crate::store::Upload>,
 ) -> Result<(), DriverError> {
+    let step = ModelStep::new(state, exp.id, spec, model, round.round);
     let blobs = state.blobs.clone();
     let layout = model.layout().clone();
-    let strategy = spec.strategy;
-    let path = model_blob(exp.id, round.round);
     let current_path = current.blob_path.clone();
-    let round_no = round.round;
-    let eval = state.eval.clone();
-    let eval_model = model.clone();
-    let exp_id = exp.id;
     let clip = record.clip as f32;
     let denominator = record.denominator.max(1.0);
     let update_sigma = privacy
@@ -706,8 +734,7 @@ async fn aggregate_central(
         move || -> Result<(PublishedModel, RoundMetrics, Option<f64>), DriverError> {
             use rand::SeedableRng;
             let bad = |e: &dyn std::fmt::Display| DriverError::Aggregation(e.to_string());
-            let mut global =
-                wire::decode(&layout, &blobs.get(&current_path)?).map_err(|e| bad(&e))?;
+            let global = step.load(&current_path)?;
             let mut sum = vec![0.0f32; global.len()];
             let mut within = 0;
             for upload in &uploads {
@@ -743,21 +770,8 @@ async fn aggregate_central(
                 .zip(&sum)
                 .map(|(g, s)| g + (f64::from(*s) / denominator) as f32)
                 .collect();
-            let mean =
-                cohort_aggregation::ModelVector::new(layout.clone(), mean).map_err(|e| bad(&e))?;
-            let mut optimizer = strategy.server_optimizer(None).map_err(|e| bad(&e))?;
-            optimizer.step(&mut global, &mean).map_err(|e| bad(&e))?;
-            blobs.put(&path, &wire::encode(&global))?;
-            let tested = evaluate(eval.as_deref(), &eval_model, global.values(), exp_id);
-            Ok((
-                PublishedModel {
-                    round: round_no,
-                    blob_path: path,
-                    parameters: global.len() as i64,
-                },
-                tested,
-                next_clip,
-            ))
+            let (published, tested) = step.finish(global, &step.vector(mean)?)?;
+            Ok((published, tested, next_clip))
         },
     )
     .await

@@ -396,20 +396,17 @@ async fn aggregate_buffer(
         .iter()
         .filter_map(|u| Some((u.train_loss?, u.upload.num_samples as f64)))
         .fold((0.0, 0.0), |(l, n), (loss, s)| (l + loss * s, n + s));
+    let step = driver::ModelStep::new(state, exp.id, spec, model, round.round);
     let blobs = state.blobs.clone();
     let reducer = state.reducer.clone();
-    let eval = state.eval.clone();
-    let strategy = spec.strategy;
     let model = model.clone();
     let exp_id = exp.id;
-    let round_no = round.round;
     let exponent = settings.staleness_exponent;
     let (published, tested) = tokio::task::spawn_blocking(
         move || -> Result<(PublishedModel, RoundMetrics), DriverError> {
             let bad = |e: &dyn std::fmt::Display| DriverError::Aggregation(e.to_string());
             let layout = model.layout().clone();
-            let mut global =
-                wire::decode(&layout, &blobs.get(&current.blob_path)?).map_err(|e| bad(&e))?;
+            let global = step.load(&current.blob_path)?;
             let mut bases: HashMap<i64, ModelVector> = HashMap::new();
             let mut fold =
                 BufferFold::new(layout.clone(), reducer.as_ref(), exponent).map_err(|e| bad(&e))?;
@@ -421,10 +418,7 @@ async fn aggregate_buffer(
                     if let std::collections::hash_map::Entry::Vacant(slot) =
                         bases.entry(u.base_version)
                     {
-                        let path = driver::model_blob(exp_id, u.base_version);
-                        slot.insert(
-                            wire::decode(&layout, &blobs.get(&path)?).map_err(|e| bad(&e))?,
-                        );
+                        slot.insert(step.load(&driver::model_blob(exp_id, u.base_version))?);
                     }
                     let bytes = blobs.get_verified(&u.upload.blob_path, &u.upload.sha256)?;
                     trained.push(wire::decode(&layout, &bytes).map_err(|e| bad(&e))?);
@@ -444,19 +438,7 @@ async fn aggregate_buffer(
                 fold.fold_batch(&items).map_err(|e| bad(&e))?;
             }
             let target = fold.target(&global).map_err(|e| bad(&e))?;
-            let mut optimizer = strategy.server_optimizer(None).map_err(|e| bad(&e))?;
-            optimizer.step(&mut global, &target).map_err(|e| bad(&e))?;
-            let path = driver::model_blob(exp_id, round_no);
-            blobs.put(&path, &wire::encode(&global))?;
-            let tested = driver::evaluate(eval.as_deref(), &model, global.values(), exp_id);
-            Ok((
-                PublishedModel {
-                    round: round_no,
-                    blob_path: path,
-                    parameters: global.len() as i64,
-                },
-                tested,
-            ))
+            step.finish(global, &target)
         },
     )
     .await
