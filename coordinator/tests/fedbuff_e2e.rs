@@ -184,12 +184,15 @@ async fn fedbuff_steps_advance_while_slow_clients_train_and_their_stale_updates_
         "refused specs create nothing"
     );
 
-    const STEPS: u32 = 18;
+    // The slow clients wait 6 s per task, far past what three steps of the fast ones
+    // take even on a loaded 2-core machine, and 30 steps outlast their first upload even
+    // on a fast one.
+    const STEPS: u32 = 30;
     let (csvs, _test) =
         write_digits_partitions(&dir.path().join("sites"), 6, &PartitionScheme::Iid, 0).unwrap();
     let id = start_fedbuff(&http, &base, STEPS, 6).await;
     let slow = [4usize, 5];
-    let edges = spawn_edges(&http, &base, &ca, dir.path(), &csvs, &slow, (300, 3_500)).await;
+    let edges = spawn_edges(&http, &base, &ca, dir.path(), &csvs, &slow, (300, 6_000)).await;
 
     // The published versions advance while the slow clients have not uploaded at all.
     let start = Instant::now();

@@ -19,7 +19,10 @@
 use serde::Serialize;
 use uuid::Uuid;
 
-use super::{BeginWrite, NewUpload, Pool, Store, StoreError, Upload, audit, parse_uuid, with_pool};
+use super::{
+    BeginWrite, NewUpload, Pool, Store, StoreError, Upload, audit, experiment_state_for_update,
+    parse_uuid, with_pool,
+};
 
 /// A task handed to a client in a FedBuff experiment.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -184,20 +187,14 @@ impl Store {
         let lock = self.for_update();
         with_pool!(self, p => {
             let mut tx = p.begin_write().await?;
-            let state: Option<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-                "SELECT state FROM experiments WHERE id = $1{lock}"
-            )))
-            .bind(&exp)
-            .fetch_optional(&mut *tx)
-            .await?;
-            match state {
-                None => return Err(StoreError::NotFound(format!("experiment {experiment_id}"))),
-                Some((s,)) if s != "running" => {
+            let state = experiment_state_for_update!(tx, lock, &exp, experiment_id);
+            match state.as_str() {
+                s if s != "running" => {
                     return Err(StoreError::Conflict(format!(
                         "experiment {experiment_id} is {s}, not running"
                     )));
                 }
-                Some(_) => {}
+                _ => {}
             }
             let (open,): (i64,) = sqlx::query_as(
                 "SELECT COUNT(*) FROM rounds WHERE experiment_id = $1 AND stage = 'collecting'",
@@ -258,15 +255,7 @@ impl Store {
                 return Ok(None);
             }
             let mut tx = p.begin_write().await?;
-            let state: Option<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-                "SELECT state FROM experiments WHERE id = $1{lock}"
-            )))
-            .bind(&exp)
-            .fetch_optional(&mut *tx)
-            .await?;
-            let Some((state,)) = state else {
-                return Err(StoreError::NotFound(format!("experiment {experiment_id}")));
-            };
+            let state = experiment_state_for_update!(tx, lock, &exp, experiment_id);
             expire_tasks!(tx, &exp, before);
             let held: Option<TaskRow> = sqlx::query_as(
                 "SELECT round, attempt, base_version, selected_at FROM participations \
@@ -415,22 +404,16 @@ impl Store {
         let id = Uuid::new_v4();
         with_pool!(self, p => {
             let mut tx = p.begin_write().await?;
-            let state: Option<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-                "SELECT state FROM experiments WHERE id = $1{lock}"
-            )))
-            .bind(&exp)
-            .fetch_optional(&mut *tx)
-            .await?;
-            match state {
-                None => return Err(StoreError::NotFound(format!("experiment {experiment_id}"))),
+            let state = experiment_state_for_update!(tx, lock, &exp, experiment_id);
+            match state.as_str() {
                 // A paused experiment still takes the updates of the tasks it handed out;
                 // a stopped or finished one takes nothing more.
-                Some((s,)) if s != "running" && s != "paused" => {
+                s if s != "running" && s != "paused" => {
                     return Err(StoreError::Conflict(format!(
                         "experiment {experiment_id} is {s}: it takes no more updates"
                     )));
                 }
-                Some(_) => {}
+                _ => {}
             }
             let part: Option<(String, Option<i64>, i64)> = sqlx::query_as(
                 "SELECT state, base_version, selected_at FROM participations \

@@ -114,6 +114,26 @@ macro_rules! audit {
 }
 pub(crate) use audit;
 
+/// Inside the write transaction `$tx`: the state of experiment `$id` (its text id
+/// `$text`), with its row locked by `$lock` ([`Store::for_update`]) so that concurrent
+/// coordinators serialise on it. An unknown experiment returns `NotFound` from the caller.
+macro_rules! experiment_state_for_update {
+    ($tx:expr, $lock:expr, $text:expr, $id:expr) => {{
+        let row: Option<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT state FROM experiments WHERE id = $1{}",
+            $lock
+        )))
+        .bind($text)
+        .fetch_optional(&mut *$tx)
+        .await?;
+        match row {
+            Some((state,)) => state,
+            None => return Err(StoreError::NotFound(format!("experiment {}", $id))),
+        }
+    }};
+}
+pub(crate) use experiment_state_for_update;
+
 /// Opens a transaction that will write. SQLite takes its write lock at once
 /// (`BEGIN IMMEDIATE`): a transaction that reads first and upgrades later fails with
 /// "database is locked", without waiting, when another writer got in between.

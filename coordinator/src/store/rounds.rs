@@ -6,7 +6,9 @@
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use super::{BeginWrite, Pool, Store, StoreError, audit, parse_uuid, with_pool};
+use super::{
+    BeginWrite, Pool, Store, StoreError, audit, experiment_state_for_update, parse_uuid, with_pool,
+};
 
 /// Where a round attempt is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -432,20 +434,14 @@ impl Store {
         let lock = self.for_update();
         with_pool!(self, p => {
             let mut tx = p.begin_write().await?;
-            let state: Option<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-                "SELECT state FROM experiments WHERE id = $1{lock}"
-            )))
-            .bind(&exp)
-            .fetch_optional(&mut *tx)
-            .await?;
-            match state {
-                None => return Err(StoreError::NotFound(format!("experiment {experiment_id}"))),
-                Some((s,)) if s != "running" => {
+            let state = experiment_state_for_update!(tx, lock, &exp, experiment_id);
+            match state.as_str() {
+                s if s != "running" => {
                     return Err(StoreError::Conflict(format!(
                         "experiment {experiment_id} is {s}, not running"
                     )));
                 }
-                Some(_) => {}
+                _ => {}
             }
             let (busy,): (i64,) = sqlx::query_as(
                 "SELECT COUNT(*) FROM rounds WHERE experiment_id = $1 \
