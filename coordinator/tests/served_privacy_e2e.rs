@@ -226,11 +226,19 @@ fn noise_on_sum(
         .collect()
 }
 
-fn mean_and_std(values: &[f64]) -> (f64, f64) {
-    let n = values.len() as f64;
-    let mean = values.iter().sum::<f64>() / n;
-    let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0);
-    (mean, var.sqrt())
+/// Asserts that `noise` (one draw per coordinate) has mean 0 and standard deviation
+/// `configured`, each within 5 standard errors: `std / sqrt(d)` for the mean, about
+/// `std / sqrt(2 d)` for the standard deviation.
+fn assert_noise_scale(what: &str, noise: &[f64], configured: f64) {
+    let d = noise.len() as f64;
+    let mean = noise.iter().sum::<f64>() / d;
+    let std = (noise.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (d - 1.0)).sqrt();
+    eprintln!("{what} noise on the sum: mean {mean:.4}, std {std:.4} (configured {configured:.4})");
+    assert!(mean.abs() < 5.0 * configured / d.sqrt(), "mean {mean}");
+    assert!(
+        (std / configured - 1.0).abs() < 5.0 / (2.0 * d).sqrt(),
+        "std {std}, configured {configured}"
+    );
 }
 
 fn clipped(updates: &[Vec<f32>], clip: f32) -> Vec<Vec<f32>> {
@@ -309,19 +317,7 @@ async fn central_noise_is_calibrated_accounted_and_stops_at_the_budget() {
         &clipped(&updates, CLIP as f32),
         CLIENTS as f64,
     );
-    let (mean, std) = mean_and_std(&noise);
-    let d = noise.len() as f64;
-    eprintln!(
-        "central noise on the sum: mean {mean:.4}, std {std:.4} (configured {})",
-        Z * CLIP
-    );
-    // Standard errors: std / sqrt(d) for the mean, about std / sqrt(2 d) for the std.
-    assert!(mean.abs() < 5.0 * Z * CLIP / d.sqrt(), "mean {mean}");
-    assert!(
-        (std / (Z * CLIP) - 1.0).abs() < 5.0 / (2.0 * d).sqrt(),
-        "std {std}, configured {}",
-        Z * CLIP
-    );
+    assert_noise_scale("central", &noise, Z * CLIP);
     f.stop();
 }
 
@@ -368,16 +364,7 @@ async fn distributed_noise_under_secure_aggregation_has_the_configured_scale() {
         &clipped(&updates, CLIP as f32),
         CLIENTS as f64,
     );
-    let (mean, std) = mean_and_std(&noise);
-    let d = noise.len() as f64;
-    eprintln!(
-        "distributed noise on the sum: mean {mean:.4}, std {std:.4} (configured {configured:.4})"
-    );
-    assert!(mean.abs() < 5.0 * configured / d.sqrt(), "mean {mean}");
-    assert!(
-        (std / configured - 1.0).abs() < 5.0 / (2.0 * d).sqrt(),
-        "std {std}, configured {configured}"
-    );
+    assert_noise_scale("distributed", &noise, configured);
     f.stop();
 }
 
@@ -556,15 +543,8 @@ async fn local_dp_noises_each_update_at_the_edge_and_keeps_the_clients_budget() 
         &clipped(&updates, CLIP as f32),
         CLIENTS as f64,
     );
-    let (mean, std) = mean_and_std(&noise);
     let configured = (CLIENTS as f64).sqrt() * LOCAL_Z * CLIP;
-    let d = noise.len() as f64;
-    eprintln!("local noise on the sum: mean {mean:.4}, std {std:.4} (configured {configured:.4})");
-    assert!(mean.abs() < 5.0 * configured / d.sqrt(), "mean {mean}");
-    assert!(
-        (std / configured - 1.0).abs() < 5.0 / (2.0 * d).sqrt(),
-        "std {std}, configured {configured}"
-    );
+    assert_noise_scale("local", &noise, configured);
     admin(
         &f.http,
         &f.base,

@@ -520,20 +520,27 @@ async fn aggregate_secure(
         train_loss: mean_loss,
         ..tested
     };
-    match &round.privacy {
+    match (&round.privacy, &spec.privacy) {
         // The survivors' shares carried `z * sqrt(m / n)` of the noise: the round is
         // charged for that, in place of the worst case it opened with.
-        Some(record) => {
+        (Some(record), Some(privacy)) => {
             let parties = round.selected.max(1) as f64;
             let record = crate::store::RoundPrivacy {
-                noise_multiplier: spec.privacy.as_ref().map_or(record.noise_multiplier, |p| {
-                    p.noise_multiplier * (survivors as f64 / parties).sqrt()
-                }),
+                noise_multiplier: privacy.noise_multiplier * (survivors as f64 / parties).sqrt(),
                 ..record.clone()
             };
-            publish_private(state, exp.id, round, &published, metrics, record).await
+            publish_private(
+                state,
+                exp.id,
+                round,
+                &published,
+                metrics,
+                record,
+                privacy.delta,
+            )
+            .await
         }
-        None => publish(state, exp.id, round, &published, metrics).await,
+        _ => publish(state, exp.id, round, &published, metrics).await,
     }
 }
 
@@ -780,7 +787,16 @@ async fn aggregate_central(
         next_clip,
         ..record.clone()
     };
-    publish_private(state, exp.id, round, &published, tested, final_record).await
+    publish_private(
+        state,
+        exp.id,
+        round,
+        &published,
+        tested,
+        final_record,
+        privacy.delta,
+    )
+    .await
 }
 
 /// Publishes a private round with its final charge, and epsilon recomputed with it.
@@ -791,10 +807,8 @@ async fn publish_private(
     model: &PublishedModel,
     metrics: RoundMetrics,
     mut record: crate::store::RoundPrivacy,
+    delta: f64,
 ) -> Result<(), DriverError> {
-    let exp = state.store.experiment(experiment).await?;
-    let (spec, _) = experiment_model(&exp)?;
-    let delta = spec.privacy.as_ref().map_or(1e-5, |p| p.delta);
     let rounds = state.store.rounds(experiment).await?;
     record.epsilon = super::privacy::epsilon_spent(
         &rounds,

@@ -188,13 +188,10 @@ impl Store {
         with_pool!(self, p => {
             let mut tx = p.begin_write().await?;
             let state = experiment_state_for_update!(tx, lock, &exp, experiment_id);
-            match state.as_str() {
-                s if s != "running" => {
-                    return Err(StoreError::Conflict(format!(
-                        "experiment {experiment_id} is {s}, not running"
-                    )));
-                }
-                _ => {}
+            if state != "running" {
+                return Err(StoreError::Conflict(format!(
+                    "experiment {experiment_id} is {state}, not running"
+                )));
             }
             let (open,): (i64,) = sqlx::query_as(
                 "SELECT COUNT(*) FROM rounds WHERE experiment_id = $1 AND stage = 'collecting'",
@@ -405,15 +402,12 @@ impl Store {
         with_pool!(self, p => {
             let mut tx = p.begin_write().await?;
             let state = experiment_state_for_update!(tx, lock, &exp, experiment_id);
-            match state.as_str() {
-                // A paused experiment still takes the updates of the tasks it handed out;
-                // a stopped or finished one takes nothing more.
-                s if s != "running" && s != "paused" => {
-                    return Err(StoreError::Conflict(format!(
-                        "experiment {experiment_id} is {s}: it takes no more updates"
-                    )));
-                }
-                _ => {}
+            // A paused experiment still takes the updates of the tasks it handed out; a
+            // stopped or finished one takes nothing more.
+            if state != "running" && state != "paused" {
+                return Err(StoreError::Conflict(format!(
+                    "experiment {experiment_id} is {state}: it takes no more updates"
+                )));
             }
             let part: Option<(String, Option<i64>, i64)> = sqlx::query_as(
                 "SELECT state, base_version, selected_at FROM participations \

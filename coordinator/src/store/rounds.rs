@@ -435,13 +435,10 @@ impl Store {
         with_pool!(self, p => {
             let mut tx = p.begin_write().await?;
             let state = experiment_state_for_update!(tx, lock, &exp, experiment_id);
-            match state.as_str() {
-                s if s != "running" => {
-                    return Err(StoreError::Conflict(format!(
-                        "experiment {experiment_id} is {s}, not running"
-                    )));
-                }
-                _ => {}
+            if state != "running" {
+                return Err(StoreError::Conflict(format!(
+                    "experiment {experiment_id} is {state}, not running"
+                )));
             }
             let (busy,): (i64,) = sqlx::query_as(
                 "SELECT COUNT(*) FROM rounds WHERE experiment_id = $1 \
