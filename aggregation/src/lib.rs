@@ -9,6 +9,7 @@
 //!   model (plain averaging, FedAdam, FedYogi, FedAdagrad).
 //! - [`Strategy`]: the named federated strategies a user picks from.
 //! - [`wire`]: the little-endian `f32` body in which vectors travel.
+//! - [`model_file`]: models as safetensors files, strictly checked when decoded.
 //! - [`secagg`]: secure aggregation (SecAgg+): the server learns only the sum.
 //! - [`reduce`]: the hot loops (weighted sums, modular sums, mask expansion) behind one
 //!   [`reduce::Reducer`] interface with a CPU backend.
@@ -19,6 +20,7 @@
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod fedavg;
+pub mod model_file;
 mod model_vector;
 pub mod privacy;
 pub mod reduce;

@@ -14,6 +14,7 @@
 mod dashboard;
 mod fedbuff;
 mod jobs;
+mod model_files;
 mod rounds;
 mod secagg;
 mod tokens;
@@ -32,6 +33,7 @@ pub use dashboard::{ClientPage, JobSummary, LatestAccuracy, SESSION_IDLE_MS};
 pub use fedbuff::{BufferRules, Buffered, BufferedUpload, FedBuffDrops, FedBuffTask, StepStats};
 use jobs::JobRow;
 pub use jobs::{Job, JobKind, JobState};
+pub use model_files::{ClientEvaluation, ModelFile, TaskFailure};
 pub use rounds::{
     NewUpload, NoiseMechanism, Participation, ParticipationState, PendingTask, PublishedModel,
     Round, RoundMetrics, RoundPrivacy, RoundStage, Upload,
