@@ -190,7 +190,10 @@ async fn run_async(args: &DemoArgs) -> Result<DemoOutcome, String> {
         name: "demo: digits, MLP, Dirichlet(0.5)".into(),
         features: test.num_features(),
         classes: test.num_classes(),
-        model: ModelKind::Mlp { hidden: vec![64] },
+        model: ModelKind::Mlp { hidden: vec![64] }.into(),
+        initial_model: None,
+        tensors: None,
+        hyperparameters: None,
         strategy: cohort_aggregation::Strategy::FedAvg,
         rounds: args.rounds,
         clients_per_round: args.clients,
@@ -303,6 +306,10 @@ async fn run_async(args: &DemoArgs) -> Result<DemoOutcome, String> {
     let (_, model) =
         driver::experiment_model(&store.experiment(exp.id).await.map_err(|e| e.to_string())?)
             .map_err(|e| e.to_string())?;
+    let model = model
+        .built_in()
+        .ok_or("the demo trains a built-in model")?
+        .clone();
     let blobs = crate::blobs::BlobStore::open(&run_dir.join("coordinator/blobs"))
         .map_err(|e| e.to_string())?;
     let mut accuracy_per_round = Vec::new();

@@ -9,7 +9,6 @@
 //! - [`seeds`]: reproducible, independent random streams derived from one seed.
 //! - [`demo`]: `cohort demo`, the whole system on one machine.
 //! - [`blobs`]: durable files for uploads and models.
-//! - [`model_files`]: global models as safetensors files.
 //! - [`store`]: the system of record (SQLite embedded, PostgreSQL in production).
 //! - [`server`]: `cohort serve`, the HTTP API over TLS.
 //! - [`dashboard`]: the admin web dashboard `cohort serve` shows at `/`.
@@ -21,7 +20,6 @@ pub mod blobs;
 pub mod dashboard;
 pub mod demo;
 pub mod engine;
-pub mod model_files;
 pub mod privacy_cli;
 pub mod seeds;
 pub mod server;

@@ -6,7 +6,9 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use cohort_aggregation::Strategy;
-use cohort_edge::model::{ModelKind, ModelSpec};
+use cohort_edge::model::ModelSpec;
+
+use super::models::SpecModel;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
@@ -64,13 +66,31 @@ impl Default for TrainSettings {
 pub struct ExperimentSpec {
     /// Human name.
     pub name: String,
-    /// Feature columns of the clients' data.
+    /// Feature columns of the clients' data (built-in models).
+    #[serde(default)]
     pub features: usize,
-    /// Number of classes.
+    /// Number of classes (built-in models).
+    #[serde(default)]
     pub classes: usize,
-    /// `logreg`, `mlp` or `mlp:H1,H2,...`.
+    /// `logreg`, `mlp` or `mlp:H1,H2,...` (built in, trained by the edge client), or
+    /// `file`: the tensors of `initial_model`, trained by each client's own trainer
+    /// (`cohort-edge --trainer`), with metrics from the clients' evaluations.
     #[schema(value_type = String, example = "mlp:64")]
-    pub model: ModelKind,
+    pub model: super::models::SpecModel,
+    /// An uploaded model file (`POST /api/v1/admin/models`) to start from: required for
+    /// `file`; for a built-in model, its tensors must be the model's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initial_model: Option<Uuid>,
+    /// The tensors of `initial_model`, filled in by the coordinator when the experiment
+    /// is created (a value sent is replaced).
+    #[schema(value_type = Option<Vec<Object>>)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensors: Option<Vec<cohort_aggregation::TensorSpec>>,
+    /// Free-form settings passed to the clients' trainers with every task (a JSON object,
+    /// at most 16 KiB), e.g. `{"feature_scale": 0.0625}`.
+    #[schema(value_type = Option<Object>)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hyperparameters: Option<serde_json::Map<String, serde_json::Value>>,
     /// `fedavg`, `fedprox:MU`, `fedadam`, `fedyogi` or `fedadagrad`.
     #[schema(value_type = String, example = "fedavg")]
     #[serde(default = "default_strategy")]
@@ -179,16 +199,43 @@ impl ExperimentSpec {
         if self.name.trim().is_empty() || self.name.len() > 200 {
             bad("name", "name must be 1 to 200 characters".into());
         }
-        let model = ModelSpec::new(&self.model, self.features, self.classes);
-        if let Err(e) = &model {
-            let field = if self.features == 0 {
-                "features"
-            } else if self.classes < 2 {
-                "classes"
-            } else {
-                "model"
-            };
-            bad(field, format!("model: {e}"));
+        let params = match &self.model {
+            SpecModel::BuiltIn(kind) => match ModelSpec::new(kind, self.features, self.classes) {
+                Ok(m) => Some(m.num_params()),
+                Err(e) => {
+                    let field = if self.features == 0 {
+                        "features"
+                    } else if self.classes < 2 {
+                        "classes"
+                    } else {
+                        "model"
+                    };
+                    bad(field, format!("model: {e}"));
+                    None
+                }
+            },
+            SpecModel::File => {
+                if self.initial_model.is_none() {
+                    bad(
+                        "initial_model",
+                        "initial_model is required with model `file`: upload the model's \
+                         safetensors file to /api/v1/admin/models and give its id"
+                            .into(),
+                    );
+                }
+                self.tensors
+                    .as_ref()
+                    .map(|t| t.iter().map(cohort_aggregation::TensorSpec::numel).sum())
+            }
+        };
+        if let Some(h) = &self.hyperparameters {
+            let size = serde_json::to_vec(h).map_or(usize::MAX, |v| v.len());
+            if size > 16 * 1024 {
+                bad(
+                    "hyperparameters",
+                    format!("hyperparameters must be at most 16384 bytes of JSON, got {size}"),
+                );
+            }
         }
         if self.rounds == 0 || self.rounds > 100_000 {
             bad(
@@ -246,8 +293,7 @@ impl ExperimentSpec {
             Ok(_) => {}
         }
         if let Some(secure) = &self.secure_aggregation {
-            let params = model.as_ref().map(|m| m.num_params()).unwrap_or(1);
-            if let Err(e) = secure.validate(self.selected_per_round(), params) {
+            if let Err(e) = secure.validate(self.selected_per_round(), params.unwrap_or(1)) {
                 let field = [
                     "advertise_seconds",
                     "share_seconds",
@@ -379,12 +425,48 @@ pub(crate) fn parse_id(text: &str, what: &str) -> Result<Uuid, ApiError> {
               (status = 422, description = "Invalid spec", body = ErrorBody)))]
 async fn create_experiment(
     State(state): State<AppState>,
-    Json(spec): Json<ExperimentSpec>,
+    Json(mut spec): Json<ExperimentSpec>,
 ) -> Result<(StatusCode, Json<Experiment>), ApiError> {
+    resolve_initial_model(&state, &mut spec).await?;
     spec.validate()?;
     let value = serde_json::to_value(&spec).map_err(ApiError::internal)?;
     let exp = state.store.create_experiment(&spec.name, &value).await?;
     Ok((StatusCode::CREATED, Json(exp)))
+}
+
+/// Fills in the tensors of the spec's `initial_model` (or clears them, without one),
+/// and checks that a built-in model can start from it.
+pub(crate) async fn resolve_initial_model(
+    state: &AppState,
+    spec: &mut ExperimentSpec,
+) -> Result<(), ApiError> {
+    spec.tensors = None;
+    let Some(id) = spec.initial_model else {
+        return Ok(());
+    };
+    let file = match state.store.model_file(id).await {
+        Ok(file) => file,
+        Err(StoreError::NotFound(_)) => {
+            return Err(ApiError::unprocessable(
+                "invalid_experiment",
+                format!("initial_model: no uploaded model file {id}"),
+            ));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    if let SpecModel::BuiltIn(kind) = &spec.model
+        && let Ok(built_in) = ModelSpec::new(kind, spec.features, spec.classes)
+    {
+        let vector = super::models::load_model_file(state, &file).await?;
+        if let Err(e) = super::models::reorder(&vector, built_in.layout()) {
+            return Err(ApiError::unprocessable(
+                "invalid_experiment",
+                format!("initial_model: not a {} model: {e}", spec.model),
+            ));
+        }
+    }
+    spec.tensors = Some(file.tensors);
+    Ok(())
 }
 
 /// Lists experiments, newest first.
@@ -496,10 +578,49 @@ async fn stop_experiment(
 async fn list_rounds(
     State(state): State<AppState>,
     Path(id): Path<String>,
-) -> Result<Json<Vec<Round>>, ApiError> {
+) -> Result<Json<Vec<RoundView>>, ApiError> {
     let id = parse_id(&id, "experiment")?;
     state.store.experiment(id).await?;
-    Ok(Json(state.store.rounds(id).await?))
+    let rounds = state.store.rounds(id).await?;
+    let mut evaluations =
+        super::models::summarise(&state.store.client_evaluations(id).await?);
+    let mut failures = state.store.task_failures(id).await?;
+    Ok(Json(
+        rounds
+            .into_iter()
+            .map(|round| {
+                let published = round.stage == crate::store::RoundStage::Published;
+                let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut failures)
+                    .into_iter()
+                    .partition(|f| f.round == round.round && f.attempt == round.attempt);
+                failures = rest;
+                RoundView {
+                    client_evaluation: published
+                        .then(|| evaluations.remove(&round.round))
+                        .flatten(),
+                    failures: mine,
+                    round,
+                }
+            })
+            .collect(),
+    ))
+}
+
+/// A round attempt with what its clients reported.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct RoundView {
+    /// The attempt: stage, deadline, counts, metrics, failure.
+    #[serde(flatten)]
+    #[schema(value_type = Object)]
+    pub round: Round,
+    /// For a published round of a file model: the clients' evaluations of the model it
+    /// published (reported by the next round's clients, or, for the last round, by
+    /// evaluation tasks), weighted by their examples.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client_evaluation: Option<super::models::EvaluationSummary>,
+    /// Tasks of this attempt that clients reported they could not complete, with why.
+    #[schema(value_type = Vec<Object>)]
+    pub failures: Vec<crate::store::TaskFailure>,
 }
 
 /// What a differentially private experiment has spent.
@@ -877,7 +998,7 @@ pub(crate) async fn current_safetensors(
         ("experiment".to_string(), exp.id.to_string()),
         ("round".to_string(), round.to_string()),
     ]);
-    let file = crate::model_files::to_safetensors(&vector, metadata);
+    let file = cohort_aggregation::model_file::encode(&vector, metadata);
     Ok((file, round, format!("{}-round-{round}.safetensors", exp.id)))
 }
 

@@ -49,6 +49,7 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
     doc.merge(super::client_api::ClientDoc::openapi());
     doc.merge(super::secagg_api::SecAggDoc::openapi());
     doc.merge(super::fedbuff::FedBuffDoc::openapi());
+    doc.merge(super::models::ModelsDoc::openapi());
     let components = doc.components.get_or_insert_with(Default::default);
     let mut scheme = Http::new(HttpAuthScheme::Bearer);
     scheme.description =
@@ -140,6 +141,7 @@ pub(crate) fn public_router() -> Router<AppState> {
         .route("/api/v1/openapi.json", get(openapi_json))
         .merge(super::client_api::routes())
         .merge(super::secagg_api::routes())
+        .merge(super::models::client_routes())
 }
 
 /// The admin routes, with paths relative to [`ADMIN_PREFIX`]. Add new admin routes here
@@ -149,6 +151,7 @@ pub fn admin_router() -> Router<AppState> {
         .route("/whoami", get(whoami))
         .merge(super::admin::routes())
         .merge(super::fedbuff::routes())
+        .merge(super::models::admin_routes())
 }
 
 /// Middleware: lets a request through only with `Authorization: Bearer <admin token>`.

@@ -156,7 +156,7 @@ pub(crate) fn routes() -> Router<AppState> {
 #[derive(utoipa::OpenApi)]
 #[openapi(
     paths(enrol, me, checkin, model, upload),
-    components(schemas(EnrolRequest, Enrolled, ClientIdentity, CheckIn, Task, SecureTask, CheckInReply)),
+    components(schemas(EnrolRequest, Enrolled, ClientIdentity, CheckIn, Task, TaskKind, SecureTask, CheckInReply)),
     tags((name = "client", description = "Edge clients (enrolment, then the client credential)"))
 )]
 pub(crate) struct ClientDoc;
@@ -197,6 +197,35 @@ pub struct Task {
     /// then runs the four stages under `.../secagg/` and uploads only a masked vector.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secure_aggregation: Option<SecureTask>,
+    /// `train` (the default): train and upload. `evaluate`: evaluate the experiment's
+    /// current (final) model and report the metrics to `.../evaluations`; `round` is then
+    /// the model version and `attempt` 0.
+    #[serde(default)]
+    pub kind: TaskKind,
+    /// For a model defined by a file (`model` is `file`): its tensors, in the order of
+    /// the model's wire form.
+    #[schema(value_type = Option<Vec<Object>>)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensors: Option<Vec<cohort_aggregation::TensorSpec>>,
+    /// The experiment's free-form settings for the client's trainer.
+    #[schema(value_type = Option<Object>)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hyperparameters: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Whether the experiment takes the client's evaluation of the model it received
+    /// (`POST .../evaluations`): file models without differential privacy.
+    #[serde(default)]
+    pub report_metrics: bool,
+}
+
+/// What a task asks for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskKind {
+    /// Train from the current model and upload the update.
+    #[default]
+    Train,
+    /// Evaluate the current model and report metrics; nothing is uploaded.
+    Evaluate,
 }
 
 /// A client's part in a secure round.
@@ -242,6 +271,10 @@ pub(super) fn plain_task(
             proximal_mu: spec.strategy.proximal_mu(),
         },
         secure_aggregation: None,
+        kind: TaskKind::Train,
+        tensors: spec.tensors.clone(),
+        hyperparameters: spec.hyperparameters.clone(),
+        report_metrics: super::models::evaluation_refusal(spec).is_none(),
     }
 }
 
@@ -250,7 +283,7 @@ async fn task_for(state: &AppState, client: Uuid) -> Result<Option<Task>, ApiErr
         return Ok(Some(task));
     }
     let Some(pending) = state.store.pending_task(client).await? else {
-        return Ok(None);
+        return evaluation_task(state, client).await;
     };
     let exp = state.store.experiment(pending.experiment_id).await?;
     let (spec, _) = super::driver::experiment_model(&exp).map_err(ApiError::internal)?;
@@ -271,6 +304,30 @@ async fn task_for(state: &AppState, client: Uuid) -> Result<Option<Task>, ApiErr
             pending.deadline,
         )
     }))
+}
+
+/// How long after an experiment finishes its clients are asked to evaluate its final
+/// model.
+pub const FINAL_EVALUATION_WINDOW_MS: i64 = 24 * 3600 * 1000;
+
+/// A task to evaluate the final model of a recently finished experiment with a file
+/// model, which this client has not evaluated yet: the rounds' own reports cover every
+/// model version but the last, since each client evaluates the model it receives.
+async fn evaluation_task(state: &AppState, client: Uuid) -> Result<Option<Task>, ApiError> {
+    let since = now_millis() - FINAL_EVALUATION_WINDOW_MS;
+    for (experiment, version, spec) in state.store.final_models_to_evaluate(client, since).await? {
+        let Ok(spec) = serde_json::from_value::<super::admin::ExperimentSpec>(spec) else {
+            continue;
+        };
+        if super::models::evaluation_refusal(&spec).is_some() || spec.fedbuff().is_some() {
+            continue;
+        }
+        return Ok(Some(Task {
+            kind: TaskKind::Evaluate,
+            ..plain_task(&spec, experiment, version, 0, None)
+        }));
+    }
+    Ok(None)
 }
 
 /// Checks in and waits (long poll) for a task.

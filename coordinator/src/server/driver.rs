@@ -14,6 +14,8 @@ use std::time::Duration;
 
 use cohort_aggregation::{ModelVector, WeightedMean, wire};
 use cohort_edge::model::ModelSpec;
+
+use super::models::{ExperimentModel, SpecModel};
 use rand::seq::index;
 use uuid::Uuid;
 
@@ -54,12 +56,33 @@ pub enum DriverError {
     Aggregation(String),
 }
 
-/// The spec and model shape of an experiment.
-pub fn experiment_model(exp: &Experiment) -> Result<(ExperimentSpec, ModelSpec), DriverError> {
-    let spec: ExperimentSpec = serde_json::from_value(exp.spec.clone())
-        .map_err(|e| DriverError::Spec(exp.id, e.to_string()))?;
-    let model = ModelSpec::new(&spec.model, spec.features, spec.classes)
-        .map_err(|e| DriverError::Spec(exp.id, e.to_string()))?;
+/// The spec of an experiment.
+pub fn experiment_spec(exp: &Experiment) -> Result<ExperimentSpec, DriverError> {
+    serde_json::from_value(exp.spec.clone()).map_err(|e| DriverError::Spec(exp.id, e.to_string()))
+}
+
+/// The spec and model of an experiment.
+pub fn experiment_model(
+    exp: &Experiment,
+) -> Result<(ExperimentSpec, ExperimentModel), DriverError> {
+    let spec = experiment_spec(exp)?;
+    let bad = |e: &dyn std::fmt::Display| DriverError::Spec(exp.id, e.to_string());
+    let model = match &spec.model {
+        SpecModel::BuiltIn(kind) => ExperimentModel::BuiltIn(
+            ModelSpec::new(kind, spec.features, spec.classes).map_err(|e| bad(&e))?,
+        ),
+        SpecModel::File => {
+            let (Some(id), Some(tensors)) = (spec.initial_model, spec.tensors.clone()) else {
+                return Err(bad(&"a file model without its initial model's tensors"));
+            };
+            ExperimentModel::File {
+                id,
+                layout: std::sync::Arc::new(
+                    cohort_aggregation::Layout::new(tensors).map_err(|e| bad(&e))?,
+                ),
+            }
+        }
+    };
     Ok((spec, model))
 }
 
@@ -75,7 +98,7 @@ pub(super) struct ModelStep {
     blobs: crate::blobs::BlobStore,
     strategy: cohort_aggregation::Strategy,
     eval: Option<std::sync::Arc<cohort_edge::data::Dataset>>,
-    model: ModelSpec,
+    model: ExperimentModel,
     experiment: Uuid,
     round: i64,
 }
@@ -85,7 +108,7 @@ impl ModelStep {
         state: &AppState,
         experiment: Uuid,
         spec: &ExperimentSpec,
-        model: &ModelSpec,
+        model: &ExperimentModel,
         round: i64,
     ) -> Self {
         Self {
@@ -178,12 +201,39 @@ pub async fn run(state: AppState) {
     }
 }
 
+/// The model round 0 publishes: the uploaded file when the spec names one (in the
+/// model's tensor order), else a built-in model's seeded initialisation.
+async fn initial_model(
+    state: &AppState,
+    spec: &ExperimentSpec,
+    model: &ExperimentModel,
+) -> Result<ModelVector, DriverError> {
+    let from_file = match spec.initial_model {
+        Some(id) => {
+            let file = state.store.model_file(id).await?;
+            let vector = super::models::load_model_file(state, &file)
+                .await
+                .map_err(|e| DriverError::Aggregation(e.to_string()))?;
+            Some(vector)
+        }
+        None => None,
+    };
+    match (model, from_file) {
+        (_, Some(vector)) => super::models::reorder(&vector, model.layout())
+            .map_err(DriverError::Aggregation),
+        (ExperimentModel::BuiltIn(built_in), None) => Ok(built_in.init(spec.seed)),
+        (ExperimentModel::File { id, .. }, None) => Err(DriverError::Aggregation(format!(
+            "the model file {id} is missing"
+        ))),
+    }
+}
+
 async fn step_experiment(state: &AppState, exp: &Experiment) -> Result<(), DriverError> {
     let store = &state.store;
     let (spec, model) = experiment_model(exp)?;
     let now = now_millis();
     if store.latest_model(exp.id).await?.is_none() {
-        let initial = model.init(spec.seed);
+        let initial = initial_model(state, &spec, &model).await?;
         let path = model_blob(exp.id, 0);
         let blobs = state.blobs.clone();
         let bytes = wire::encode(&initial);
@@ -215,7 +265,16 @@ async fn step_experiment(state: &AppState, exp: &Experiment) -> Result<(), Drive
         }
         RoundStage::Collecting => {
             let due = round.stage_deadline.is_some_and(|d| now > d);
-            if round.reported >= round.selected || due {
+            // A client whose trainer failed will not upload: waiting for it until the
+            // deadline would only slow the round down.
+            let failed = if round.reported < round.selected && !due {
+                store
+                    .task_failure_count(exp.id, round.round, round.attempt)
+                    .await?
+            } else {
+                0
+            };
+            if round.reported + failed >= round.selected || due {
                 close(state, exp, &spec, &round, now).await?;
             }
         }
@@ -473,7 +532,7 @@ async fn aggregate_secure(
     state: &AppState,
     exp: &Experiment,
     spec: &ExperimentSpec,
-    model: &ModelSpec,
+    model: &ExperimentModel,
     round: &Round,
     current: &PublishedModel,
 ) -> Result<(), DriverError> {
@@ -545,16 +604,17 @@ async fn aggregate_secure(
 }
 
 /// Test accuracy and loss of a just-aggregated model on the coordinator's held-out set,
-/// when it has one that fits the experiment (same features and classes). Runs where the
+/// when it has one that fits the experiment (a built-in model of the same features and
+/// classes; a file model's metrics come from its clients). Runs where the
 /// model is still in memory. Evaluation is a report, not a step of the round: when it
 /// cannot run, the round publishes without it.
 pub(super) fn evaluate(
     eval: Option<&cohort_edge::data::Dataset>,
-    model: &ModelSpec,
+    model: &ExperimentModel,
     params: &[f32],
     experiment: Uuid,
 ) -> RoundMetrics {
-    let Some(data) = eval else {
+    let (Some(data), Some(model)) = (eval, model.built_in()) else {
         return RoundMetrics::default();
     };
     if data.features.ncols() != model.inputs() || data.classes.len() != model.classes() {
@@ -722,7 +782,7 @@ async fn aggregate_central(
     spec: &ExperimentSpec,
     privacy: &super::privacy::PrivacySpec,
     record: &crate::store::RoundPrivacy,
-    model: &ModelSpec,
+    model: &ExperimentModel,
     round: &Round,
     current: &PublishedModel,
     uploads: Vec<crate::store::Upload>,

@@ -25,7 +25,7 @@ use axum::Router;
 use axum::extract::{Path, State};
 use axum::routing::get;
 use cohort_aggregation::{Layout, ModelVector, WeightedMean, wire};
-use cohort_edge::model::ModelSpec;
+use super::models::ExperimentModel;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
@@ -350,7 +350,7 @@ pub(super) async fn aggregate(
     exp: &Experiment,
     spec: &ExperimentSpec,
     settings: &FedBuffSettings,
-    model: &ModelSpec,
+    model: &ExperimentModel,
     job_round: i64,
 ) -> Result<(), DriverError> {
     let store = &state.store;
@@ -387,7 +387,7 @@ async fn aggregate_buffer(
     exp: &Experiment,
     spec: &ExperimentSpec,
     settings: &FedBuffSettings,
-    model: &ModelSpec,
+    model: &ExperimentModel,
     round: &crate::store::Round,
     current: PublishedModel,
 ) -> Result<(), DriverError> {

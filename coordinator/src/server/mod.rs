@@ -17,6 +17,7 @@ pub mod client_api;
 pub mod driver;
 pub mod error;
 pub mod fedbuff;
+pub mod models;
 pub mod privacy;
 pub mod secagg_api;
 pub mod secure_rounds;

@@ -1,0 +1,630 @@
+//! Models users bring: safetensors files uploaded as an experiment's initial model, the
+//! model an experiment trains (built in or from a file), and what clients report back
+//! about it (their own evaluations, and the tasks their trainers could not complete).
+//!
+//! A model defined by a file has no architecture the coordinator knows: it aggregates
+//! the file's tensors as they are and leaves training and evaluation to the clients'
+//! trainers. Its metrics are the clients' evaluation reports, weighted by their sample
+//! counts.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use cohort_aggregation::{Layout, ModelVector, TensorSpec};
+use cohort_edge::model::{ModelKind, ModelSpec};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use super::AppState;
+use super::admin::parse_id;
+use super::client_api::AuthenticatedClient;
+use super::error::{ApiError, ErrorBody, Json};
+use crate::store::{ClientEvaluation, ModelFile, TaskFailure, now_millis};
+
+/// What an experiment spec names as its model: a built-in family, or `file` (the
+/// tensors of its `initial_model`, trained by the clients' own trainers).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SpecModel {
+    /// `logreg`, `mlp`, `mlp:H1,H2,...`: trained by the edge client itself.
+    BuiltIn(ModelKind),
+    /// `file`: defined by an uploaded safetensors file.
+    File,
+}
+
+impl FromStr for SpecModel {
+    type Err = cohort_edge::model::ModelError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        if text.trim().eq_ignore_ascii_case("file") {
+            return Ok(SpecModel::File);
+        }
+        text.parse().map(SpecModel::BuiltIn).map_err(|e| match e {
+            cohort_edge::model::ModelError::Unknown(t) => {
+                cohort_edge::model::ModelError::Unknown(format!("{t}` (or `file"))
+            }
+            other => other,
+        })
+    }
+}
+
+impl fmt::Display for SpecModel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SpecModel::BuiltIn(kind) => kind.fmt(f),
+            SpecModel::File => f.write_str("file"),
+        }
+    }
+}
+
+impl From<ModelKind> for SpecModel {
+    fn from(kind: ModelKind) -> Self {
+        SpecModel::BuiltIn(kind)
+    }
+}
+
+impl Serialize for SpecModel {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for SpecModel {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// The model an experiment trains, resolved from its spec.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ExperimentModel {
+    /// A built-in model: the coordinator can initialise and evaluate it.
+    BuiltIn(ModelSpec),
+    /// A model from a file: only its tensors are known.
+    File {
+        /// The uploaded file it started from.
+        id: Uuid,
+        /// Its tensors.
+        layout: Arc<Layout>,
+    },
+}
+
+impl ExperimentModel {
+    /// The tensors every update must have.
+    pub fn layout(&self) -> &Arc<Layout> {
+        match self {
+            ExperimentModel::BuiltIn(spec) => spec.layout(),
+            ExperimentModel::File { layout, .. } => layout,
+        }
+    }
+
+    /// Scalar parameters.
+    pub fn num_params(&self) -> usize {
+        self.layout().len()
+    }
+
+    /// The built-in model, when it is one.
+    pub fn built_in(&self) -> Option<&ModelSpec> {
+        match self {
+            ExperimentModel::BuiltIn(spec) => Some(spec),
+            ExperimentModel::File { .. } => None,
+        }
+    }
+
+    /// The tensors to send with each task: for a file model, which the client cannot
+    /// derive from a model name.
+    pub fn task_tensors(&self) -> Option<Vec<TensorSpec>> {
+        match self {
+            ExperimentModel::BuiltIn(_) => None,
+            ExperimentModel::File { layout, .. } => Some(layout.tensors().to_vec()),
+        }
+    }
+}
+
+/// `values` (in `from`'s tensor order) rearranged into `to`'s order; the two must hold
+/// the same names and shapes.
+pub fn reorder(from: &ModelVector, to: &Arc<Layout>) -> Result<ModelVector, String> {
+    if from.layout().as_ref() == to.as_ref() {
+        return Ok(ModelVector::new(to.clone(), from.values().to_vec()).map_err(|e| e.to_string())?);
+    }
+    let mut values = Vec::with_capacity(to.len());
+    for spec in to.tensors() {
+        let (offset, found) = from
+            .layout()
+            .find(&spec.name)
+            .ok_or_else(|| format!("tensor `{}` is missing", spec.name))?;
+        if found.shape != spec.shape {
+            return Err(format!(
+                "tensor `{}` has shape {:?}, expected {:?}",
+                spec.name, found.shape, spec.shape
+            ));
+        }
+        values.extend_from_slice(&from.values()[offset..offset + spec.numel()]);
+    }
+    if from.layout().tensors().len() != to.tensors().len() {
+        return Err("the file holds tensors the model does not have".into());
+    }
+    ModelVector::new(to.clone(), values).map_err(|e| e.to_string())
+}
+
+/// Blob of an uploaded model file's values.
+fn model_file_blob(id: Uuid) -> String {
+    format!("model-files/{id}.bin")
+}
+
+/// Where an uploaded model file's name comes from.
+#[derive(Debug, Clone, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct UploadModelQuery {
+    /// A name for people (1 to 200 characters); default `model`.
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// Loads a model file's values, in its stored tensor order.
+pub(crate) async fn load_model_file(
+    state: &AppState,
+    file: &ModelFile,
+) -> Result<ModelVector, ApiError> {
+    let layout = Arc::new(Layout::new(file.tensors.clone()).map_err(ApiError::internal)?);
+    let blobs = state.blobs.clone();
+    let path = file.blob_path.clone();
+    let bytes = tokio::task::spawn_blocking(move || blobs.get(&path))
+        .await
+        .map_err(ApiError::internal)?
+        .map_err(ApiError::internal)?;
+    cohort_aggregation::wire::decode(&layout, &bytes).map_err(ApiError::internal)
+}
+
+/// Uploads a safetensors file (`application/octet-stream`) to start experiments from:
+/// `F32` tensors with finite values. The answer names its tensors; an experiment refers
+/// to it by id (`"model": "file", "initial_model": ID`).
+#[utoipa::path(post, path = "/api/v1/admin/models", tag = "admin",
+    security(("admin_token" = [])), params(UploadModelQuery),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 201, description = "Stored", body = Object), (status = 401, body = ErrorBody),
+              (status = 413, body = ErrorBody), (status = 415, body = ErrorBody),
+              (status = 422, description = "Not a usable safetensors model", body = ErrorBody)))]
+async fn upload_model(
+    State(state): State<AppState>,
+    query: Result<Query<UploadModelQuery>, axum::extract::rejection::QueryRejection>,
+    headers: axum::http::HeaderMap,
+    body: axum::body::Bytes,
+) -> Result<(StatusCode, Json<ModelFile>), ApiError> {
+    let Query(query) = query.map_err(|e| ApiError::unprocessable("invalid_query", e.body_text()))?;
+    let is_octets = headers
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/octet-stream"));
+    if !is_octets {
+        return Err(ApiError::UnsupportedMediaType(
+            "a model file must be sent as application/octet-stream".into(),
+        ));
+    }
+    let name = query.name.unwrap_or_else(|| "model".into());
+    if name.trim().is_empty() || name.len() > 200 {
+        return Err(ApiError::unprocessable(
+            "invalid_model",
+            "name must be 1 to 200 characters",
+        ));
+    }
+    let (vector, sha256) = tokio::task::spawn_blocking(move || {
+        let vector = cohort_aggregation::model_file::decode(&body, usize::MAX)?;
+        Ok::<_, cohort_aggregation::model_file::ModelFileError>((
+            vector,
+            hex(ring::digest::digest(&ring::digest::SHA256, &body).as_ref()),
+        ))
+    })
+    .await
+    .map_err(ApiError::internal)?
+    .map_err(|e| ApiError::unprocessable("invalid_model", format!("model file: {e}")))?;
+    if vector.len() > cohort_edge::model::MAX_PARAMETERS {
+        return Err(ApiError::unprocessable(
+            "invalid_model",
+            format!(
+                "model file: {} parameters, more than the {} supported",
+                vector.len(),
+                cohort_edge::model::MAX_PARAMETERS
+            ),
+        ));
+    }
+    let id = Uuid::new_v4();
+    let file = ModelFile {
+        id,
+        name,
+        tensors: vector.layout().tensors().to_vec(),
+        parameters: vector.len() as i64,
+        sha256,
+        blob_path: model_file_blob(id),
+        created_at: now_millis(),
+    };
+    let blobs = state.blobs.clone();
+    let path = file.blob_path.clone();
+    let bytes = cohort_aggregation::wire::encode(&vector);
+    tokio::task::spawn_blocking(move || blobs.put(&path, &bytes))
+        .await
+        .map_err(ApiError::internal)?
+        .map_err(ApiError::internal)?;
+    state.store.create_model_file(&file).await?;
+    Ok((StatusCode::CREATED, Json(file)))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Every uploaded model file, newest first.
+#[utoipa::path(get, path = "/api/v1/admin/models", tag = "admin",
+    security(("admin_token" = [])),
+    responses((status = 200, description = "Model files", body = Vec<Object>), (status = 401, body = ErrorBody)))]
+async fn list_models(State(state): State<AppState>) -> Result<Json<Vec<ModelFile>>, ApiError> {
+    Ok(Json(state.store.model_files().await?))
+}
+
+/// One uploaded model file.
+#[utoipa::path(get, path = "/api/v1/admin/models/{id}", tag = "admin",
+    security(("admin_token" = [])), params(("id" = String, Path, description = "Model file id")),
+    responses((status = 200, description = "The model file", body = Object), (status = 401, body = ErrorBody),
+              (status = 404, body = ErrorBody)))]
+async fn get_model(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<ModelFile>, ApiError> {
+    let id = parse_id(&id, "model file")?;
+    Ok(Json(state.store.model_file(id).await?))
+}
+
+/// One model version's evaluation by the clients.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct VersionEvaluation {
+    /// The published round whose model was evaluated (0: the initial model).
+    pub model_version: i64,
+    /// The sample-weighted means.
+    #[serde(flatten)]
+    pub summary: EvaluationSummary,
+}
+
+/// The clients' evaluations of every model version of an experiment (from 0, the
+/// initial model), each metric weighted by the examples behind it.
+#[utoipa::path(get, path = "/api/v1/admin/experiments/{id}/evaluations", tag = "admin",
+    security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
+    responses((status = 200, description = "Per model version", body = Vec<VersionEvaluation>),
+              (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)))]
+async fn list_evaluations(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Vec<VersionEvaluation>>, ApiError> {
+    let id = parse_id(&id, "experiment")?;
+    state.store.experiment(id).await?;
+    let summaries = summarise(&state.store.client_evaluations(id).await?);
+    Ok(Json(
+        summaries
+            .into_iter()
+            .map(|(model_version, summary)| VersionEvaluation {
+                model_version,
+                summary,
+            })
+            .collect(),
+    ))
+}
+
+/// The admin routes of model files and evaluations, relative to the admin prefix.
+pub(crate) fn admin_routes() -> Router<AppState> {
+    Router::new()
+        .route("/models", post(upload_model).get(list_models))
+        .route("/models/{id}", get(get_model))
+        .route("/experiments/{id}/evaluations", get(list_evaluations))
+}
+
+/// Longest failure reason kept; a trainer's log tail is cut to this.
+pub const MAX_REASON_CHARS: usize = 2000;
+/// Most metrics one evaluation report may carry.
+pub const MAX_METRICS: usize = 32;
+
+/// A client's evaluation of a model version it received.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EvaluationReport {
+    /// The published round whose model was evaluated (0: the initial model).
+    pub model_version: i64,
+    /// Examples the metrics are over, at least 1.
+    pub num_examples: i64,
+    /// Metric name (letters, digits, `_`, `.`, `-`; up to 64) to a finite value; at most
+    /// 32.
+    pub metrics: BTreeMap<String, f64>,
+}
+
+/// Checks a metric name: the names end up as JSON keys and dashboard labels.
+pub fn valid_metric_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'))
+}
+
+/// Records a client's evaluation of a model version of an experiment with a file model.
+/// A repeated report (a retry) is accepted and changes nothing.
+#[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/evaluations", tag = "client",
+    security(("client_credential" = [])), params(("id" = String, Path, description = "Experiment id")),
+    request_body = EvaluationReport,
+    responses((status = 201, description = "Recorded"), (status = 200, description = "Already recorded"),
+              (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+              (status = 409, description = "The experiment does not take client evaluations", body = ErrorBody),
+              (status = 422, body = ErrorBody)))]
+async fn report_evaluation(
+    State(state): State<AppState>,
+    AuthenticatedClient(client): AuthenticatedClient,
+    Path(id): Path<String>,
+    Json(report): Json<EvaluationReport>,
+) -> Result<StatusCode, ApiError> {
+    let id = parse_id(&id, "experiment")?;
+    if report.num_examples < 1 {
+        return Err(ApiError::unprocessable(
+            "invalid_evaluation",
+            "num_examples must be at least 1",
+        ));
+    }
+    if report.metrics.len() > MAX_METRICS {
+        return Err(ApiError::unprocessable(
+            "invalid_evaluation",
+            format!("at most {MAX_METRICS} metrics"),
+        ));
+    }
+    if let Some((name, value)) = report
+        .metrics
+        .iter()
+        .find(|(n, v)| !valid_metric_name(n) || !v.is_finite())
+    {
+        return Err(ApiError::unprocessable(
+            "invalid_evaluation",
+            format!(
+                "metric `{}` = {value}: names are 1 to 64 letters, digits, `_`, `.` or `-`, values finite",
+                name.chars().take(80).collect::<String>()
+            ),
+        ));
+    }
+    let exp = state.store.experiment(id).await?;
+    let spec = super::driver::experiment_spec(&exp).map_err(ApiError::internal)?;
+    if let Some(why) = evaluation_refusal(&spec) {
+        return Err(ApiError::conflict("evaluations_not_taken", why));
+    }
+    let current = state
+        .store
+        .latest_model(id)
+        .await?
+        .map_or(-1, |m| m.round);
+    if report.model_version < 0 || report.model_version > current {
+        return Err(ApiError::unprocessable(
+            "invalid_evaluation",
+            format!(
+                "model_version must be a published version, 0 to {current}, got {}",
+                report.model_version
+            ),
+        ));
+    }
+    let new = state
+        .store
+        .record_client_evaluation(
+            id,
+            &ClientEvaluation {
+                model_version: report.model_version,
+                client_id: client.id,
+                num_examples: report.num_examples,
+                metrics: report.metrics,
+                at: now_millis(),
+            },
+        )
+        .await?;
+    Ok(if new { StatusCode::CREATED } else { StatusCode::OK })
+}
+
+/// Why an experiment takes no client evaluations, if it does not: only file models
+/// (whose metrics come from nowhere else), and never with differential privacy, whose
+/// guarantee covers the model and not per-client metrics sent in the clear.
+pub fn evaluation_refusal(spec: &super::admin::ExperimentSpec) -> Option<String> {
+    if spec.model != SpecModel::File {
+        return Some(
+            "client evaluations are taken for file models only; the coordinator evaluates built-in ones".into(),
+        );
+    }
+    if spec.privacy.is_some() {
+        return Some(
+            "the experiment is differentially private: per-client metrics would be released without noise".into(),
+        );
+    }
+    None
+}
+
+/// Why a client could not complete a task.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FailureReport {
+    /// What went wrong, for the admin (cut to 2000 characters).
+    pub reason: String,
+}
+
+/// Reports that this client could not complete its task for a round attempt (its
+/// trainer failed or its output was refused); nothing is uploaded for it. Attempt 0 of
+/// the final round: the evaluation task of a finished experiment. The round goes
+/// on without the client, as with any dropout.
+#[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/failure",
+    tag = "client", security(("client_credential" = [])),
+    params(("id" = String, Path, description = "Experiment id"), ("round" = i64, Path), ("attempt" = i64, Path)),
+    request_body = FailureReport,
+    responses((status = 201, description = "Recorded"), (status = 401, body = ErrorBody),
+              (status = 404, body = ErrorBody), (status = 422, body = ErrorBody)))]
+async fn report_failure(
+    State(state): State<AppState>,
+    AuthenticatedClient(client): AuthenticatedClient,
+    Path((id, round, attempt)): Path<(String, i64, i64)>,
+    Json(report): Json<FailureReport>,
+) -> Result<StatusCode, ApiError> {
+    let id = parse_id(&id, "experiment")?;
+    if report.reason.trim().is_empty() {
+        return Err(ApiError::unprocessable(
+            "invalid_failure",
+            "reason must not be empty",
+        ));
+    }
+    // Only a client the round selected may speak for it; attempt 0 is the evaluation of
+    // a finished experiment's final model, which any client may be asked for.
+    let selected = if attempt == 0 {
+        let exp = state.store.experiment(id).await?;
+        let spec = super::driver::experiment_spec(&exp).map_err(ApiError::internal)?;
+        exp.state == crate::store::ExperimentState::Finished
+            && round == exp.current_round
+            && evaluation_refusal(&spec).is_none()
+    } else {
+        state
+            .store
+            .participations(id, round, attempt)
+            .await?
+            .iter()
+            .any(|p| p.client_id == client.id)
+    };
+    if !selected {
+        return Err(ApiError::NotFound(format!(
+            "no task of experiment {id} round {round} attempt {attempt} for this client"
+        )));
+    }
+    let reason: String = report.reason.chars().take(MAX_REASON_CHARS).collect();
+    tracing::warn!(experiment = %id, round, attempt, client = %client.id, %reason,
+        "client reports its task failed");
+    state
+        .store
+        .record_task_failure(
+            id,
+            &TaskFailure {
+                round,
+                attempt,
+                client_id: client.id,
+                reason,
+                at: now_millis(),
+            },
+        )
+        .await?;
+    Ok(StatusCode::CREATED)
+}
+
+/// The client routes of evaluations and failures, with absolute paths.
+pub(crate) fn client_routes() -> Router<AppState> {
+    Router::new()
+        .route(
+            "/api/v1/clients/experiments/{id}/evaluations",
+            post(report_evaluation),
+        )
+        .route(
+            "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/failure",
+            post(report_failure),
+        )
+}
+
+/// The clients' evaluations of one model version: sample-weighted means.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct EvaluationSummary {
+    /// Clients that reported.
+    pub clients: usize,
+    /// Examples in all.
+    pub num_examples: i64,
+    /// Each metric's mean over the clients that reported it, weighted by their examples.
+    pub metrics: BTreeMap<String, f64>,
+}
+
+/// The weighted means of every model version's evaluations.
+pub fn summarise(evaluations: &[ClientEvaluation]) -> BTreeMap<i64, EvaluationSummary> {
+    let mut sums: BTreeMap<i64, (usize, i64, BTreeMap<String, (f64, f64)>)> = BTreeMap::new();
+    for e in evaluations {
+        let entry = sums.entry(e.model_version).or_default();
+        entry.0 += 1;
+        entry.1 += e.num_examples;
+        for (name, value) in &e.metrics {
+            let m = entry.2.entry(name.clone()).or_default();
+            m.0 += value * e.num_examples as f64;
+            m.1 += e.num_examples as f64;
+        }
+    }
+    sums.into_iter()
+        .map(|(version, (clients, num_examples, metrics))| {
+            (
+                version,
+                EvaluationSummary {
+                    clients,
+                    num_examples,
+                    metrics: metrics
+                        .into_iter()
+                        .map(|(name, (sum, weight))| (name, sum / weight))
+                        .collect(),
+                },
+            )
+        })
+        .collect()
+}
+
+/// The handlers above, for the OpenAPI document.
+#[derive(utoipa::OpenApi)]
+#[openapi(
+    paths(upload_model, list_models, get_model, list_evaluations, report_evaluation, report_failure),
+    components(schemas(EvaluationReport, FailureReport, EvaluationSummary, VersionEvaluation))
+)]
+pub(crate) struct ModelsDoc;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn evaluation(version: i64, n: i64, accuracy: f64) -> ClientEvaluation {
+        ClientEvaluation {
+            model_version: version,
+            client_id: Uuid::new_v4(),
+            num_examples: n,
+            metrics: BTreeMap::from([("accuracy".into(), accuracy)]),
+            at: 0,
+        }
+    }
+
+    #[test]
+    fn summaries_weigh_each_client_by_its_examples() {
+        let s = summarise(&[
+            evaluation(1, 100, 0.9),
+            evaluation(1, 300, 0.5),
+            evaluation(2, 10, 1.0),
+        ]);
+        assert_eq!(s[&1].clients, 2);
+        assert_eq!(s[&1].num_examples, 400);
+        assert!((s[&1].metrics["accuracy"] - 0.6).abs() < 1e-12);
+        assert_eq!(s[&2].metrics["accuracy"], 1.0);
+    }
+
+    #[test]
+    fn spec_model_names_round_trip_and_file_is_one_of_them() {
+        for text in ["file", "logreg", "mlp:32,16"] {
+            let m: SpecModel = text.parse().unwrap();
+            assert_eq!(m.to_string(), text);
+        }
+        assert_eq!("FILE".parse::<SpecModel>().unwrap(), SpecModel::File);
+        let e = "cnn".parse::<SpecModel>().unwrap_err().to_string();
+        assert!(e.contains("file"), "{e}");
+    }
+
+    #[test]
+    fn reorder_maps_tensors_by_name_and_refuses_a_different_model() {
+        let a = Arc::new(
+            Layout::new(vec![TensorSpec::new("b", [2]), TensorSpec::new("w", [1, 2])]).unwrap(),
+        );
+        let b = Arc::new(
+            Layout::new(vec![TensorSpec::new("w", [1, 2]), TensorSpec::new("b", [2])]).unwrap(),
+        );
+        let v = ModelVector::new(a, vec![1.0, 2.0, 3.0, 4.0]).unwrap();
+        assert_eq!(reorder(&v, &b).unwrap().values(), &[3.0, 4.0, 1.0, 2.0]);
+        let c = Arc::new(Layout::new(vec![TensorSpec::new("w", [2, 1]), TensorSpec::new("b", [2])]).unwrap());
+        assert!(reorder(&v, &c).unwrap_err().contains("shape"));
+    }
+}

@@ -1,0 +1,231 @@
+//! The edge client embedded in a C program through its C API (`tests/c/edge_app.c`,
+//! compiled here against the library and its generated header), alongside two `cohort
+//! edge` processes, against a real `cohort serve` over TLS.
+//!
+//! What it protects:
+//! - the C API enrols, serves three rounds with the app's own training callback and
+//!   reports its status; every round needs the app's upload (three clients, quorum
+//!   three), so a round only publishes if the app's update arrived;
+//! - a bad configuration gets a code and a message, not a crash;
+//! - under valgrind (`--leak-check=full`) the program leaks nothing definitely. CI sets
+//!   `COHORT_REQUIRE_VALGRIND=1`; elsewhere the valgrind run is skipped with a message
+//!   when valgrind is not installed. A C compiler (`cc`) is needed either way.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use cohort_coordinator::demo::write_digits_partitions;
+use cohort_edge::partition::PartitionScheme;
+use common::{admin, free_port, spawn_serve, wait_healthy};
+use reqwest::Method;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The directory holding the freshest `libcohort_edge.so` this build made (cargo builds
+/// the library's C form alongside its Rust form).
+fn library_dir() -> PathBuf {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_cohort"));
+    let profile = exe.parent().unwrap().to_path_buf();
+    let mut found: Vec<(std::time::SystemTime, PathBuf)> = Vec::new();
+    for dir in [profile.clone(), profile.join("deps")] {
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with("libcohort_edge") && name.ends_with(".so") {
+                let modified = entry.metadata().unwrap().modified().unwrap();
+                found.push((modified, entry.path()));
+            }
+        }
+    }
+    found.sort();
+    let (_, newest) = found
+        .pop()
+        .expect("the build made libcohort_edge.so (crate-type cdylib)");
+    newest
+}
+
+/// Compiles the C program; its path.
+fn compile(dir: &Path) -> PathBuf {
+    let library = library_dir();
+    // Link against a copy with the plain name, whichever file cargo left.
+    let libdir = dir.join("lib");
+    std::fs::create_dir_all(&libdir).unwrap();
+    std::fs::copy(&library, libdir.join("libcohort_edge.so")).unwrap();
+    let out = dir.join("edge_app");
+    let status = Command::new("cc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-g"])
+        .arg("-I")
+        .arg(repo().join("edge-client/include"))
+        .arg(repo().join("tests/c/edge_app.c"))
+        .arg("-L")
+        .arg(&libdir)
+        .args(["-lcohort_edge", "-lm", "-o"])
+        .arg(&out)
+        .status()
+        .expect("a C compiler (cc) is installed");
+    assert!(status.success(), "the C program compiles");
+    out
+}
+
+fn valgrind_available() -> bool {
+    let found = Command::new("valgrind")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !found {
+        assert!(
+            std::env::var_os("COHORT_REQUIRE_VALGRIND").is_none(),
+            "COHORT_REQUIRE_VALGRIND is set but valgrind is not installed"
+        );
+        eprintln!("valgrind is not installed: the leak check is skipped");
+    }
+    found
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_c_app_completes_rounds_through_the_c_api() {
+    cohort_coordinator::server::install_crypto_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let app = compile(dir.path());
+    let data_dir = dir.path().join("coordinator");
+    let ca = data_dir.join("tls/ca.pem");
+    let port = free_port();
+    let base = format!("https://127.0.0.1:{port}");
+    let mut server = spawn_serve(&data_dir, port, None);
+    let http = wait_healthy(&base, &ca).await;
+    let (csvs, _) = write_digits_partitions(
+        &dir.path().join("sites"),
+        3,
+        &PartitionScheme::Iid,
+        0,
+    )
+    .unwrap();
+    let exp = admin(
+        &http,
+        &base,
+        Method::POST,
+        "/experiments",
+        Some(serde_json::json!({
+            "name": "c api", "features": 64, "classes": 10, "model": "logreg",
+            "rounds": 3, "clients_per_round": 3, "min_participants": 3,
+            "collect_deadline_seconds": 240, "max_round_attempts": 1,
+            "train": {"local_epochs": 1, "batch_size": 32, "lr": 0.05}
+        })),
+    )
+    .await;
+    let id = exp["id"].as_str().unwrap().to_string();
+    let mut edges = Vec::new();
+    for site in 0..2 {
+        let issued = admin(
+            &http,
+            &base,
+            Method::POST,
+            "/enrolment-tokens",
+            Some(serde_json::json!({ "label": format!("edge-{site}") })),
+        )
+        .await;
+        let token = issued["token"].as_str().unwrap();
+        edges.push(
+            common::edge_command(site, &base, &ca, &csvs[site], dir.path(), token, 15)
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+    }
+    let issued = admin(
+        &http,
+        &base,
+        Method::POST,
+        "/enrolment-tokens",
+        Some(serde_json::json!({ "label": "c-app" })),
+    )
+    .await;
+    let token = issued["token"].as_str().unwrap().to_string();
+    let mut command = if valgrind_available() {
+        let mut c = Command::new("valgrind");
+        c.args([
+            "--leak-check=full",
+            "--errors-for-leak-kinds=definite",
+            "--error-exitcode=99",
+        ])
+        .arg(format!("--log-file={}", dir.path().join("valgrind.log").display()))
+        .arg(&app);
+        c
+    } else {
+        Command::new(&app)
+    };
+    command
+        .arg(&base)
+        .arg(&ca)
+        .arg(&token)
+        .arg(dir.path().join("c-app-state"))
+        .arg(&csvs[2])
+        .arg("0.0625")
+        .arg("20")
+        .env("LD_LIBRARY_PATH", dir.path().join("lib"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let app_run = tokio::task::spawn_blocking(move || command.output().unwrap());
+    // The experiment starts once all three clients are waiting.
+    let start = std::time::Instant::now();
+    loop {
+        let clients = admin(&http, &base, Method::GET, "/clients", None).await;
+        if clients.as_array().unwrap().len() == 3 {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(120), "clients enrol");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    admin(
+        &http,
+        &base,
+        Method::POST,
+        &format!("/experiments/{id}/start"),
+        None,
+    )
+    .await;
+    common::wait_finished(&http, &base, &id, Duration::from_secs(600)).await;
+    let rounds = common::rounds(&http, &base, &id).await;
+    assert_eq!(rounds.len(), 3, "{rounds:#?}");
+    for r in &rounds {
+        assert_eq!(r["stage"], "published");
+        assert_eq!(r["reported"], 3, "the app's update is in every round: {r}");
+    }
+    let output = tokio::time::timeout(Duration::from_secs(300), app_run)
+        .await
+        .expect("the app exits")
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let valgrind = std::fs::read_to_string(dir.path().join("valgrind.log")).unwrap_or_default();
+    assert!(
+        output.status.success(),
+        "app failed ({:?}):\n{stdout}\n{stderr}\n{valgrind}",
+        output.status
+    );
+    assert!(stdout.contains("enrolled=1 uploads=3 failed=0"), "{stdout}");
+    if !valgrind.is_empty() {
+        assert!(
+            valgrind.contains("definitely lost: 0 bytes") || valgrind.contains("no leaks are possible"),
+            "{valgrind}"
+        );
+        eprintln!(
+            "valgrind: {}",
+            valgrind
+                .lines()
+                .filter(|l| l.contains("lost:") || l.contains("ERROR SUMMARY") || l.contains("in use at exit"))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        );
+    }
+    for mut edge in edges {
+        let _ = edge.wait();
+    }
+    server.kill().unwrap();
+    server.wait().unwrap();
+}
