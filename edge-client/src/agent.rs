@@ -7,9 +7,11 @@ use std::time::{Duration, Instant};
 use rand::RngExt;
 
 use crate::data::Dataset;
+use cohort_aggregation::ModelVector;
 use crate::model::{ModelKind, ModelSpec};
-use crate::protocol::{CoordinatorClient, Credential, ProtocolError, Task};
-use crate::train::{LocalModel, Trainer};
+use crate::protocol::{CoordinatorClient, Credential, ProtocolError, Task, TaskKind};
+use crate::train::LocalModel;
+use crate::trainer::{SharedTrainer, TrainerFailure, TrainerJob, TrainerOutput};
 
 /// What the agent needs to run.
 #[derive(Debug, Clone)]
@@ -20,8 +22,10 @@ pub struct AgentConfig {
     pub ca_pem: Option<Vec<u8>>,
     /// One-time enrolment token; needed only until the credential is stored.
     pub enrol_token: Option<String>,
-    /// The local training data.
-    pub data: Dataset,
+    /// Who trains each task: the built-in models on a local CSV
+    /// ([`BuiltInTrainer`](crate::trainer::BuiltInTrainer)), the user's program, or an
+    /// app's callback.
+    pub trainer: SharedTrainer,
     /// Where the credential is kept across restarts.
     pub state_dir: PathBuf,
     /// Stop after this long without a task (`None`: run until killed).
@@ -63,6 +67,9 @@ pub enum AgentError {
     /// Local differential privacy settings or ledger.
     #[error(transparent)]
     LocalDp(#[from] crate::local_dp::LocalDpError),
+    /// The trainer could not complete the task (or its output was refused).
+    #[error("trainer: {0}")]
+    Trainer(TrainerFailure),
 }
 
 /// What the agent did before it stopped.
@@ -76,6 +83,10 @@ pub struct AgentReport {
     pub acknowledged: Vec<(uuid::Uuid, i64, i64)>,
     /// Tasks given up (e.g. the round closed before the upload).
     pub skipped: usize,
+    /// Tasks the trainer could not complete (reported to the coordinator as failed).
+    pub failed: usize,
+    /// Evaluation tasks completed (metrics reported).
+    pub evaluations: usize,
 }
 
 /// Delay before retry number `attempt` (from 0): exponential from 0.5 s, capped at 30 s,
@@ -216,17 +227,45 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
             }
         }
         round_seed = round_seed.wrapping_add(1);
-        match serve_task(
-            &client,
-            &cred,
-            &config.data,
-            &task,
-            round_seed,
-            config.slowdown,
-            config.local_dp.as_ref(),
-        )
-        .await
-        {
+        let outcome = match task.kind {
+            TaskKind::Evaluate => {
+                serve_evaluation(&client, &cred, config.trainer.clone(), &task, round_seed).await
+            }
+            TaskKind::Train => {
+                serve_task(
+                    &client,
+                    &cred,
+                    config.trainer.clone(),
+                    &task,
+                    round_seed,
+                    config.slowdown,
+                    config.local_dp.as_ref(),
+                )
+                .await
+            }
+        };
+        match outcome {
+            Ok(()) if task.kind == TaskKind::Evaluate => {
+                report.evaluations += 1;
+                note(&format!(
+                    "evaluated experiment={} model_version={}",
+                    task.experiment_id, task.round
+                ));
+            }
+            // The trainer failed: the task is reported failed and nothing was uploaded;
+            // the next task starts afresh.
+            Err(AgentError::Trainer(failure)) => {
+                note(&format!(
+                    "task failed experiment={} round={} attempt={}: {failure}",
+                    task.experiment_id, task.round, task.attempt
+                ));
+                report.failed += 1;
+                if let Err(e) =
+                    with_retries(|| client.report_failure(&cred, &task, &failure.reason)).await
+                {
+                    note(&format!("could not report the failure: {e}"));
+                }
+            }
             Ok(()) => {
                 report.uploads += 1;
                 report
@@ -279,26 +318,133 @@ pub fn experiment_labels(data: &Dataset, classes: usize) -> Result<Vec<u32>, Age
     Ok(data.labels.iter().map(|&l| index[l as usize]).collect())
 }
 
+/// The layout of the task's model: a file model's tensors, or a built-in model's.
+fn task_layout(task: &Task) -> Result<std::sync::Arc<cohort_aggregation::Layout>, AgentError> {
+    if let Some(tensors) = &task.tensors {
+        return cohort_aggregation::Layout::new(tensors.clone())
+            .map(std::sync::Arc::new)
+            .map_err(|e| AgentError::Task(format!("the task's tensors: {e}")));
+    }
+    let kind: ModelKind = task
+        .model
+        .parse()
+        .map_err(|e| AgentError::Task(format!("{e}")))?;
+    ModelSpec::new(&kind, task.features, task.classes)
+        .map(|spec| spec.layout().clone())
+        .map_err(|e| AgentError::Task(e.to_string()))
+}
+
+/// Starts the trainer off the async threads; its output is checked before it is
+/// returned.
+fn spawn_trainer(
+    trainer: SharedTrainer,
+    task: &Task,
+    global: ModelVector,
+    version: i64,
+    seed: u64,
+) -> tokio::task::JoinHandle<Result<TrainerOutput, TrainerFailure>> {
+    let task = task.clone();
+    tokio::task::spawn_blocking(move || {
+        let job = TrainerJob {
+            task: &task,
+            global: &global,
+            model_version: version,
+            seed,
+        };
+        let output = trainer.run(&job)?;
+        crate::trainer::check_output(&job, &output)?;
+        Ok(output)
+    })
+}
+
+/// What a started trainer returned, as the agent's result.
+async fn trained(
+    handle: tokio::task::JoinHandle<Result<TrainerOutput, TrainerFailure>>,
+) -> Result<TrainerOutput, AgentError> {
+    handle
+        .await
+        .map_err(|e| {
+            AgentError::Trainer(TrainerFailure::new(format!("the trainer panicked: {e}")))
+        })?
+        .map_err(AgentError::Trainer)
+}
+
+/// Runs the trainer and checks what it returns.
+async fn run_trainer(
+    trainer: SharedTrainer,
+    task: &Task,
+    global: ModelVector,
+    version: i64,
+    seed: u64,
+) -> Result<TrainerOutput, AgentError> {
+    trained(spawn_trainer(trainer, task, global, version, seed)).await
+}
+
+/// Sends the trainer's evaluation of the model it received, when the experiment takes
+/// one. A report that does not get through is logged, not fatal: it is a report, and
+/// the update matters more.
+async fn send_evaluation(
+    client: &CoordinatorClient,
+    cred: &Credential,
+    task: &Task,
+    version: i64,
+    output: &TrainerOutput,
+) {
+    let (true, Some(evaluation)) = (task.report_metrics, &output.evaluation) else {
+        return;
+    };
+    if let Err(e) = with_retries(|| {
+        client.report_evaluation(cred, task.experiment_id, version, evaluation)
+    })
+    .await
+    {
+        note(&format!("could not report the evaluation: {e}"));
+    }
+}
+
+/// An evaluation task: the trainer evaluates the current model; only metrics are sent.
+async fn serve_evaluation(
+    client: &CoordinatorClient,
+    cred: &Credential,
+    trainer: SharedTrainer,
+    task: &Task,
+    seed: u64,
+) -> Result<(), AgentError> {
+    let layout = task_layout(task)?;
+    let (global, version) =
+        with_retries(|| client.versioned_model(cred, task.experiment_id, &layout)).await?;
+    let output = run_trainer(trainer, task, global, version, seed).await?;
+    let Some(evaluation) = &output.evaluation else {
+        return Err(AgentError::Trainer(TrainerFailure::new(
+            "an evaluation task's result has no metrics",
+        )));
+    };
+    with_retries(|| client.report_evaluation(cred, task.experiment_id, version, evaluation))
+        .await?;
+    Ok(())
+}
+
 async fn serve_task(
     client: &CoordinatorClient,
     cred: &Credential,
-    data: &Dataset,
+    trainer: SharedTrainer,
     task: &Task,
     seed: u64,
     slowdown: Duration,
     local_dp: Option<&crate::local_dp::LocalDp>,
 ) -> Result<(), AgentError> {
     if let Some(secure) = &task.secure_aggregation {
-        return serve_secure_task(client, cred, data, task, secure, seed, local_dp).await;
+        return serve_secure_task(client, cred, trainer, task, secure, seed, local_dp).await;
     }
-    let (spec, local) = local_model(data, task)?;
-    let global = with_retries(|| client.model(cred, task.experiment_id, spec.layout())).await?;
-    let train = task.train.clone();
+    let layout = task_layout(task)?;
+    let (global, version) =
+        with_retries(|| client.versioned_model(cred, task.experiment_id, &layout)).await?;
     let base = global.clone();
-    let update = tokio::task::spawn_blocking(move || local.train(&global, &train, seed))
-        .await
-        .map_err(|e| AgentError::Task(e.to_string()))?
-        .map_err(|e| AgentError::Task(e.to_string()))?;
+    let output = run_trainer(trainer, task, global, version, seed).await?;
+    if local_dp.is_none() {
+        send_evaluation(client, cred, task, version, &output).await;
+    }
+    let update = output.update.expect("checked: a training task has an update");
     if !slowdown.is_zero() {
         tokio::time::sleep(slowdown).await;
     }
@@ -308,7 +454,6 @@ async fn serve_task(
         // loss is not noised.
         Some(dp) => {
             let mut delta: Vec<f32> = update
-                .params
                 .values()
                 .iter()
                 .zip(base.values())
@@ -325,7 +470,11 @@ async fn serve_task(
                 .map_err(|e| AgentError::Task(e.to_string()))?;
             (params, 1, f64::NAN)
         }
-        None => (update.params, update.num_samples, update.train_loss),
+        None => (
+            update,
+            usize::try_from(output.num_examples).unwrap_or(usize::MAX),
+            output.train_loss.unwrap_or(f64::NAN),
+        ),
     };
     with_retries(|| client.upload(cred, task, &params, samples, loss)).await?;
     Ok(())
@@ -351,7 +500,7 @@ where
 async fn serve_secure_task(
     client: &CoordinatorClient,
     cred: &Credential,
-    data: &Dataset,
+    trainer: SharedTrainer,
     task: &Task,
     secure: &crate::protocol::SecureTask,
     seed: u64,
@@ -359,12 +508,12 @@ async fn serve_secure_task(
 ) -> Result<(), AgentError> {
     use cohort_aggregation::secagg::ClientSession;
 
-    let (spec, local) = local_model(data, task)?;
-    if secure.config.dimension != spec.num_params() {
+    let layout = task_layout(task)?;
+    if secure.config.dimension != layout.len() {
         return Err(AgentError::Task(format!(
             "the secure round expects {} parameters, the model has {}",
             secure.config.dimension,
-            spec.num_params()
+            layout.len()
         )));
     }
     let (mut session, keys) =
@@ -376,21 +525,25 @@ async fn serve_secure_task(
     );
     note(&format!("secagg advertised keys {round}"));
     // Train while the other clients advertise and share.
-    let global = with_retries(|| client.model(cred, task.experiment_id, spec.layout())).await?;
+    let (global, version) =
+        with_retries(|| client.versioned_model(cred, task.experiment_id, &layout)).await?;
     let base = global.clone();
-    let train = task.train.clone();
-    let training = tokio::task::spawn_blocking(move || local.train(&global, &train, seed));
+    let training = spawn_trainer(trainer, task, global, version, seed);
     let directory = wait_stage(|| client.key_directory(cred, task, 10)).await?;
     let shares = session.share_keys(&directory, &mut rand::rng())?;
     with_retries(|| client.send_shares(cred, task, &shares)).await?;
     note(&format!("secagg shared keys {round}"));
     let forwarded = wait_stage(|| client.forwarded_shares(cred, task, 10)).await?;
-    let update = training
-        .await
-        .map_err(|e| AgentError::Task(e.to_string()))?
-        .map_err(|e| AgentError::Task(e.to_string()))?;
+    // A failed trainer leaves the round here: nothing masked is sent, and the protocol
+    // recovers from the dropout.
+    let output = trained(training).await?;
+    if local_dp.is_none() {
+        send_evaluation(client, cred, task, version, &output).await;
+    }
+    let update = output
+        .update
+        .expect("checked: a training task has an update");
     let delta: Vec<f32> = update
-        .params
         .values()
         .iter()
         .zip(base.values())
@@ -403,14 +556,7 @@ async fn serve_secure_task(
             dp.privatize(&mut delta, &mut rand::rng());
             (0.0, 1)
         }
-        None => (
-            if update.train_loss.is_finite() {
-                update.train_loss
-            } else {
-                0.0
-            },
-            update.num_samples as u64,
-        ),
+        None => (output.train_loss.unwrap_or(0.0), output.num_examples),
     };
     // Masking is a few passes over the model: off the async threads.
     let (mut session, masked) = tokio::task::spawn_blocking(move || {
@@ -440,7 +586,7 @@ async fn serve_secure_task(
 }
 
 /// The task's model bound to the local data.
-fn local_model(data: &Dataset, task: &Task) -> Result<(ModelSpec, LocalModel), AgentError> {
+pub(crate) fn local_model(data: &Dataset, task: &Task) -> Result<(ModelSpec, LocalModel), AgentError> {
     let kind: ModelKind = task
         .model
         .parse()

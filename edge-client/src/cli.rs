@@ -21,9 +21,20 @@ pub struct EdgeArgs {
     /// One-time enrolment token (needed until the credential is stored)
     #[arg(long, env = "COHORT_ENROL_TOKEN")]
     pub enrol_token: Option<String>,
-    /// Local training data: CSV (plain or gzip) with a header row and a `label` column
-    #[arg(long, value_name = "FILE.csv")]
-    pub data: PathBuf,
+    /// Local training data for the built-in models: CSV (plain or gzip) with a header
+    /// row and a `label` column (not needed with --trainer)
+    #[arg(long, value_name = "FILE.csv", required_unless_present = "trainer")]
+    pub data: Option<PathBuf>,
+    /// Your own training program, run once per task in a fresh working folder holding
+    /// global.safetensors and task.json; it writes update.safetensors and result.json
+    /// (see examples/numpy_trainer/README.md). Split as a shell would; words naming an
+    /// existing file are made absolute
+    #[arg(long, value_name = "COMMAND", conflicts_with = "data")]
+    pub trainer: Option<String>,
+    /// Kill the trainer (and everything it started) after this many seconds; the task
+    /// is then reported failed
+    #[arg(long, value_name = "SECONDS", default_value_t = 3600, requires = "trainer")]
+    pub trainer_timeout: u64,
     /// Where the credential is kept across restarts
     #[arg(long, value_name = "DIR")]
     pub state_dir: PathBuf,
@@ -61,10 +72,33 @@ pub struct EdgeArgs {
 /// Runs the client to the end: exit status 2 for bad input, 1 for a failure, 0 when it
 /// stopped after `--idle-exit`.
 pub fn run(args: EdgeArgs) -> ExitCode {
-    let data = match crate::data::load_csv(&args.data) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("error: {e}");
+    let trainer: crate::trainer::SharedTrainer = match (&args.trainer, &args.data) {
+        (Some(command), _) => {
+            if args.trainer_timeout == 0 {
+                eprintln!("error: --trainer-timeout must be at least 1 second");
+                return ExitCode::from(2);
+            }
+            match crate::trainer::external::ExternalTrainer::new(
+                command,
+                Duration::from_secs(args.trainer_timeout),
+                &args.state_dir.join("work"),
+            ) {
+                Ok(t) => std::sync::Arc::new(t),
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            }
+        }
+        (None, Some(path)) => match crate::data::load_csv(path) {
+            Ok(d) => std::sync::Arc::new(crate::trainer::BuiltInTrainer::new(d)),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
+        },
+        (None, None) => {
+            eprintln!("error: give --data FILE.csv (built-in models) or --trainer COMMAND");
             return ExitCode::from(2);
         }
     };
@@ -108,7 +142,7 @@ pub fn run(args: EdgeArgs) -> ExitCode {
         coordinator: args.coordinator,
         ca_pem,
         enrol_token: args.enrol_token,
-        data,
+        trainer,
         state_dir: args.state_dir,
         idle_exit: args.idle_exit.map(Duration::from_secs),
         seed: args.seed,
@@ -117,7 +151,10 @@ pub fn run(args: EdgeArgs) -> ExitCode {
     };
     match runtime.block_on(run_agent(config)) {
         Ok(report) => {
-            println!("uploads={} skipped={}", report.uploads, report.skipped);
+            println!(
+                "uploads={} skipped={} failed={} evaluations={}",
+                report.uploads, report.skipped, report.failed, report.evaluations
+            );
             ExitCode::SUCCESS
         }
         Err(e) => {

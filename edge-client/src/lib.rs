@@ -9,14 +9,20 @@
 //!   evaluation, behind the [`train::Trainer`] trait.
 //! - [`protocol`]: the client side of the coordinator's REST API.
 //! - [`agent`]: the edge loop: enrol once, then check in, train, upload, with retries.
+//! - [`trainer`]: who trains a task: the built-in models, the user's own program
+//!   (`--trainer`), or an app's callback; and the checks on what they return.
+//! - [`ffi`]: the C API (`cdylib`, `staticlib`, header `include/cohort_edge.h`), for
+//!   apps that train inside their own process.
 //! - [`local_dp`]: optional local differential privacy: clip and noise before upload,
 //!   with the client's own ledger and budget.
 
 pub mod agent;
 pub mod cli;
 pub mod data;
+pub mod ffi;
 pub mod local_dp;
 pub mod model;
 pub mod partition;
 pub mod protocol;
 pub mod train;
+pub mod trainer;

@@ -51,6 +51,29 @@ pub struct Task {
     /// For a secure round: the protocol settings and this client's index.
     #[serde(default)]
     pub secure_aggregation: Option<SecureTask>,
+    /// Train and upload, or only evaluate the current model and report.
+    #[serde(default)]
+    pub kind: TaskKind,
+    /// For a model defined by a file (`model` is `file`): its tensors.
+    #[serde(default)]
+    pub tensors: Option<Vec<cohort_aggregation::TensorSpec>>,
+    /// The experiment's free-form settings for the trainer.
+    #[serde(default)]
+    pub hyperparameters: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Whether the coordinator takes this client's evaluation of the model it received.
+    #[serde(default)]
+    pub report_metrics: bool,
+}
+
+/// What a task asks for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskKind {
+    /// Train from the current model and upload the update.
+    #[default]
+    Train,
+    /// Evaluate the current model and report metrics; nothing is uploaded.
+    Evaluate,
 }
 
 /// This client's part in a secure round.
@@ -225,15 +248,71 @@ impl CoordinatorClient {
         experiment: Uuid,
         layout: &std::sync::Arc<cohort_aggregation::Layout>,
     ) -> Result<ModelVector, ProtocolError> {
+        Ok(self.versioned_model(cred, experiment, layout).await?.0)
+    }
+
+    /// The experiment's current global model in `layout`, and its version (the round
+    /// that published it).
+    pub async fn versioned_model(
+        &self,
+        cred: &Credential,
+        experiment: Uuid,
+        layout: &std::sync::Arc<cohort_aggregation::Layout>,
+    ) -> Result<(ModelVector, i64), ProtocolError> {
         let r = self
             .http
             .get(self.url(&format!("/api/v1/clients/experiments/{experiment}/model")))
             .bearer_auth(cred.bearer())
             .send()
             .await?;
-        let bytes = checked(r).await?.bytes().await?;
-        wire::decode(layout, &bytes)
-            .map_err(|e| ProtocolError::Protocol(format!("global model: {e}")))
+        let r = checked(r).await?;
+        let version = r
+            .headers()
+            .get("x-cohort-round")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<i64>().ok())
+            .ok_or_else(|| ProtocolError::Protocol("global model without x-cohort-round".into()))?;
+        let bytes = r.bytes().await?;
+        let model = wire::decode(layout, &bytes)
+            .map_err(|e| ProtocolError::Protocol(format!("global model: {e}")))?;
+        Ok((model, version))
+    }
+
+    /// Reports this client's evaluation of model `version` of `experiment`.
+    pub async fn report_evaluation(
+        &self,
+        cred: &Credential,
+        experiment: Uuid,
+        version: i64,
+        evaluation: &crate::trainer::ReportedEvaluation,
+    ) -> Result<(), ProtocolError> {
+        let body = serde_json::json!({
+            "model_version": version,
+            "num_examples": evaluation.num_examples,
+            "metrics": evaluation.metrics,
+        });
+        self.post_json(
+            cred,
+            &format!("/api/v1/clients/experiments/{experiment}/evaluations"),
+            &body,
+        )
+        .await
+    }
+
+    /// Reports that this client could not complete `task`, and why.
+    pub async fn report_failure(
+        &self,
+        cred: &Credential,
+        task: &Task,
+        reason: &str,
+    ) -> Result<(), ProtocolError> {
+        let url = format!(
+            "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/failure",
+            task.experiment_id, task.round, task.attempt
+        );
+        let reason: String = reason.chars().take(2000).collect();
+        self.post_json(cred, &url, &serde_json::json!({ "reason": reason }))
+            .await
     }
 
     fn secagg_url(task: &Task, what: &str) -> String {
