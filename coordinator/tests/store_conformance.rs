@@ -8,7 +8,7 @@ use std::str::FromStr;
 use cohort_coordinator::store::{
     BufferRules, Buffered, Experiment, ExperimentState, JobKind, JobState, NewUpload,
     ParticipationState, PublishedModel, RoundMetrics, RoundStage, SecAggMessageKind, SecureNext,
-    Store, StoreError, now_millis,
+    Store, StoreError, TaskFailure, now_millis,
 };
 use sqlx::postgres::PgConnectOptions;
 use uuid::Uuid;
@@ -122,6 +122,7 @@ conformance!(
     fedbuff_full_buffer_opens_the_next_and_stale_updates_land_in_it,
     concurrent_fedbuff_uploads_fill_each_buffer_exactly,
     fedbuff_first_buffer_opens_once_and_only_while_running,
+    a_failed_task_is_not_handed_out_again_and_frees_a_fedbuff_slot,
 );
 
 async fn experiments_round_trip_and_list_newest_first(store: &Store) {
@@ -1666,4 +1667,87 @@ async fn fedbuff_first_buffer_opens_once_and_only_while_running(store: &Store) {
         Err(StoreError::Conflict(_))
     ));
     assert!(store.latest_round(other.id).await.unwrap().is_none());
+}
+
+fn failure(round: i64, client: Uuid, reason: &str) -> TaskFailure {
+    TaskFailure {
+        round,
+        attempt: 1,
+        client_id: client,
+        reason: reason.into(),
+        at: now_millis(),
+    }
+}
+
+/// A client whose trainer fails reports it: the round counts it (so that it can close
+/// without waiting for the deadline), never offers it the same task again, and a
+/// FedBuff task's slot goes to the next client at once.
+async fn a_failed_task_is_not_handed_out_again_and_frees_a_fedbuff_slot(store: &Store) {
+    let (e, c) = running_with_clients_named(store, "failures", 2).await;
+    let t0 = now_millis();
+    store
+        .open_round(e.id, 1, 1, &c, t0 + 60_000, t0)
+        .await
+        .unwrap();
+    assert_eq!(store.pending_task(c[0]).await.unwrap().unwrap().round, 1);
+    store
+        .record_task_failure(e.id, &failure(1, c[0], "the trainer exited with 3"))
+        .await
+        .unwrap();
+    // A repeat report of the same task is ignored: the first reason stands.
+    store
+        .record_task_failure(e.id, &failure(1, c[0], "again"))
+        .await
+        .unwrap();
+    assert_eq!(store.pending_task(c[0]).await.unwrap(), None);
+    assert_eq!(store.pending_task(c[1]).await.unwrap().unwrap().round, 1);
+    assert_eq!(store.task_failure_count(e.id, 1, 1).await.unwrap(), 1);
+    let failures = store.task_failures(e.id).await.unwrap();
+    assert_eq!(failures.len(), 1, "{failures:?}");
+    assert_eq!(failures[0].reason, "the trainer exited with 3");
+    // A client that uploaded after all is counted as an upload, not a failure.
+    store
+        .record_task_failure(e.id, &failure(1, c[1], "late report"))
+        .await
+        .unwrap();
+    store
+        .record_upload(e.id, 1, 1, &upload(c[1], 10), t0 + 1)
+        .await
+        .unwrap();
+    assert_eq!(store.task_failure_count(e.id, 1, 1).await.unwrap(), 1);
+
+    let (f, d) = fedbuff_with_clients(store, 2).await;
+    let t0 = now_millis();
+    let task = store
+        .fedbuff_task(f.id, d[0], 1, TASK_MS, true, t0)
+        .await
+        .unwrap()
+        .expect("a free slot");
+    assert_eq!(
+        store
+            .fedbuff_task(f.id, d[1], 1, TASK_MS, true, t0)
+            .await
+            .unwrap(),
+        None,
+        "concurrency 1: the slot is taken"
+    );
+    store
+        .record_task_failure(f.id, &failure(task.round, d[0], "NaN weights"))
+        .await
+        .unwrap();
+    assert!(
+        store
+            .fedbuff_task(f.id, d[1], 1, TASK_MS, true, t0 + 1)
+            .await
+            .unwrap()
+            .is_some(),
+        "the failed task's slot is free before it would expire"
+    );
+    let round = store.round(f.id, 1, 1).await.unwrap();
+    assert_eq!((round.selected, round.dropped), (2, 1), "{round:?}");
+    // Its upload, should one come after all, is refused.
+    let refused = store
+        .record_fedbuff_upload(f.id, 1, 1, &upload(d[0], 5), rules(3, None, 10), t0 + 2)
+        .await;
+    assert!(matches!(refused, Err(StoreError::Conflict(_))), "{refused:?}");
 }

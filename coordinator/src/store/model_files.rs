@@ -220,25 +220,55 @@ impl Store {
     }
 
     /// Records that `client` could not complete its task of `round`/`attempt`; a repeat
-    /// report of the same task is ignored.
+    /// report of the same task is ignored. A FedBuff task it held is dropped (`failed`)
+    /// at once, so that its concurrency slot goes to the next client instead of waiting
+    /// for the task to expire; a round's task is never handed to this client again
+    /// ([`pending_task`](Self::pending_task) skips it).
     pub async fn record_task_failure(
         &self,
         experiment: Uuid,
         failure: &TaskFailure,
     ) -> Result<(), StoreError> {
+        let exp = experiment.to_string();
+        let client = failure.client_id.to_string();
         with_pool!(self, p => {
+            let mut tx = p.begin_write().await?;
             sqlx::query(
                 "INSERT INTO task_failures (experiment_id, round, attempt, client_id, reason, at) \
                  VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
             )
-            .bind(experiment.to_string())
+            .bind(&exp)
             .bind(failure.round)
             .bind(failure.attempt)
-            .bind(failure.client_id.to_string())
+            .bind(&client)
             .bind(&failure.reason)
             .bind(failure.at)
-            .execute(p)
+            .execute(&mut *tx)
             .await?;
+            let freed = sqlx::query(
+                "UPDATE participations SET state = 'dropped', dropped_stage = 'failed' \
+                 WHERE experiment_id = $1 AND round = $2 AND attempt = $3 AND client_id = $4 \
+                 AND state = 'selected' AND base_version IS NOT NULL",
+            )
+            .bind(&exp)
+            .bind(failure.round)
+            .bind(failure.attempt)
+            .bind(&client)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if freed > 0 {
+                sqlx::query(
+                    "UPDATE rounds SET dropped = dropped + 1 \
+                     WHERE experiment_id = $1 AND round = $2 AND attempt = $3",
+                )
+                .bind(&exp)
+                .bind(failure.round)
+                .bind(failure.attempt)
+                .execute(&mut *tx)
+                .await?;
+            }
+            tx.commit().await?;
         });
         Ok(())
     }

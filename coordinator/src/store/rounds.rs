@@ -932,7 +932,8 @@ type PendingRow = (String, i64, i64, Option<i64>, Option<String>, Option<i64>);
 impl Store {
     /// The oldest round attempt that `client` is selected for and should start now: a
     /// plain round collecting uploads it has not uploaded to, or a secure round
-    /// collecting public keys it has not advertised. (FedBuff tasks are not rounds a client
+    /// collecting public keys it has not advertised; never one it reported it could not
+    /// complete. (FedBuff tasks are not rounds a client
     /// is selected for; [`fedbuff_task`](Self::fedbuff_task) hands them out.)
     pub async fn pending_task(&self, client: Uuid) -> Result<Option<PendingTask>, StoreError> {
         with_pool!(self, p => {
@@ -943,6 +944,9 @@ impl Store {
                  WHERE p.client_id = $1 AND p.state = 'selected' AND p.base_version IS NULL \
                    AND ((r.stage = 'collecting' AND r.secagg IS NULL) \
                      OR (r.stage = 'advertising' AND p.secagg_stage IS NULL)) \
+                   AND NOT EXISTS (SELECT 1 FROM task_failures f \
+                     WHERE f.experiment_id = p.experiment_id AND f.round = p.round \
+                       AND f.attempt = p.attempt AND f.client_id = p.client_id) \
                  ORDER BY r.started_at LIMIT 1",
             )
             .bind(client.to_string())
