@@ -153,6 +153,10 @@ async fn a_c_app_completes_rounds_through_the_c_api() {
             "--errors-for-leak-kinds=definite",
             "--error-exitcode=99",
         ])
+        .arg(format!(
+            "--suppressions={}",
+            repo().join("tests/c/valgrind.supp").display()
+        ))
         .arg(format!("--log-file={}", dir.path().join("valgrind.log").display()))
         .arg(&app);
         c
