@@ -294,7 +294,12 @@ mod tests {
         ));
         let nan = file(&[
             ("fc1.weight", Dtype::F32, vec![3, 2], w1.clone()),
-            ("fc1.bias", Dtype::F32, vec![3], f32_bytes(&[0.0, f32::NAN, 0.0])),
+            (
+                "fc1.bias",
+                Dtype::F32,
+                vec![3],
+                f32_bytes(&[0.0, f32::NAN, 0.0]),
+            ),
             ("fc2.weight", Dtype::F32, vec![2, 3], w2.clone()),
         ]);
         assert!(matches!(

@@ -98,13 +98,8 @@ async fn a_c_app_completes_rounds_through_the_c_api() {
     let base = format!("https://127.0.0.1:{port}");
     let mut server = spawn_serve(&data_dir, port, None);
     let http = wait_healthy(&base, &ca).await;
-    let (csvs, _) = write_digits_partitions(
-        &dir.path().join("sites"),
-        3,
-        &PartitionScheme::Iid,
-        0,
-    )
-    .unwrap();
+    let (csvs, _) =
+        write_digits_partitions(&dir.path().join("sites"), 3, &PartitionScheme::Iid, 0).unwrap();
     let exp = admin(
         &http,
         &base,
@@ -120,7 +115,7 @@ async fn a_c_app_completes_rounds_through_the_c_api() {
     .await;
     let id = exp["id"].as_str().unwrap().to_string();
     let mut edges = Vec::new();
-    for site in 0..2 {
+    for (site, csv) in csvs.iter().take(2).enumerate() {
         let issued = admin(
             &http,
             &base,
@@ -131,7 +126,7 @@ async fn a_c_app_completes_rounds_through_the_c_api() {
         .await;
         let token = issued["token"].as_str().unwrap();
         edges.push(
-            common::edge_command(site, &base, &ca, &csvs[site], dir.path(), token, 15)
+            common::edge_command(site, &base, &ca, csv, dir.path(), token, 15)
                 .stderr(Stdio::null())
                 .spawn()
                 .unwrap(),
@@ -157,7 +152,10 @@ async fn a_c_app_completes_rounds_through_the_c_api() {
             "--suppressions={}",
             repo().join("tests/c/valgrind.supp").display()
         ))
-        .arg(format!("--log-file={}", dir.path().join("valgrind.log").display()))
+        .arg(format!(
+            "--log-file={}",
+            dir.path().join("valgrind.log").display()
+        ))
         .arg(&app);
         c
     } else {
@@ -215,14 +213,17 @@ async fn a_c_app_completes_rounds_through_the_c_api() {
     assert!(stdout.contains("enrolled=1 uploads=3 failed=0"), "{stdout}");
     if !valgrind.is_empty() {
         assert!(
-            valgrind.contains("definitely lost: 0 bytes") || valgrind.contains("no leaks are possible"),
+            valgrind.contains("definitely lost: 0 bytes")
+                || valgrind.contains("no leaks are possible"),
             "{valgrind}"
         );
         eprintln!(
             "valgrind: {}",
             valgrind
                 .lines()
-                .filter(|l| l.contains("lost:") || l.contains("ERROR SUMMARY") || l.contains("in use at exit"))
+                .filter(|l| l.contains("lost:")
+                    || l.contains("ERROR SUMMARY")
+                    || l.contains("in use at exit"))
                 .collect::<Vec<_>>()
                 .join(" | ")
         );

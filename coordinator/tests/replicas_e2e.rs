@@ -72,7 +72,9 @@ async fn two_coordinators_on_one_postgres_never_run_the_same_job() {
             coordinator: base.clone(),
             ca_pem: Some(std::fs::read(&ca).unwrap()),
             enrol_token: Some(issued["token"].as_str().unwrap().to_string()),
-            trainer: std::sync::Arc::new(cohort_edge::trainer::BuiltInTrainer::new(common::blob_data(120, i as f32 * 0.1))),
+            trainer: std::sync::Arc::new(cohort_edge::trainer::BuiltInTrainer::new(
+                common::blob_data(120, i as f32 * 0.1),
+            )),
             state_dir: dir.path().join(format!("agent-{i}")),
             idle_exit: Some(Duration::from_secs(6)),
             seed: i,

@@ -1233,7 +1233,9 @@ async fn edge_agents_enrol_train_and_upload_until_the_experiment_finishes() {
             coordinator: server.base.clone(),
             ca_pem: Some(ca.clone()),
             enrol_token: Some(token),
-            trainer: std::sync::Arc::new(cohort_edge::trainer::BuiltInTrainer::new(common::blob_data(40, i as f32 * 0.2))),
+            trainer: std::sync::Arc::new(cohort_edge::trainer::BuiltInTrainer::new(
+                common::blob_data(40, i as f32 * 0.2),
+            )),
             state_dir,
             idle_exit: Some(Duration::from_secs(3)),
             seed: i,
@@ -1274,7 +1276,9 @@ async fn edge_agents_enrol_train_and_upload_until_the_experiment_finishes() {
         coordinator: server.base.clone(),
         ca_pem: Some(ca),
         enrol_token: None,
-        trainer: std::sync::Arc::new(cohort_edge::trainer::BuiltInTrainer::new(common::blob_data(10, 0.0))),
+        trainer: std::sync::Arc::new(cohort_edge::trainer::BuiltInTrainer::new(
+            common::blob_data(10, 0.0),
+        )),
         state_dir: server._dir.as_ref().unwrap().path().join("agent-0"),
         idle_exit: Some(Duration::from_millis(100)),
         seed: 9,

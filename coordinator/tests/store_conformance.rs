@@ -1749,5 +1749,8 @@ async fn a_failed_task_is_not_handed_out_again_and_frees_a_fedbuff_slot(store: &
     let refused = store
         .record_fedbuff_upload(f.id, 1, 1, &upload(d[0], 5), rules(3, None, 10), t0 + 2)
         .await;
-    assert!(matches!(refused, Err(StoreError::Conflict(_))), "{refused:?}");
+    assert!(
+        matches!(refused, Err(StoreError::Conflict(_))),
+        "{refused:?}"
+    );
 }

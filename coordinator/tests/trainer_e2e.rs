@@ -66,6 +66,14 @@ async fn upload_model(http: &reqwest::Client, base: &str, file: &Path) -> serde_
     r.json().await.unwrap()
 }
 
+/// The user's program as `cohort edge` runs it.
+struct Trainer<'a> {
+    /// `--trainer`.
+    command: &'a str,
+    /// `--trainer-timeout`, seconds.
+    timeout: u64,
+}
+
 /// `cohort edge --trainer COMMAND` for site `site`; stderr to `dir/edge-<site>.log`.
 fn spawn_trainer_edge(
     site: usize,
@@ -73,8 +81,7 @@ fn spawn_trainer_edge(
     ca: &Path,
     dir: &Path,
     token: &str,
-    trainer: &str,
-    timeout: u64,
+    trainer: Trainer<'_>,
     idle_exit: u64,
 ) -> (Child, PathBuf) {
     let log = dir.join(format!("edge-{site}.log"));
@@ -91,9 +98,9 @@ fn spawn_trainer_edge(
         .arg("--seed")
         .arg(site.to_string())
         .arg("--trainer")
-        .arg(trainer)
+        .arg(trainer.command)
         .arg("--trainer-timeout")
-        .arg(timeout.to_string())
+        .arg(trainer.timeout.to_string())
         .env("COHORT_ENROL_TOKEN", token)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -209,7 +216,10 @@ async fn numpy_trainers_train_a_file_model_under_secure_aggregation() {
     )
     .await;
     let id = exp["id"].as_str().unwrap().to_string();
-    assert_eq!(exp["spec"]["tensors"], tensors, "the coordinator records the tensors");
+    assert_eq!(
+        exp["spec"]["tensors"], tensors,
+        "the coordinator records the tensors"
+    );
     let mut edges = Vec::new();
     for (site, csv) in csvs.iter().enumerate() {
         let t = token(&http, &base, &format!("site-{site}")).await;
@@ -224,8 +234,10 @@ async fn numpy_trainers_train_a_file_model_under_secure_aggregation() {
             &ca,
             dir.path(),
             &t,
-            &trainer,
-            120,
+            Trainer {
+                command: &trainer,
+                timeout: 120,
+            },
             20,
         ));
     }
@@ -294,7 +306,10 @@ async fn numpy_trainers_train_a_file_model_under_secure_aggregation() {
         .iter()
         .find(|r| r["round"] == 10 && r["stage"] == "published")
         .unwrap();
-    assert_eq!(last_round["client_evaluation"]["clients"], SITES, "{last_round:#}");
+    assert_eq!(
+        last_round["client_evaluation"]["clients"], SITES,
+        "{last_round:#}"
+    );
 
     // The global model, downloaded as safetensors, loads in NumPy with the uploaded
     // names and shapes.
@@ -329,7 +344,11 @@ async fn numpy_trainers_train_a_file_model_under_secure_aggregation() {
     let loaded: serde_json::Map<String, serde_json::Value> =
         serde_json::from_slice(&out.stdout).unwrap();
     for t in tensors.as_array().unwrap() {
-        assert_eq!(loaded[t["name"].as_str().unwrap()], t["shape"], "{loaded:?}");
+        assert_eq!(
+            loaded[t["name"].as_str().unwrap()],
+            t["shape"],
+            "{loaded:?}"
+        );
     }
     assert_eq!(loaded.len(), 4);
 
@@ -394,8 +413,30 @@ async fn trainer_faults_are_reported_and_the_client_carries_on() {
     let faulty = format!("python3 {} --fault-by-round", script.display());
     let t0 = token(&http, &base, "good").await;
     let t1 = token(&http, &base, "faulty").await;
-    let mut good_edge = spawn_trainer_edge(0, &base, &ca, dir.path(), &t0, &good, 20, 15);
-    let mut faulty_edge = spawn_trainer_edge(1, &base, &ca, dir.path(), &t1, &faulty, 3, 15);
+    let mut good_edge = spawn_trainer_edge(
+        0,
+        &base,
+        &ca,
+        dir.path(),
+        &t0,
+        Trainer {
+            command: &good,
+            timeout: 20,
+        },
+        15,
+    );
+    let mut faulty_edge = spawn_trainer_edge(
+        1,
+        &base,
+        &ca,
+        dir.path(),
+        &t1,
+        Trainer {
+            command: &faulty,
+            timeout: 3,
+        },
+        15,
+    );
     wait_clients(&http, &base, 2).await;
     admin(
         &http,
@@ -425,7 +466,10 @@ async fn trainer_faults_are_reported_and_the_client_carries_on() {
             .iter()
             .find(|r| r["round"] == round && r["stage"] == "published")
             .unwrap_or_else(|| panic!("round {round} published: {rounds:#?}"));
-        assert_eq!(r["reported"], 1, "round {round}: only the good client uploaded");
+        assert_eq!(
+            r["reported"], 1,
+            "round {round}: only the good client uploaded"
+        );
         let failures = r["failures"].as_array().unwrap();
         assert_eq!(failures.len(), 1, "round {round}: {failures:?}");
         assert_eq!(failures[0]["client_id"], faulty_id);
@@ -446,7 +490,10 @@ async fn trainer_faults_are_reported_and_the_client_carries_on() {
             .iter()
             .find(|p| p["client_id"] == faulty_id)
             .unwrap();
-        assert_ne!(faulty_part["state"], "uploaded", "round {round}: {faulty_part}");
+        assert_ne!(
+            faulty_part["state"], "uploaded",
+            "round {round}: {faulty_part}"
+        );
     }
     // Round 1's reason carries the program's own last words.
     let round1 = rounds.iter().find(|r| r["round"] == 1).unwrap();

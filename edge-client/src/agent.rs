@@ -7,11 +7,11 @@ use std::time::{Duration, Instant};
 use rand::RngExt;
 
 use crate::data::Dataset;
-use cohort_aggregation::ModelVector;
 use crate::model::{ModelKind, ModelSpec};
 use crate::protocol::{CoordinatorClient, Credential, ProtocolError, Task, TaskKind};
 use crate::train::LocalModel;
 use crate::trainer::{SharedTrainer, TrainerFailure, TrainerJob, TrainerOutput};
+use cohort_aggregation::ModelVector;
 
 /// What the agent needs to run.
 #[derive(Debug, Clone)]
@@ -393,10 +393,9 @@ async fn send_evaluation(
     let (true, Some(evaluation)) = (task.report_metrics, &output.evaluation) else {
         return;
     };
-    if let Err(e) = with_retries(|| {
-        client.report_evaluation(cred, task.experiment_id, version, evaluation)
-    })
-    .await
+    if let Err(e) =
+        with_retries(|| client.report_evaluation(cred, task.experiment_id, version, evaluation))
+            .await
     {
         note(&format!("could not report the evaluation: {e}"));
     }
@@ -444,7 +443,9 @@ async fn serve_task(
     if local_dp.is_none() {
         send_evaluation(client, cred, task, version, &output).await;
     }
-    let update = output.update.expect("checked: a training task has an update");
+    let update = output
+        .update
+        .expect("checked: a training task has an update");
     if !slowdown.is_zero() {
         tokio::time::sleep(slowdown).await;
     }
@@ -586,7 +587,10 @@ async fn serve_secure_task(
 }
 
 /// The task's model bound to the local data.
-pub(crate) fn local_model(data: &Dataset, task: &Task) -> Result<(ModelSpec, LocalModel), AgentError> {
+pub(crate) fn local_model(
+    data: &Dataset,
+    task: &Task,
+) -> Result<(ModelSpec, LocalModel), AgentError> {
     let kind: ModelKind = task
         .model
         .parse()

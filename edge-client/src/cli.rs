@@ -33,7 +33,12 @@ pub struct EdgeArgs {
     pub trainer: Option<String>,
     /// Kill the trainer (and everything it started) after this many seconds; the task
     /// is then reported failed
-    #[arg(long, value_name = "SECONDS", default_value_t = 3600, requires = "trainer")]
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 3600,
+        requires = "trainer"
+    )]
     pub trainer_timeout: u64,
     /// Where the credential is kept across restarts
     #[arg(long, value_name = "DIR")]

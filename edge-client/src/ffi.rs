@@ -30,9 +30,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::protocol::TaskKind;
-use crate::trainer::{
-    ReportedEvaluation, TaskTrainer, TrainerFailure, TrainerJob, TrainerOutput,
-};
+use crate::trainer::{ReportedEvaluation, TaskTrainer, TrainerFailure, TrainerJob, TrainerOutput};
 
 /// Result codes of every function.
 #[repr(C)]
@@ -197,7 +195,10 @@ fn guarded(err: *mut CohortError, body: impl FnOnce() -> Result<(), Failure>) ->
             .map(|s| s.to_string())
             .or_else(|| panic.downcast_ref::<String>().cloned())
             .unwrap_or_else(|| "unknown".into());
-        Err(Failure(CohortCode::CohortInternal, format!("internal error: {what}")))
+        Err(Failure(
+            CohortCode::CohortInternal,
+            format!("internal error: {what}"),
+        ))
     });
     match outcome {
         Ok(()) => {
@@ -237,7 +238,10 @@ pub unsafe extern "C" fn cohort_client_new(
             .to_str()
             .map_err(|_| invalid("config_json is not UTF-8"))?;
         let config: ClientConfig = serde_json::from_str(text).map_err(|e| {
-            Failure(CohortCode::CohortInvalidConfig, format!("configuration: {e}"))
+            Failure(
+                CohortCode::CohortInvalidConfig,
+                format!("configuration: {e}"),
+            )
         })?;
         if config.ca_cert_file.is_some() && config.ca_cert_pem.is_some() {
             return Err(Failure(
@@ -285,8 +289,8 @@ unsafe impl Sync for CallbackTrainer {}
 
 impl TaskTrainer for CallbackTrainer {
     fn run(&self, job: &TrainerJob<'_>) -> Result<TrainerOutput, TrainerFailure> {
-        let tensors = serde_json::to_string(job.global.layout().tensors())
-            .expect("tensor specs serialise");
+        let tensors =
+            serde_json::to_string(job.global.layout().tensors()).expect("tensor specs serialise");
         let hyper = serde_json::to_string(&job.task.hyperparameters.clone().unwrap_or_default())
             .expect("a JSON object serialises");
         let tensors = CString::new(tensors).map_err(|e| TrainerFailure::new(e.to_string()))?;
@@ -356,12 +360,13 @@ impl TaskTrainer for CallbackTrainer {
         if !result.eval_loss.is_nan() {
             metrics.insert("loss".to_string(), result.eval_loss);
         }
-        let evaluation = (!metrics.is_empty()).then(|| ReportedEvaluation {
-            num_examples: if result.eval_num_examples == 0 {
-                result.num_examples
-            } else {
-                result.eval_num_examples
-            },
+        let eval_examples = if result.eval_num_examples == 0 {
+            result.num_examples
+        } else {
+            result.eval_num_examples
+        };
+        let evaluation = (!metrics.is_empty()).then_some(ReportedEvaluation {
+            num_examples: eval_examples,
             metrics,
         });
         Ok(TrainerOutput {

@@ -292,30 +292,30 @@ impl ExperimentSpec {
             ),
             Ok(_) => {}
         }
-        if let Some(secure) = &self.secure_aggregation {
-            if let Err(e) = secure.validate(self.selected_per_round(), params.unwrap_or(1)) {
-                let field = [
-                    "advertise_seconds",
-                    "share_seconds",
-                    "unmask_seconds",
-                    "neighbours",
-                    "threshold",
-                    "clip",
-                    "max_weight",
-                ]
-                .into_iter()
-                .find(|name| e.starts_with(name))
-                .map_or("secure_aggregation", |name| match name {
-                    "advertise_seconds" => "secure_aggregation.advertise_seconds",
-                    "share_seconds" => "secure_aggregation.share_seconds",
-                    "unmask_seconds" => "secure_aggregation.unmask_seconds",
-                    "neighbours" => "secure_aggregation.neighbours",
-                    "threshold" => "secure_aggregation.threshold",
-                    "clip" => "secure_aggregation.clip",
-                    _ => "secure_aggregation.max_weight",
-                });
-                bad(field, format!("secure_aggregation: {e}"));
-            }
+        if let Some(secure) = &self.secure_aggregation
+            && let Err(e) = secure.validate(self.selected_per_round(), params.unwrap_or(1))
+        {
+            let field = [
+                "advertise_seconds",
+                "share_seconds",
+                "unmask_seconds",
+                "neighbours",
+                "threshold",
+                "clip",
+                "max_weight",
+            ]
+            .into_iter()
+            .find(|name| e.starts_with(name))
+            .map_or("secure_aggregation", |name| match name {
+                "advertise_seconds" => "secure_aggregation.advertise_seconds",
+                "share_seconds" => "secure_aggregation.share_seconds",
+                "unmask_seconds" => "secure_aggregation.unmask_seconds",
+                "neighbours" => "secure_aggregation.neighbours",
+                "threshold" => "secure_aggregation.threshold",
+                "clip" => "secure_aggregation.clip",
+                _ => "secure_aggregation.max_weight",
+            });
+            bad(field, format!("secure_aggregation: {e}"));
         }
         if let Some(privacy) = &self.privacy {
             for (field, message) in
@@ -582,8 +582,7 @@ async fn list_rounds(
     let id = parse_id(&id, "experiment")?;
     state.store.experiment(id).await?;
     let rounds = state.store.rounds(id).await?;
-    let mut evaluations =
-        super::models::summarise(&state.store.client_evaluations(id).await?);
+    let mut evaluations = super::models::summarise(&state.store.client_evaluations(id).await?);
     let mut failures = state.store.task_failures(id).await?;
     Ok(Json(
         rounds

@@ -219,8 +219,9 @@ async fn initial_model(
         None => None,
     };
     match (model, from_file) {
-        (_, Some(vector)) => super::models::reorder(&vector, model.layout())
-            .map_err(DriverError::Aggregation),
+        (_, Some(vector)) => {
+            super::models::reorder(&vector, model.layout()).map_err(DriverError::Aggregation)
+        }
         (ExperimentModel::BuiltIn(built_in), None) => Ok(built_in.init(spec.seed)),
         (ExperimentModel::File { id, .. }, None) => Err(DriverError::Aggregation(format!(
             "the model file {id} is missing"

@@ -21,11 +21,11 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use super::models::ExperimentModel;
 use axum::Router;
 use axum::extract::{Path, State};
 use axum::routing::get;
 use cohort_aggregation::{Layout, ModelVector, WeightedMean, wire};
-use super::models::ExperimentModel;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;

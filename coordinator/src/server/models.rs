@@ -132,7 +132,7 @@ impl ExperimentModel {
 /// the same names and shapes.
 pub fn reorder(from: &ModelVector, to: &Arc<Layout>) -> Result<ModelVector, String> {
     if from.layout().as_ref() == to.as_ref() {
-        return Ok(ModelVector::new(to.clone(), from.values().to_vec()).map_err(|e| e.to_string())?);
+        return ModelVector::new(to.clone(), from.values().to_vec()).map_err(|e| e.to_string());
     }
     let mut values = Vec::with_capacity(to.len());
     for spec in to.tensors() {
@@ -198,7 +198,8 @@ async fn upload_model(
     headers: axum::http::HeaderMap,
     body: axum::body::Bytes,
 ) -> Result<(StatusCode, Json<ModelFile>), ApiError> {
-    let Query(query) = query.map_err(|e| ApiError::unprocessable("invalid_query", e.body_text()))?;
+    let Query(query) =
+        query.map_err(|e| ApiError::unprocessable("invalid_query", e.body_text()))?;
     let is_octets = headers
         .get(axum::http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -396,11 +397,7 @@ async fn report_evaluation(
     if let Some(why) = evaluation_refusal(&spec) {
         return Err(ApiError::conflict("evaluations_not_taken", why));
     }
-    let current = state
-        .store
-        .latest_model(id)
-        .await?
-        .map_or(-1, |m| m.round);
+    let current = state.store.latest_model(id).await?.map_or(-1, |m| m.round);
     if report.model_version < 0 || report.model_version > current {
         return Err(ApiError::unprocessable(
             "invalid_evaluation",
@@ -423,7 +420,11 @@ async fn report_evaluation(
             },
         )
         .await?;
-    Ok(if new { StatusCode::CREATED } else { StatusCode::OK })
+    Ok(if new {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    })
 }
 
 /// Why an experiment takes no client evaluations, if it does not: only file models
@@ -540,7 +541,9 @@ pub struct EvaluationSummary {
 
 /// The weighted means of every model version's evaluations.
 pub fn summarise(evaluations: &[ClientEvaluation]) -> BTreeMap<i64, EvaluationSummary> {
-    let mut sums: BTreeMap<i64, (usize, i64, BTreeMap<String, (f64, f64)>)> = BTreeMap::new();
+    /// Per metric: the example-weighted sum and the weight.
+    type MetricSums = BTreeMap<String, (f64, f64)>;
+    let mut sums: BTreeMap<i64, (usize, i64, MetricSums)> = BTreeMap::new();
     for e in evaluations {
         let entry = sums.entry(e.model_version).or_default();
         entry.0 += 1;
@@ -560,6 +563,7 @@ pub fn summarise(evaluations: &[ClientEvaluation]) -> BTreeMap<i64, EvaluationSu
                     num_examples,
                     metrics: metrics
                         .into_iter()
+                        .filter(|(_, (_, weight))| *weight > 0.0)
                         .map(|(name, (sum, weight))| (name, sum / weight))
                         .collect(),
                 },
@@ -571,7 +575,14 @@ pub fn summarise(evaluations: &[ClientEvaluation]) -> BTreeMap<i64, EvaluationSu
 /// The handlers above, for the OpenAPI document.
 #[derive(utoipa::OpenApi)]
 #[openapi(
-    paths(upload_model, list_models, get_model, list_evaluations, report_evaluation, report_failure),
+    paths(
+        upload_model,
+        list_models,
+        get_model,
+        list_evaluations,
+        report_evaluation,
+        report_failure
+    ),
     components(schemas(EvaluationReport, FailureReport, EvaluationSummary, VersionEvaluation))
 )]
 pub(crate) struct ModelsDoc;
@@ -617,14 +628,28 @@ mod tests {
     #[test]
     fn reorder_maps_tensors_by_name_and_refuses_a_different_model() {
         let a = Arc::new(
-            Layout::new(vec![TensorSpec::new("b", [2]), TensorSpec::new("w", [1, 2])]).unwrap(),
+            Layout::new(vec![
+                TensorSpec::new("b", [2]),
+                TensorSpec::new("w", [1, 2]),
+            ])
+            .unwrap(),
         );
         let b = Arc::new(
-            Layout::new(vec![TensorSpec::new("w", [1, 2]), TensorSpec::new("b", [2])]).unwrap(),
+            Layout::new(vec![
+                TensorSpec::new("w", [1, 2]),
+                TensorSpec::new("b", [2]),
+            ])
+            .unwrap(),
         );
         let v = ModelVector::new(a, vec![1.0, 2.0, 3.0, 4.0]).unwrap();
         assert_eq!(reorder(&v, &b).unwrap().values(), &[3.0, 4.0, 1.0, 2.0]);
-        let c = Arc::new(Layout::new(vec![TensorSpec::new("w", [2, 1]), TensorSpec::new("b", [2])]).unwrap());
+        let c = Arc::new(
+            Layout::new(vec![
+                TensorSpec::new("w", [2, 1]),
+                TensorSpec::new("b", [2]),
+            ])
+            .unwrap(),
+        );
         assert!(reorder(&v, &c).unwrap_err().contains("shape"));
     }
 }

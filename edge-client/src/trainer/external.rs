@@ -35,7 +35,9 @@ const MAX_LINE_CHARS: usize = 2000;
 #[derive(Debug, thiserror::Error)]
 pub enum TrainerSetupError {
     /// The command line is empty or has unbalanced quotes.
-    #[error("invalid --trainer command `{0}`: give a program and its arguments, quoted as a shell would")]
+    #[error(
+        "invalid --trainer command `{0}`: give a program and its arguments, quoted as a shell would"
+    )]
     Command(String),
     /// The folder for the tasks' working folders cannot be made.
     #[error("cannot create the trainer's working folder `{path}`: {source}")]
@@ -182,8 +184,14 @@ impl ExternalTrainer {
         })?;
         let tail = Arc::new(Mutex::new(VecDeque::new()));
         let readers: Vec<_> = [
-            child.stdout.take().map(|s| Box::new(s) as Box<dyn Read + Send>),
-            child.stderr.take().map(|s| Box::new(s) as Box<dyn Read + Send>),
+            child
+                .stdout
+                .take()
+                .map(|s| Box::new(s) as Box<dyn Read + Send>),
+            child
+                .stderr
+                .take()
+                .map(|s| Box::new(s) as Box<dyn Read + Send>),
         ]
         .into_iter()
         .flatten()
@@ -267,11 +275,7 @@ fn forward_output(stream: Box<dyn Read + Send>, tail: &Mutex<VecDeque<String>>) 
         raw.clear();
         // Lines are read whole but kept cut, so a program printing without newlines
         // cannot make the client hold its output.
-        match reader
-            .by_ref()
-            .take(64 * 1024)
-            .read_until(b'\n', &mut raw)
-        {
+        match reader.by_ref().take(64 * 1024).read_until(b'\n', &mut raw) {
             Ok(0) | Err(_) => return,
             Ok(_) => {}
         }
@@ -355,8 +359,8 @@ fn read_result(path: &Path) -> Result<ResultReport, TrainerFailure> {
             }
         }
     }
-    let num_examples = num_examples
-        .ok_or_else(|| TrainerFailure::new("result.json has no `num_examples`"))?;
+    let num_examples =
+        num_examples.ok_or_else(|| TrainerFailure::new("result.json has no `num_examples`"))?;
     let evaluation = (!metrics.is_empty()).then(|| ReportedEvaluation {
         num_examples: eval_examples.unwrap_or(num_examples),
         metrics,
@@ -375,7 +379,11 @@ fn read_update(
 ) -> Result<cohort_aggregation::ModelVector, TrainerFailure> {
     let size = match std::fs::metadata(path) {
         Ok(m) => m.len(),
-        Err(_) => return Err(TrainerFailure::new("the trainer wrote no update.safetensors")),
+        Err(_) => {
+            return Err(TrainerFailure::new(
+                "the trainer wrote no update.safetensors",
+            ));
+        }
     };
     // Refused before it is read: a runaway program must not fill the client's memory.
     if size > max_bytes as u64 {
@@ -409,8 +417,15 @@ mod tests {
     }
 
     fn global() -> ModelVector {
-        let layout = Layout::new(vec![TensorSpec::new("w", [2, 2]), TensorSpec::new("b", [2])]);
-        ModelVector::new(Arc::new(layout.unwrap()), vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap()
+        let layout = Layout::new(vec![
+            TensorSpec::new("w", [2, 2]),
+            TensorSpec::new("b", [2]),
+        ]);
+        ModelVector::new(
+            Arc::new(layout.unwrap()),
+            vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+        )
+        .unwrap()
     }
 
     fn run(script: &str, timeout: Duration) -> (Result<TrainerOutput, TrainerFailure>, PathBuf) {
@@ -477,9 +492,15 @@ mod tests {
         let reason = out.unwrap_err().reason;
         assert!(reason.contains("time limit of 0.5 s"), "{reason}");
         std::thread::sleep(Duration::from_millis(200));
-        let ps = Command::new("ps").args(["-eo", "pid,pgid,args"]).output().unwrap();
+        let ps = Command::new("ps")
+            .args(["-eo", "pid,pgid,args"])
+            .output()
+            .unwrap();
         let text = String::from_utf8_lossy(&ps.stdout);
-        let survivors: Vec<&str> = text.lines().filter(|l| l.trim_end().ends_with(&marker)).collect();
+        let survivors: Vec<&str> = text
+            .lines()
+            .filter(|l| l.trim_end().ends_with(&marker))
+            .collect();
         assert!(survivors.is_empty(), "the trainer survived: {survivors:?}");
     }
 
@@ -505,7 +526,10 @@ mod tests {
                  echo '{\"num_examples\": 3, \"note\": \"hi\"}' > result.json",
                 "metric `note` must be a finite number",
             ),
-            ("echo '{\"num_examples\": 3}' > result.json", "no update.safetensors"),
+            (
+                "echo '{\"num_examples\": 3}' > result.json",
+                "no update.safetensors",
+            ),
             (
                 "echo garbage > update.safetensors; echo '{\"num_examples\": 3}' > result.json",
                 "update.safetensors: not a valid safetensors file",
