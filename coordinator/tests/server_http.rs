@@ -241,6 +241,64 @@ async fn admin_route_with_the_right_token_answers() {
     server.shut_down().await.unwrap();
 }
 
+/// `/metrics` is for the operator: the admin token or nothing. With it, Prometheus gets
+/// the text format with this server's request series (by route template, so ids do not
+/// make a series each) and the database's counts.
+#[tokio::test]
+async fn metrics_need_the_admin_token_and_count_requests_by_route() {
+    let server = start().await;
+    assert_eq!(
+        server.get("/metrics", None).await.status(),
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        server.get("/metrics", Some("not-the-token")).await.status(),
+        StatusCode::UNAUTHORIZED
+    );
+    for _ in 0..3 {
+        assert_eq!(
+            server.get("/api/v1/health", None).await.status(),
+            StatusCode::OK
+        );
+    }
+    let missing = uuid::Uuid::new_v4();
+    let r = server
+        .get(
+            &format!("/api/v1/admin/experiments/{missing}"),
+            Some(&server.token),
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::NOT_FOUND);
+    let r = server.get("/metrics", Some(&server.token)).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert!(
+        r.headers()[reqwest::header::CONTENT_TYPE]
+            .to_str()
+            .unwrap()
+            .starts_with("text/plain; version=0.0.4")
+    );
+    let text = r.text().await.unwrap();
+    for line in [
+        "cohort_http_requests_total{method=\"GET\",route=\"/api/v1/health\",status=\"200\"} 3",
+        "cohort_http_requests_total{method=\"GET\",route=\"/api/v1/admin/experiments/{id}\",status=\"404\"} 1",
+        "cohort_http_requests_total{method=\"GET\",route=\"/metrics\",status=\"401\"} 2",
+        "cohort_http_request_duration_seconds_count{method=\"GET\",route=\"/api/v1/health\"} 3",
+        "cohort_uploads 0",
+        "cohort_clients 0",
+    ] {
+        assert!(
+            text.lines().any(|l| l == line),
+            "missing `{line}` in:\n{text}"
+        );
+    }
+    assert!(
+        !text.contains(&missing.to_string()),
+        "no raw paths as labels"
+    );
+    assert!(text.contains("cohort_process_resident_memory_bytes "));
+    server.shut_down().await.unwrap();
+}
+
 #[tokio::test]
 async fn unknown_routes_are_404_with_the_error_shape() {
     let server = start().await;

@@ -123,6 +123,7 @@ conformance!(
     concurrent_fedbuff_uploads_fill_each_buffer_exactly,
     fedbuff_first_buffer_opens_once_and_only_while_running,
     a_failed_task_is_not_handed_out_again_and_frees_a_fedbuff_slot,
+    counts_for_metrics_cover_every_table,
 );
 
 async fn experiments_round_trip_and_list_newest_first(store: &Store) {
@@ -1753,4 +1754,44 @@ async fn a_failed_task_is_not_handed_out_again_and_frees_a_fedbuff_slot(store: &
         matches!(refused, Err(StoreError::Conflict(_))),
         "{refused:?}"
     );
+}
+
+/// What `/metrics` reads from the database: every count moves with the rows behind it.
+async fn counts_for_metrics_cover_every_table(store: &Store) {
+    let empty = store.counts(0).await.unwrap();
+    assert_eq!(
+        (empty.uploads, empty.clients, empty.task_failures),
+        (0, 0, 0)
+    );
+    assert!(empty.rounds.is_empty() && empty.jobs.is_empty());
+    let (e, c) = running_with_clients_named(store, "counts", 3).await;
+    let t0 = now_millis();
+    store
+        .open_round(e.id, 1, 1, &c, t0 + 60_000, t0)
+        .await
+        .unwrap();
+    store
+        .record_upload(e.id, 1, 1, &upload(c[0], 10), t0 + 1)
+        .await
+        .unwrap();
+    store
+        .record_task_failure(e.id, &failure(1, c[1], "exit 1"))
+        .await
+        .unwrap();
+    let counts = store.counts(0).await.unwrap();
+    assert_eq!(counts.experiments, vec![("running".to_string(), 1)]);
+    assert_eq!(counts.rounds, vec![("collecting".to_string(), 1)]);
+    assert_eq!((counts.uploads, counts.upload_bytes), (1, 400));
+    assert_eq!(counts.task_failures, 1);
+    assert_eq!(counts.clients, 3);
+    // Nobody has checked in since the far future.
+    assert_eq!(store.counts(i64::MAX).await.unwrap().clients_active, 0);
+    store
+        .close_collection(e.id, 1, 1, 1, 3, t0 + 2)
+        .await
+        .unwrap();
+    let counts = store.counts(0).await.unwrap();
+    assert_eq!(counts.rounds, vec![("aggregating".to_string(), 1)]);
+    assert_eq!(counts.jobs.len(), 1, "{:?}", counts.jobs);
+    assert_eq!(counts.jobs[0].1, "queued");
 }

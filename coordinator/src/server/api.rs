@@ -164,7 +164,7 @@ pub(crate) async fn require_admin(
     Ok(next.run(request).await)
 }
 
-fn check_admin(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+pub(crate) fn check_admin(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     let mut values = headers.get_all(header::AUTHORIZATION).iter();
     let first = values.next();
     // Two Authorization headers are ambiguous; refuse rather than pick one.

@@ -176,7 +176,14 @@ pub async fn tick(state: &AppState, worker: &str) -> Result<(), DriverError> {
         .claim_job(worker, now_millis(), JOB_LEASE_MS)
         .await?
     {
-        match run_job(state, &job).await {
+        let started = std::time::Instant::now();
+        let outcome = run_job(state, &job).await;
+        state.telemetry.observe_job(
+            job.kind.as_str(),
+            outcome.is_ok(),
+            started.elapsed().as_secs_f64(),
+        );
+        match outcome {
             Ok(()) => state.store.complete_job(job.id, worker).await?,
             Err(e) => {
                 tracing::warn!(job = job.id, error = %e, "job failed");

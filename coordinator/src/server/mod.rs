@@ -22,6 +22,7 @@ pub mod privacy;
 pub mod secagg_api;
 pub mod secure_rounds;
 pub mod settings;
+pub mod telemetry;
 pub mod tls;
 
 use std::future::Future;
@@ -66,6 +67,8 @@ pub struct AppState {
     pub reducer: Arc<dyn cohort_aggregation::reduce::Reducer>,
     /// The held-out set published models are evaluated on (`--eval-data`), if any.
     pub eval: Option<Arc<cohort_edge::data::Dataset>>,
+    /// This server's request and job series, for `/metrics`.
+    pub telemetry: telemetry::Telemetry,
 }
 
 impl AppState {
@@ -85,6 +88,7 @@ impl AppState {
             blobs,
             reducer,
             eval: None,
+            telemetry: telemetry::Telemetry::new(),
         }
     }
 
@@ -182,7 +186,13 @@ pub fn app_with_admin(state: AppState, admin: Router<AppState>) -> Router {
     Router::new()
         .merge(api)
         .merge(crate::dashboard::router(state.clone()))
+        .route("/metrics", axum::routing::get(telemetry::metrics))
         .fallback(fallback)
+        // Inside the body limit and tracing, per route: the route template is known here.
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            telemetry::record_requests,
+        ))
         .layer(DefaultBodyLimit::max(state.settings.max_body_bytes))
         .layer(
             TraceLayer::new_for_http()

@@ -17,6 +17,7 @@ mod jobs;
 mod model_files;
 mod rounds;
 mod secagg;
+mod telemetry;
 mod tokens;
 
 use std::path::Path;
@@ -34,6 +35,7 @@ pub use fedbuff::{BufferRules, Buffered, BufferedUpload, FedBuffDrops, FedBuffTa
 use jobs::JobRow;
 pub use jobs::{Job, JobKind, JobState};
 pub use model_files::{ClientEvaluation, ModelFile, TaskFailure};
+pub use telemetry::StoreCounts;
 pub use rounds::{
     NewUpload, NoiseMechanism, Participation, ParticipationState, PendingTask, PublishedModel,
     Round, RoundMetrics, RoundPrivacy, RoundStage, Upload,
