@@ -299,6 +299,60 @@ async fn metrics_need_the_admin_token_and_count_requests_by_route() {
     server.shut_down().await.unwrap();
 }
 
+/// `openssl s_client` offering only `version` (`-tls1_1`, ...) to `addr`: its exit
+/// status and output. `SECLEVEL=0` lets the client offer the old versions at all, so
+/// that a refusal can only come from the server.
+fn openssl_handshake(addr: &str, version: &str) -> Option<(bool, String)> {
+    let out = std::process::Command::new("openssl")
+        .args(["s_client", "-connect", addr, version])
+        .args(["-cipher", "DEFAULT@SECLEVEL=0"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some((out.status.success(), text))
+}
+
+/// TLS 1.2 and 1.3 only: a client that offers TLS 1.0 or 1.1 gets an alert from the
+/// server, not a session.
+#[tokio::test]
+async fn only_tls_1_2_and_newer_are_spoken() {
+    let server = start().await;
+    let addr = server.base.trim_start_matches("https://").to_string();
+    let addr_for = addr.clone();
+    let results = tokio::task::spawn_blocking(move || {
+        ["-tls1", "-tls1_1", "-tls1_2", "-tls1_3"].map(|v| (v, openssl_handshake(&addr_for, v)))
+    })
+    .await
+    .unwrap();
+    if results.iter().any(|(_, r)| r.is_none()) {
+        eprintln!("skipped: the openssl command is not installed");
+        server.shut_down().await.unwrap();
+        return;
+    }
+    for (version, result) in results {
+        let (ok, text) = result.unwrap();
+        match version {
+            "-tls1_2" => assert!(ok && text.contains("Protocol  : TLSv1.2"), "{text}"),
+            "-tls1_3" => assert!(ok && text.contains("TLSv1.3"), "{text}"),
+            _ => {
+                assert!(!ok, "{version} was accepted: {text}");
+                // The refusal is the server's: an alert it sent (rustls answers a
+                // ClientHello of TLS 1.0/1.1 with handshake_failure, 40).
+                assert!(
+                    text.contains("SSL alert number"),
+                    "{version}: refused for another reason: {text}"
+                );
+            }
+        }
+    }
+    server.shut_down().await.unwrap();
+}
+
 #[tokio::test]
 async fn unknown_routes_are_404_with_the_error_shape() {
     let server = start().await;
