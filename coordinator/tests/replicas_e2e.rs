@@ -71,6 +71,7 @@ async fn two_coordinators_on_one_postgres_never_run_the_same_job() {
         let config = cohort_edge::agent::AgentConfig {
             coordinator: base.clone(),
             ca_pem: Some(std::fs::read(&ca).unwrap()),
+            identity_pem: None,
             enrol_token: Some(issued["token"].as_str().unwrap().to_string()),
             trainer: std::sync::Arc::new(cohort_edge::trainer::BuiltInTrainer::new(
                 common::blob_data(120, i as f32 * 0.1),

@@ -1344,6 +1344,7 @@ async fn edge_agents_enrol_train_and_upload_until_the_experiment_finishes() {
         let config = cohort_edge::agent::AgentConfig {
             coordinator: server.base.clone(),
             ca_pem: Some(ca.clone()),
+            identity_pem: None,
             enrol_token: Some(token),
             trainer: std::sync::Arc::new(cohort_edge::trainer::BuiltInTrainer::new(
                 common::blob_data(40, i as f32 * 0.2),
@@ -1387,6 +1388,7 @@ async fn edge_agents_enrol_train_and_upload_until_the_experiment_finishes() {
     let reused = cohort_edge::agent::run_agent(cohort_edge::agent::AgentConfig {
         coordinator: server.base.clone(),
         ca_pem: Some(ca),
+        identity_pem: None,
         enrol_token: None,
         trainer: std::sync::Arc::new(cohort_edge::trainer::BuiltInTrainer::new(
             common::blob_data(10, 0.0),

@@ -20,6 +20,9 @@ pub struct AgentConfig {
     pub coordinator: String,
     /// PEM of the CA to trust (the coordinator's dev CA), or the system roots.
     pub ca_pem: Option<Vec<u8>>,
+    /// Mutual TLS: this client's certificate chain and private key, PEM, for a
+    /// coordinator that asks for one (`cohort serve --client-ca`).
+    pub identity_pem: Option<Vec<u8>>,
     /// One-time enrolment token; needed only until the credential is stored.
     pub enrol_token: Option<String>,
     /// Who trains each task: the built-in models on a local CSV
@@ -169,7 +172,11 @@ fn note(line: &str) {
 
 /// Enrols if needed, then serves tasks until idle for `idle_exit` (or forever).
 pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
-    let client = CoordinatorClient::new(&config.coordinator, config.ca_pem.as_deref())?;
+    let client = CoordinatorClient::with_identity(
+        &config.coordinator,
+        config.ca_pem.as_deref(),
+        config.identity_pem.as_deref(),
+    )?;
     let cred = match load_credential(&config.state_dir)? {
         Some(cred) => cred,
         None => {

@@ -18,6 +18,13 @@ pub struct EdgeArgs {
     /// CA certificate (PEM) to trust for the coordinator, e.g. its dev CA
     #[arg(long, value_name = "FILE")]
     pub ca_cert: Option<PathBuf>,
+    /// Mutual TLS: this client's certificate (PEM chain), for a coordinator started with
+    /// --client-ca; needs --client-key
+    #[arg(long, value_name = "FILE", requires = "client_key")]
+    pub client_cert: Option<PathBuf>,
+    /// Mutual TLS: the private key (PEM) of --client-cert
+    #[arg(long, value_name = "FILE", requires = "client_cert")]
+    pub client_key: Option<PathBuf>,
     /// One-time enrolment token (needed until the credential is stored)
     #[arg(long, env = "COHORT_ENROL_TOKEN")]
     pub enrol_token: Option<String>,
@@ -117,6 +124,24 @@ pub fn run(args: EdgeArgs) -> ExitCode {
         },
         None => None,
     };
+    let identity_pem = match (&args.client_cert, &args.client_key) {
+        (Some(cert), Some(key)) => match (std::fs::read(cert), std::fs::read(key)) {
+            (Ok(mut pem), Ok(key_pem)) => {
+                pem.push(b'\n');
+                pem.extend_from_slice(&key_pem);
+                Some(pem)
+            }
+            (Err(e), _) => {
+                eprintln!("error: cannot read `{}`: {e}", cert.display());
+                return ExitCode::from(2);
+            }
+            (_, Err(e)) => {
+                eprintln!("error: cannot read `{}`: {e}", key.display());
+                return ExitCode::from(2);
+            }
+        },
+        _ => None,
+    };
     let local_dp = match (args.local_dp_noise_multiplier, args.local_dp_clip) {
         (Some(noise_multiplier), Some(clip)) => {
             let dp = crate::local_dp::LocalDp {
@@ -146,6 +171,7 @@ pub fn run(args: EdgeArgs) -> ExitCode {
     let config = AgentConfig {
         coordinator: args.coordinator,
         ca_pem,
+        identity_pem,
         enrol_token: args.enrol_token,
         trainer,
         state_dir: args.state_dir,

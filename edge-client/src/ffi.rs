@@ -159,6 +159,10 @@ struct ClientConfig {
     #[serde(default)]
     ca_cert_pem: Option<String>,
     #[serde(default)]
+    client_cert_file: Option<PathBuf>,
+    #[serde(default)]
+    client_key_file: Option<PathBuf>,
+    #[serde(default)]
     enrol_token: Option<String>,
     state_dir: PathBuf,
     #[serde(default)]
@@ -217,8 +221,9 @@ fn invalid(what: &str) -> Failure {
 }
 
 /// Creates a client from a JSON configuration: `coordinator` (URL), `state_dir`, and
-/// optionally `ca_cert_file` or `ca_cert_pem` (the CA to trust), `enrol_token` (needed
-/// until the credential is stored) and `seed`. Nothing is sent yet.
+/// optionally `ca_cert_file` or `ca_cert_pem` (the CA to trust), `client_cert_file` with
+/// `client_key_file` (PEM; for a coordinator that requires mutual TLS), `enrol_token`
+/// (needed until the credential is stored) and `seed`. Nothing is sent yet.
 ///
 /// # Safety
 /// `config_json` must be a zero-terminated string; `out` must point to writable
@@ -247,6 +252,12 @@ pub unsafe extern "C" fn cohort_client_new(
             return Err(Failure(
                 CohortCode::CohortInvalidConfig,
                 "configuration: give ca_cert_file or ca_cert_pem, not both".into(),
+            ));
+        }
+        if config.client_cert_file.is_some() != config.client_key_file.is_some() {
+            return Err(Failure(
+                CohortCode::CohortInvalidConfig,
+                "configuration: client_cert_file and client_key_file go together".into(),
             ));
         }
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -408,9 +419,27 @@ pub unsafe extern "C" fn cohort_client_run_pending(
             (None, Some(pem)) => Some(pem.clone().into_bytes()),
             (None, None) => None,
         };
+        let identity_pem = match (&c.client_cert_file, &c.client_key_file) {
+            (Some(cert), Some(key)) => {
+                let read = |path: &PathBuf, what: &str| {
+                    std::fs::read(path).map_err(|e| {
+                        Failure(
+                            CohortCode::CohortInvalidConfig,
+                            format!("{what} `{}`: {e}", path.display()),
+                        )
+                    })
+                };
+                let mut pem = read(cert, "client_cert_file")?;
+                pem.push(b'\n');
+                pem.extend_from_slice(&read(key, "client_key_file")?);
+                Some(pem)
+            }
+            _ => None,
+        };
         let config = crate::agent::AgentConfig {
             coordinator: c.coordinator.clone(),
             ca_pem,
+            identity_pem,
             enrol_token: c.enrol_token.clone(),
             trainer: std::sync::Arc::new(CallbackTrainer { train, user_data }),
             state_dir: c.state_dir.clone(),

@@ -194,6 +194,17 @@ impl CoordinatorClient {
     /// A client for the coordinator at `base` (`https://host:port`), trusting only
     /// `ca_pem` when given, else the system's roots.
     pub fn new(base: &str, ca_pem: Option<&[u8]>) -> Result<Self, ProtocolError> {
+        Self::with_identity(base, ca_pem, None)
+    }
+
+    /// Like [`new`](Self::new); with `identity_pem` (a certificate chain and its private
+    /// key, PEM), the client presents that certificate to a coordinator that requires
+    /// mutual TLS.
+    pub fn with_identity(
+        base: &str,
+        ca_pem: Option<&[u8]>,
+        identity_pem: Option<&[u8]>,
+    ) -> Result<Self, ProtocolError> {
         // reqwest is built without a crypto provider of its own; ring is the one.
         let _ = rustls::crypto::ring::default_provider().install_default();
         let mut builder = reqwest::Client::builder()
@@ -202,6 +213,9 @@ impl CoordinatorClient {
         if let Some(pem) = ca_pem {
             let ca = reqwest::Certificate::from_pem(pem)?;
             builder = builder.tls_certs_only([ca]);
+        }
+        if let Some(pem) = identity_pem {
+            builder = builder.identity(reqwest::Identity::from_pem(pem)?);
         }
         Ok(Self {
             base: base.trim_end_matches('/').to_string(),

@@ -258,10 +258,21 @@ fn prepare_blocking(settings: ServeSettings, store: Store) -> Result<Prepared, S
     let (tls, dev_ca_cert) = match &settings.tls {
         TlsMode::DevTls => {
             let files = tls::ensure_dev_tls(&settings.data_dir)?;
-            let config = tls::load_server_config(&files.server_cert, &files.server_key)?;
+            let config = tls::load_server_config_with_clients(
+                &files.server_cert,
+                &files.server_key,
+                settings.client_ca.as_deref(),
+            )?;
             (Some(config), Some(files.ca_cert))
         }
-        TlsMode::Files { cert, key } => (Some(tls::load_server_config(cert, key)?), None),
+        TlsMode::Files { cert, key } => (
+            Some(tls::load_server_config_with_clients(
+                cert,
+                key,
+                settings.client_ca.as_deref(),
+            )?),
+            None,
+        ),
         TlsMode::InsecureHttp => (None, None),
     };
     let (admin, generated_admin_token) =

@@ -98,6 +98,9 @@ pub struct ServeSettings {
     /// A held-out labelled CSV the coordinator evaluates every published model on (test
     /// accuracy and loss per round), for experiments whose features and classes match it.
     pub eval_data: Option<PathBuf>,
+    /// Mutual TLS: a PEM file of the CA certificates every TLS client must present a
+    /// certificate from.
+    pub client_ca: Option<PathBuf>,
 }
 
 /// Why the settings cannot be used. Messages name the setting and, except for secrets,
@@ -155,6 +158,9 @@ pub enum SettingsError {
         /// The minimum.
         min: usize,
     },
+    /// Mutual TLS was asked for without TLS.
+    #[error("--client-ca needs TLS (--dev-tls or --tls-cert/--tls-key), not --insecure-http")]
+    ClientCaWithoutTls,
     /// The body limit is zero.
     #[error("max body bytes must be at least 1")]
     ZeroMaxBodyBytes,
@@ -214,6 +220,10 @@ pub struct ServeFlags {
     /// experiments whose features and classes match it [env: COHORT_EVAL_DATA]
     #[arg(long, value_name = "FILE")]
     pub eval_data: Option<PathBuf>,
+    /// Mutual TLS: every client (edge clients, API callers, the dashboard's browser)
+    /// must present a certificate issued by a CA in this PEM file [env: COHORT_CLIENT_CA]
+    #[arg(long, value_name = "FILE")]
+    pub client_ca: Option<PathBuf>,
 }
 
 /// `cohort serve`'s command line: an optional config file plus the flags.
@@ -242,6 +252,7 @@ struct Layer {
     max_body_bytes: Option<usize>,
     reducer: Option<cohort_aggregation::reduce::ReducerChoice>,
     eval_data: Option<PathBuf>,
+    client_ca: Option<PathBuf>,
 }
 
 impl Layer {
@@ -259,6 +270,7 @@ impl Layer {
             max_body_bytes: over.max_body_bytes.or(self.max_body_bytes),
             reducer: over.reducer.or(self.reducer),
             eval_data: over.eval_data.or(self.eval_data),
+            client_ca: over.client_ca.or(self.client_ca),
         }
     }
 
@@ -331,6 +343,7 @@ impl Layer {
                 })
                 .transpose()?,
             eval_data: get("COHORT_EVAL_DATA").map(PathBuf::from),
+            client_ca: get("COHORT_CLIENT_CA").map(PathBuf::from),
         })
     }
 
@@ -348,6 +361,7 @@ impl Layer {
             max_body_bytes: flags.max_body_bytes,
             reducer: flags.reducer,
             eval_data: flags.eval_data,
+            client_ca: flags.client_ca,
         }
     }
 }
@@ -392,6 +406,9 @@ impl ServeSettings {
 
     fn validate(layer: Layer) -> Result<Self, SettingsError> {
         let tls = tls_mode(&layer)?;
+        if layer.client_ca.is_some() && tls == TlsMode::InsecureHttp {
+            return Err(SettingsError::ClientCaWithoutTls);
+        }
         let data_dir = layer
             .data_dir
             .unwrap_or_else(|| PathBuf::from(DEFAULT_DATA_DIR));
@@ -436,13 +453,16 @@ impl ServeSettings {
             max_body_bytes,
             reducer: layer.reducer.unwrap_or_default(),
             eval_data: layer.eval_data,
+            client_ca: layer.client_ca,
         })
     }
 }
 
 /// Maps an arbitrary `COHORT_*` name to the static name used in errors.
 fn known_var(key: &str) -> &'static str {
-    const KNOWN: [&str; 10] = [
+    const KNOWN: [&str; 12] = [
+        "COHORT_EVAL_DATA",
+        "COHORT_CLIENT_CA",
         "COHORT_LISTEN",
         "COHORT_DATA_DIR",
         "COHORT_DATABASE_URL",
@@ -634,6 +654,22 @@ mod tests {
                 key: "/flag-k.pem".into()
             }
         );
+    }
+
+    /// Mutual TLS is a TLS setting: from the file, the environment or the flags, and
+    /// refused without TLS instead of silently serving without client certificates.
+    #[test]
+    fn client_ca_needs_tls() {
+        let file = write_config("dev-tls = true\nclient-ca = \"/from/file.pem\"\n");
+        let s = ServeSettings::from_sources(Some(file.path()), &env(&[]), ServeFlags::default())
+            .unwrap();
+        assert_eq!(s.client_ca, Some(PathBuf::from("/from/file.pem")));
+        let e = env(&[("COHORT_CLIENT_CA", "/env.pem"), ("COHORT_DEV_TLS", "1")]);
+        let s = ServeSettings::from_sources(None, &e, ServeFlags::default()).unwrap();
+        assert_eq!(s.client_ca, Some(PathBuf::from("/env.pem")));
+        let e = env(&[("COHORT_CLIENT_CA", "/env.pem")]);
+        let err = ServeSettings::from_sources(None, &e, insecure()).unwrap_err();
+        assert!(matches!(err, SettingsError::ClientCaWithoutTls), "{err}");
     }
 
     #[test]

@@ -178,6 +178,17 @@ fn set_validity(params: &mut CertificateParams) {
 /// Builds a rustls server configuration (ring provider, ALPN `h2` and `http/1.1`) from a
 /// PEM certificate chain and a PEM private key.
 pub fn load_server_config(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, TlsError> {
+    load_server_config_with_clients(cert, key, None)
+}
+
+/// Like [`load_server_config`]; with `client_ca`, mutual TLS: every client must present
+/// a certificate that chains to one of the CA certificates in that PEM file, or the
+/// handshake fails before any HTTP is read.
+pub fn load_server_config_with_clients(
+    cert: &Path,
+    key: &Path,
+    client_ca: Option<&Path>,
+) -> Result<Arc<ServerConfig>, TlsError> {
     let cert_pem = read(cert)?;
     let chain = CertificateDer::pem_slice_iter(&cert_pem)
         .collect::<Result<Vec<_>, _>>()
@@ -205,14 +216,43 @@ pub fn load_server_config(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, 
         key: key.to_path_buf(),
         source,
     };
-    let mut config = ServerConfig::builder_with_provider(provider)
+    let versions = ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
-        .map_err(config_error)?
-        .with_no_client_auth()
+        .map_err(config_error)?;
+    let builder = match client_ca {
+        None => versions.with_no_client_auth(),
+        Some(ca) => versions.with_client_cert_verifier(client_verifier(ca, provider)?),
+    };
+    let mut config = builder
         .with_single_cert(chain, private_key)
         .map_err(config_error)?;
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(Arc::new(config))
+}
+
+/// A verifier that accepts only client certificates issued by the CAs in `ca`.
+fn client_verifier(
+    ca: &Path,
+    provider: Arc<rustls::crypto::CryptoProvider>,
+) -> Result<Arc<dyn rustls::server::danger::ClientCertVerifier>, TlsError> {
+    let pem = read(ca)?;
+    let pem_error = |message: String| TlsError::Pem {
+        path: ca.to_path_buf(),
+        message,
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(&pem) {
+        let cert = cert.map_err(|e| pem_error(e.to_string()))?;
+        roots
+            .add(cert)
+            .map_err(|e| pem_error(format!("not a usable CA certificate: {e}")))?;
+    }
+    if roots.is_empty() {
+        return Err(pem_error("no CERTIFICATE section found".into()));
+    }
+    rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+        .build()
+        .map_err(|e| pem_error(format!("cannot verify clients with it: {e}")))
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
