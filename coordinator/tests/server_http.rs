@@ -353,6 +353,191 @@ async fn only_tls_1_2_and_newer_are_spoken() {
     server.shut_down().await.unwrap();
 }
 
+/// Every admin action leaves an entry in the audit log, which the API pages through
+/// newest first.
+#[tokio::test]
+async fn every_admin_action_is_in_the_audit_log() {
+    let server = start().await;
+    let token = server.token.clone();
+    let call = |method: reqwest::Method, path: &str, body: Option<serde_json::Value>| {
+        let mut req = server
+            .client
+            .request(method, server.url(path))
+            .bearer_auth(&token);
+        if let Some(body) = body {
+            req = req.json(&body);
+        }
+        req.send()
+    };
+    let exp: serde_json::Value = call(
+        reqwest::Method::POST,
+        "/api/v1/admin/experiments",
+        Some(
+            serde_json::json!({"name": "audited", "features": 64, "classes": 10,
+                                "model": "logreg", "rounds": 1, "clients_per_round": 1,
+                                "min_participants": 1}),
+        ),
+    )
+    .await
+    .unwrap()
+    .json()
+    .await
+    .unwrap();
+    let id = exp["id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{exp}"))
+        .to_string();
+    for action in ["start", "pause", "resume", "stop"] {
+        let r = call(
+            reqwest::Method::POST,
+            &format!("/api/v1/admin/experiments/{id}/{action}"),
+            None,
+        )
+        .await
+        .unwrap();
+        assert!(r.status().is_success(), "{action}: {}", r.status());
+    }
+    let issued: serde_json::Value = call(
+        reqwest::Method::POST,
+        "/api/v1/admin/enrolment-tokens",
+        Some(serde_json::json!({"label": "site"})),
+    )
+    .await
+    .unwrap()
+    .json()
+    .await
+    .unwrap();
+    let enrolled: serde_json::Value = server
+        .client
+        .post(server.url("/api/v1/clients/enrol"))
+        .json(&serde_json::json!({"token": issued["token"]}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let client = enrolled["client_id"].as_str().unwrap().to_string();
+    let r = call(
+        reqwest::Method::POST,
+        &format!("/api/v1/admin/clients/{client}/revoke"),
+        None,
+    )
+    .await
+    .unwrap();
+    assert!(r.status().is_success());
+    let unused: serde_json::Value = call(
+        reqwest::Method::POST,
+        "/api/v1/admin/enrolment-tokens",
+        Some(serde_json::json!({"label": "never used"})),
+    )
+    .await
+    .unwrap()
+    .json()
+    .await
+    .unwrap();
+    let r = call(
+        reqwest::Method::POST,
+        &format!(
+            "/api/v1/admin/enrolment-tokens/{}/revoke",
+            unused["id"].as_str().unwrap()
+        ),
+        None,
+    )
+    .await
+    .unwrap();
+    assert!(r.status().is_success());
+    let layout = std::sync::Arc::new(
+        cohort_aggregation::Layout::new(vec![cohort_aggregation::TensorSpec::new("w", [2])])
+            .unwrap(),
+    );
+    let model = cohort_aggregation::ModelVector::new(layout, vec![0.0; 2]).unwrap();
+    let r = server
+        .client
+        .post(server.url("/api/v1/admin/models?name=m"))
+        .bearer_auth(&token)
+        .header("content-type", "application/octet-stream")
+        .body(cohort_aggregation::model_file::encode(
+            &model,
+            Default::default(),
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+
+    let log: Vec<serde_json::Value> = server
+        .get("/api/v1/admin/audit?limit=1000", Some(&token))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let actions: Vec<(&str, &str)> = log
+        .iter()
+        .map(|e| {
+            (
+                e["action"].as_str().unwrap(),
+                e["subject"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    for (action, subject) in [
+        ("experiment.create", id.as_str()),
+        ("experiment.state", id.as_str()),
+        ("token.create", issued["id"].as_str().unwrap()),
+        ("client.enrol", issued["id"].as_str().unwrap()),
+        ("client.revoke", client.as_str()),
+        ("token.revoke", unused["id"].as_str().unwrap()),
+        ("model_file.upload", ""),
+    ] {
+        assert!(
+            actions
+                .iter()
+                .any(|(a, s)| *a == action && (subject.is_empty() || *s == subject)),
+            "no {action} of {subject}: {actions:?}"
+        );
+    }
+    let moves = actions
+        .iter()
+        .filter(|(a, s)| *a == "experiment.state" && *s == id)
+        .count();
+    assert_eq!(moves, 4, "start, pause, resume, stop: {actions:?}");
+    assert!(
+        log.iter()
+            .all(|e| e["at"].is_i64() && e["actor"].is_string())
+    );
+    assert!(
+        log.windows(2)
+            .all(|w| w[0]["id"].as_i64() > w[1]["id"].as_i64()),
+        "newest first"
+    );
+    // Paging: two at a time, each page older than the last.
+    let first: Vec<serde_json::Value> = server
+        .get("/api/v1/admin/audit?limit=2", Some(&token))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(first, log[..2].to_vec());
+    let next: Vec<serde_json::Value> = server
+        .get(
+            &format!("/api/v1/admin/audit?limit=2&before={}", first[1]["id"]),
+            Some(&token),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(next, log[2..4].to_vec());
+    for bad in ["limit=0", "limit=1001", "limit=x", "colour=red"] {
+        let r = server
+            .get(&format!("/api/v1/admin/audit?{bad}"), Some(&token))
+            .await;
+        assert!(r.status().is_client_error(), "{bad}: {}", r.status());
+    }
+    server.shut_down().await.unwrap();
+}
+
 #[tokio::test]
 async fn unknown_routes_are_404_with_the_error_shape() {
     let server = start().await;

@@ -50,6 +50,7 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
     doc.merge(super::secagg_api::SecAggDoc::openapi());
     doc.merge(super::fedbuff::FedBuffDoc::openapi());
     doc.merge(super::models::ModelsDoc::openapi());
+    doc.merge(super::audit::AuditDoc::openapi());
     let components = doc.components.get_or_insert_with(Default::default);
     let mut scheme = Http::new(HttpAuthScheme::Bearer);
     scheme.description =
@@ -152,6 +153,7 @@ pub fn admin_router() -> Router<AppState> {
         .merge(super::admin::routes())
         .merge(super::fedbuff::routes())
         .merge(super::models::admin_routes())
+        .merge(super::audit::routes())
 }
 
 /// Middleware: lets a request through only with `Authorization: Bearer <admin token>`.

@@ -12,6 +12,7 @@
 
 pub mod admin;
 pub mod api;
+pub mod audit;
 pub mod auth;
 pub mod client_api;
 pub mod driver;

@@ -35,12 +35,12 @@ pub use fedbuff::{BufferRules, Buffered, BufferedUpload, FedBuffDrops, FedBuffTa
 use jobs::JobRow;
 pub use jobs::{Job, JobKind, JobState};
 pub use model_files::{ClientEvaluation, ModelFile, TaskFailure};
-pub use telemetry::StoreCounts;
 pub use rounds::{
     NewUpload, NoiseMechanism, Participation, ParticipationState, PendingTask, PublishedModel,
     Round, RoundMetrics, RoundPrivacy, RoundStage, Upload,
 };
 pub use secagg::{SecAggMessage, SecAggMessageKind, SecureNext};
+pub use telemetry::StoreCounts;
 pub use tokens::{Client, EnrolmentToken};
 use tokens::{ClientRow, TokenRow};
 
@@ -486,16 +486,29 @@ impl Store {
 
     /// The most recent audit entries, newest first.
     pub async fn audit_log(&self, limit: i64) -> Result<Vec<AuditEntry>, StoreError> {
+        self.audit_page(limit, None).await
+    }
+
+    /// Up to `limit` audit entries older than entry `before` (all when `None`), newest
+    /// first: pages through the log with the last id of the previous page.
+    pub async fn audit_page(
+        &self,
+        limit: i64,
+        before: Option<i64>,
+    ) -> Result<Vec<AuditEntry>, StoreError> {
         with_pool!(self, p => {
-            let rows: Vec<(i64, String, String, String, String)> = sqlx::query_as(
-                "SELECT at, actor, action, subject, detail FROM audit_log ORDER BY id DESC LIMIT $1",
+            let rows: Vec<(i64, i64, String, String, String, String)> = sqlx::query_as(
+                "SELECT id, at, actor, action, subject, detail FROM audit_log \
+                 WHERE id < $2 ORDER BY id DESC LIMIT $1",
             )
             .bind(limit)
+            .bind(before.unwrap_or(i64::MAX))
             .fetch_all(p)
             .await?;
             Ok(rows
                 .into_iter()
-                .map(|(at, actor, action, subject, detail)| AuditEntry {
+                .map(|(id, at, actor, action, subject, detail)| AuditEntry {
+                    id,
                     at,
                     actor,
                     action,
@@ -508,8 +521,10 @@ impl Store {
 }
 
 /// One line of the audit log.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct AuditEntry {
+    /// Its place in the log: larger is newer.
+    pub id: i64,
     /// When, Unix ms.
     pub at: i64,
     /// Who: `admin`, a client id, or `coordinator`.
