@@ -16,10 +16,15 @@ struct Server {
     token: String,
     stop: oneshot::Sender<()>,
     task: tokio::task::JoinHandle<Result<(), cohort_coordinator::server::ServeError>>,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 async fn start() -> Server {
+    start_with(None).await
+}
+
+/// A server whose largest accepted body is `max_body_bytes` (default without).
+async fn start_with(max_body_bytes: Option<usize>) -> Server {
     cohort_coordinator::server::install_crypto_provider();
     let dir = tempfile::tempdir().unwrap();
     let settings = ServeSettings::from_sources(
@@ -29,6 +34,7 @@ async fn start() -> Server {
             listen: Some("127.0.0.1:0".parse().unwrap()),
             data_dir: Some(dir.path().to_path_buf()),
             dev_tls: true,
+            max_body_bytes,
             ..ServeFlags::default()
         },
     )
@@ -59,7 +65,7 @@ async fn start() -> Server {
         token,
         stop,
         task,
-        _dir: dir,
+        dir,
     }
 }
 
@@ -84,6 +90,57 @@ impl Server {
             req = req.header(COOKIE, cookie);
         }
         req.send().await.unwrap()
+    }
+
+    /// The model upload form, as a browser sends it: `multipart/form-data` with the
+    /// CSRF token (if any), a name and the file.
+    async fn upload(
+        &self,
+        cookie: &str,
+        csrf: Option<&str>,
+        name: &str,
+        file: &[u8],
+    ) -> reqwest::Response {
+        let boundary = "----CohortTestBoundary7MA4YWxkTrZu0gW";
+        let mut body = Vec::new();
+        let mut field = |disposition: String, value: &[u8]| {
+            body.extend_from_slice(
+                format!("--{boundary}\r\nContent-Disposition: form-data; {disposition}\r\n")
+                    .as_bytes(),
+            );
+            if disposition.contains("filename") {
+                body.extend_from_slice(b"Content-Type: application/octet-stream\r\n");
+            }
+            body.extend_from_slice(b"\r\n");
+            body.extend_from_slice(value);
+            body.extend_from_slice(b"\r\n");
+        };
+        if let Some(csrf) = csrf {
+            field("name=\"csrf\"".into(), csrf.as_bytes());
+        }
+        field("name=\"name\"".into(), name.as_bytes());
+        field("name=\"file\"; filename=\"tiny.safetensors\"".into(), file);
+        body.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
+        self.http
+            .post(self.url("/models"))
+            .header(
+                CONTENT_TYPE,
+                format!("multipart/form-data; boundary={boundary}"),
+            )
+            .header(COOKIE, cookie)
+            .body(body)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    /// The uploaded model files, from the API.
+    async fn model_files(&self) -> Vec<serde_json::Value> {
+        self.api(Method::GET, "/models", None)
+            .await
+            .as_array()
+            .unwrap()
+            .clone()
     }
 
     async fn get(&self, path: &str, cookie: Option<&str>) -> reqwest::Response {
@@ -602,6 +659,8 @@ async fn privacy_settings_go_from_the_form_to_the_experiment_page() {
         .await
         .unwrap();
     assert!(html.contains("id=\"privacy\">not enabled</p>"));
+    // A built-in model without reported failures has no failures panel.
+    assert!(!html.contains("id=\"failures-live\""));
     let list = server.api(Method::GET, "/experiments", None).await;
     assert!(
         list.as_array()
@@ -611,4 +670,355 @@ async fn privacy_settings_go_from_the_form_to_the_experiment_page() {
         "{list}"
     );
     server.shut_down().await;
+}
+
+/// A small valid safetensors model: two tensors, 8 parameters.
+fn tiny_model() -> Vec<u8> {
+    use cohort_aggregation::{Layout, ModelVector, TensorSpec};
+    let layout = Layout::new(vec![
+        TensorSpec::new("a.weight", [2, 3]),
+        TensorSpec::new("b.bias", [2]),
+    ])
+    .unwrap();
+    let v = ModelVector::new(std::sync::Arc::new(layout), vec![0.5; 8]).unwrap();
+    cohort_aggregation::model_file::encode(&v, Default::default())
+}
+
+/// A model file uploaded on the models page is stored as the API stores it and listed;
+/// a bad file is refused with its reason and stores nothing; the upload needs the
+/// session's CSRF token and this site, like every other action.
+#[tokio::test]
+async fn model_files_are_uploaded_through_the_models_page() {
+    let server = start().await;
+    let session = server.sign_in().await;
+    let r = server.get("/models", Some(&session)).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let html = r.text().await.unwrap();
+    assert!(html.contains("href=\"/models\" aria-current=\"page\""));
+    assert!(html.contains("enctype=\"multipart/form-data\""));
+    assert!(html.contains("No model file has been uploaded yet"));
+    let csrf = hidden(&html, "csrf");
+
+    // Refused before anything is read: no token, a wrong one, another site.
+    let r = server.upload(&session, None, "x", &tiny_model()).await;
+    assert_eq!(r.status(), StatusCode::FORBIDDEN);
+    let r = server
+        .upload(&session, Some(&"0".repeat(64)), "x", &tiny_model())
+        .await;
+    assert_eq!(r.status(), StatusCode::FORBIDDEN);
+    let r = server
+        .http
+        .post(server.url("/models"))
+        .header(CONTENT_TYPE, "multipart/form-data; boundary=B")
+        .header(COOKIE, &session)
+        .header(ORIGIN, "https://evil.example")
+        .body(format!(
+            "--B\r\nContent-Disposition: form-data; name=\"csrf\"\r\n\r\n{csrf}\r\n--B--\r\n"
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::FORBIDDEN);
+    // Without a session at all.
+    let r = server
+        .upload("cohort_session=none", Some(&csrf), "x", &tiny_model())
+        .await;
+    assert_eq!(r.status(), StatusCode::FORBIDDEN);
+    assert!(server.model_files().await.is_empty());
+
+    // Files the API would refuse: each with its reason on the page, nothing stored.
+    let mut truncated = tiny_model();
+    truncated.truncate(truncated.len() - 4);
+    for (bad, words) in [
+        (b"not a safetensors file".to_vec(), "Model file:"),
+        (truncated, "Model file:"),
+        (Vec::new(), "Choose a safetensors file"),
+    ] {
+        let r = server
+            .upload(&session, Some(&csrf), "<b>bad</b>", &bad)
+            .await;
+        assert_eq!(r.status(), StatusCode::UNPROCESSABLE_ENTITY);
+        let html = r.text().await.unwrap();
+        let at = html.find("id=\"upload-error\"").expect("an upload error");
+        assert!(html[at..].contains(words), "{}", &html[at..at + 200]);
+        // What was typed comes back, escaped.
+        assert!(
+            html.contains("value=\"&#60;b&#62;bad&#60;/b&#62;\"")
+                || html.contains("value=\"&lt;b&gt;bad&lt;/b&gt;\""),
+            "name not shown escaped"
+        );
+    }
+    assert!(server.model_files().await.is_empty());
+
+    // A good file: stored, then listed with its size and tensors.
+    let r = server
+        .upload(&session, Some(&csrf), "tiny <net>", &tiny_model())
+        .await;
+    assert_eq!(r.status(), StatusCode::SEE_OTHER);
+    let location = r.headers()[LOCATION].to_str().unwrap().to_string();
+    let files = server.model_files().await;
+    assert_eq!(files.len(), 1, "{files:?}");
+    let id = files[0]["id"].as_str().unwrap().to_string();
+    assert_eq!(files[0]["name"], "tiny <net>");
+    assert_eq!(files[0]["parameters"], 8);
+    assert_eq!(location, format!("/models?uploaded={id}"));
+    let html = server
+        .get(&location, Some(&session))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(html.contains("id=\"uploaded\""), "{html}");
+    assert!(html.contains(&format!("data-model-file=\"{id}\"")));
+    assert!(html.contains("tiny &#60;net&#62;") || html.contains("tiny &lt;net&gt;"));
+    assert!(!html.contains("tiny <net>"));
+    assert!(html.contains("2 tensors") && html.contains("<code>a.weight</code> [2, 3]"));
+    server.shut_down().await;
+}
+
+/// The server's body limit holds for uploads from the page too.
+#[tokio::test]
+async fn an_upload_over_the_body_limit_is_refused_and_stores_nothing() {
+    let server = start_with(Some(4096)).await;
+    let session = server.sign_in().await;
+    let html = server
+        .get("/models", Some(&session))
+        .await
+        .text()
+        .await
+        .unwrap();
+    let csrf = hidden(&html, "csrf");
+    let r = server
+        .upload(&session, Some(&csrf), "big", &vec![7u8; 8192])
+        .await;
+    assert_eq!(r.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(r.text().await.unwrap().contains("nothing was stored"));
+    assert!(server.model_files().await.is_empty());
+    // Other forms are read as urlencoded forms only: the multipart allowance is for
+    // /models, so elsewhere the token in a multipart body is not found.
+    let r = server
+        .http
+        .post(server.url("/tokens"))
+        .header(CONTENT_TYPE, "multipart/form-data; boundary=B")
+        .header(COOKIE, &session)
+        .body(format!(
+            "--B\r\nContent-Disposition: form-data; name=\"csrf\"\r\n\r\n{csrf}\r\n--B--\r\n"
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::FORBIDDEN);
+    server.shut_down().await;
+}
+
+/// An experiment of a file model is made from the form (the initial model chosen from
+/// the uploaded files, hyperparameters as JSON), and its page shows the clients'
+/// evaluations and the task failures they report, escaped.
+#[tokio::test]
+async fn a_file_model_experiment_is_created_from_the_form_and_shows_client_reports() {
+    let server = start().await;
+    let session = server.sign_in().await;
+    let html = server
+        .get("/models", Some(&session))
+        .await
+        .text()
+        .await
+        .unwrap();
+    let csrf = hidden(&html, "csrf");
+    let r = server
+        .upload(&session, Some(&csrf), "tiny", &tiny_model())
+        .await;
+    assert_eq!(r.status(), StatusCode::SEE_OTHER);
+    let file_id = server.model_files().await[0]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let html = server
+        .get("/experiments/new", Some(&session))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        html.contains(&format!("<option value=\"{file_id}\">tiny (")),
+        "the uploaded file is not offered"
+    );
+    assert!(html.contains("<textarea id=\"hyperparameters\""));
+
+    let form_with = |changes: &[(&'static str, &str)]| {
+        let mut form = experiment_form(&csrf);
+        for (k, v) in changes {
+            form.retain(|(key, _)| key != k);
+            form.push((k, v.to_string()));
+        }
+        form
+    };
+    // Each problem next to its field.
+    let unknown = uuid::Uuid::new_v4().to_string();
+    for (changes, field, words) in [
+        (
+            vec![("model", "file")],
+            "initial_model",
+            "initial_model is required with model `file`",
+        ),
+        (
+            vec![("model", "file"), ("initial_model", unknown.as_str())],
+            "initial_model",
+            "initial_model: no uploaded model file",
+        ),
+        (
+            vec![("model", "file"), ("initial_model", "tiny")],
+            "initial_model",
+            "`tiny` is not a model file id",
+        ),
+        (
+            // A built-in model whose tensors are not the file's.
+            vec![("model", "logreg"), ("initial_model", file_id.as_str())],
+            "initial_model",
+            "initial_model: not a logreg model",
+        ),
+        (
+            vec![
+                ("model", "file"),
+                ("initial_model", file_id.as_str()),
+                ("hyperparameters", "[1, 2]"),
+            ],
+            "hyperparameters",
+            "must be a JSON object",
+        ),
+    ] {
+        let form = form_with(&changes);
+        let r = server
+            .post("/experiments", Some(&session), &pairs(&form))
+            .await;
+        assert_eq!(r.status(), StatusCode::UNPROCESSABLE_ENTITY, "{changes:?}");
+        let html = r.text().await.unwrap();
+        let id = format!("id=\"{field}-error\">");
+        let at = html
+            .find(&id)
+            .unwrap_or_else(|| panic!("no message for {field} with {changes:?}"));
+        let shown = askama_unescape(&html[at + id.len()..at + id.len() + 200]);
+        assert!(shown.starts_with(words), "{changes:?}: {shown}");
+    }
+    assert!(
+        server
+            .api(Method::GET, "/experiments", None)
+            .await
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
+
+    let form = form_with(&[
+        ("model", "file"),
+        ("initial_model", &file_id),
+        ("hyperparameters", "{\"epochs\": 2, \"note\": \"<x>\"}"),
+    ]);
+    let r = server
+        .post("/experiments", Some(&session), &pairs(&form))
+        .await;
+    assert_eq!(r.status(), StatusCode::SEE_OTHER);
+    let page = r.headers()[LOCATION].to_str().unwrap().to_string();
+    let list = server.api(Method::GET, "/experiments", None).await;
+    let spec = &list[0]["spec"];
+    assert_eq!(spec["model"], "file", "{spec}");
+    assert_eq!(spec["initial_model"], file_id.as_str(), "{spec}");
+    assert_eq!(spec["tensors"].as_array().unwrap().len(), 2, "{spec}");
+    assert_eq!(spec["hyperparameters"]["epochs"], 2, "{spec}");
+    let exp: uuid::Uuid = page.rsplit('/').next().unwrap().parse().unwrap();
+
+    // Before any report: a file model's page has the failures panel, empty.
+    let html = server
+        .get(&page, Some(&session))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(html.contains("No client has reported a failed task."));
+    assert!(html.contains("id=\"initial-evaluation\">not reported yet<"));
+
+    // What clients report, recorded in the server's own database.
+    let store = cohort_coordinator::store::Store::connect("sqlite://cohort.db", server.dir.path())
+        .await
+        .unwrap();
+    store
+        .create_enrolment_token(b"token-hash", "site", None)
+        .await
+        .unwrap();
+    let client = store.enrol(b"token-hash", b"secret-hash", 1).await.unwrap();
+    store
+        .record_client_evaluation(
+            exp,
+            &cohort_coordinator::store::ClientEvaluation {
+                model_version: 0,
+                client_id: client.id,
+                num_examples: 40,
+                metrics: [("accuracy".to_string(), 0.75), ("loss".to_string(), 0.5)]
+                    .into_iter()
+                    .collect(),
+                at: 1,
+            },
+        )
+        .await
+        .unwrap();
+    store
+        .record_task_failure(
+            exp,
+            &cohort_coordinator::store::TaskFailure {
+                round: 1,
+                attempt: 1,
+                client_id: client.id,
+                reason: "trainer exited 1: <script>alert(1)</script> & more".into(),
+                at: 2,
+            },
+        )
+        .await
+        .unwrap();
+
+    let html = server
+        .get(&page, Some(&session))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        askama_unescape(&html).contains("<h2>Latest accuracy (clients' evaluation)</h2>"),
+        "no clients' evaluation card"
+    );
+    let at = html
+        .find("id=\"initial-evaluation\">")
+        .expect("initial evaluation");
+    assert!(
+        html[at..].contains("accuracy 75.0%, loss 0.5000 (1 clients, 40 examples)"),
+        "{}",
+        &html[at..at + 200]
+    );
+    let at = html.find("id=\"task-failures\"").expect("failures table");
+    let table = &html[at..];
+    assert!(table.contains(&client.id.to_string()));
+    assert!(
+        !html.contains("<script>alert(1)"),
+        "a reason was not escaped"
+    );
+    assert!(
+        askama_unescape(table).contains("trainer exited 1: <script>alert(1)</script> & more"),
+        "{}",
+        &table[..600.min(table.len())]
+    );
+    server.shut_down().await;
+}
+
+/// `html` with the entities askama writes turned back into characters.
+fn askama_unescape(html: &str) -> String {
+    html.replace("&#60;", "<")
+        .replace("&lt;", "<")
+        .replace("&#62;", ">")
+        .replace("&gt;", ">")
+        .replace("&#34;", "\"")
+        .replace("&quot;", "\"")
+        .replace("&#39;", "'")
+        .replace("&#x27;", "'")
+        .replace("&#96;", "`")
+        .replace("&#38;", "&")
+        .replace("&amp;", "&")
 }

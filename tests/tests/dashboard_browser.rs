@@ -2,8 +2,9 @@
 //! DevTools protocol, against a real `cohort serve` (dev TLS, SQLite) with three
 //! `cohort edge` processes training on digits. It signs in, creates an experiment through
 //! the form, starts it, waits (without reloading) until two rounds are in the table and
-//! the accuracy chart has points, revokes a client, and signs out; it saves screenshots
-//! of the experiment page (desktop and phone width) and of the clients page.
+//! the accuracy chart has points, revokes a client, uploads a model file on the models
+//! page (a refused one too), and signs out; it saves screenshots of the experiment page
+//! (desktop and phone width), the clients page and the models page.
 //!
 //! Chromium comes from Debian's `chromium` package (`.ci/run` installs it). Without it the
 //! test says so and passes, unless `COHORT_REQUIRE_BROWSER=1` (set by CI), where a missing
@@ -187,6 +188,27 @@ impl Page {
         assert_eq!(found, json!(true), "no element {selector}");
         self.wait_for("!window.__cohortOldPage", Duration::from_secs(20), selector)
             .await;
+    }
+
+    /// Puts the file at `path` in the file input `selector`, as a user choosing it does.
+    async fn choose_file(&mut self, selector: &str, path: &Path) {
+        let found = self
+            .call(
+                "Runtime.evaluate",
+                json!({"expression": format!("document.querySelector({})", json!(selector))}),
+            )
+            .await
+            .unwrap();
+        let object = found["result"]["objectId"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no element {selector}"))
+            .to_string();
+        self.call(
+            "DOM.setFileInputFiles",
+            json!({"files": [path.to_str().unwrap()], "objectId": object}),
+        )
+        .await
+        .unwrap();
     }
 
     async fn viewport(&mut self, width: u32, height: u32, mobile: bool) {
@@ -563,6 +585,71 @@ async fn an_admin_runs_an_experiment_from_the_dashboard() {
         .collect();
     assert_eq!(revoked, vec![revoked_id]);
     page.screenshot(&artifacts.join("clients.png")).await;
+
+    // Upload a model file through the models page: a real multipart form post.
+    let layout = cohort_aggregation::Layout::new(vec![
+        cohort_aggregation::TensorSpec::new("fc.weight", [10, 64]),
+        cohort_aggregation::TensorSpec::new("fc.bias", [10]),
+    ])
+    .unwrap();
+    let model =
+        cohort_aggregation::ModelVector::new(std::sync::Arc::new(layout), vec![0.0; 650]).unwrap();
+    let good = dir.path().join("browser.safetensors");
+    std::fs::write(
+        &good,
+        cohort_aggregation::model_file::encode(&model, Default::default()),
+    )
+    .unwrap();
+    let bad = dir.path().join("bad.safetensors");
+    std::fs::write(&bad, b"this is not a safetensors file").unwrap();
+    page.click_and_wait("nav a[href='/models']").await;
+    page.choose_file("#model-file", &bad).await;
+    page.click_and_wait("#upload-model button[type=submit]")
+        .await;
+    let error = page
+        .eval("document.getElementById('upload-error').textContent")
+        .await
+        .unwrap();
+    assert!(
+        error.as_str().unwrap().starts_with("Model file:"),
+        "{error}"
+    );
+    page.eval("document.getElementById('model-name').value = 'logreg start'")
+        .await
+        .unwrap();
+    page.choose_file("#model-file", &good).await;
+    page.click_and_wait("#upload-model button[type=submit]")
+        .await;
+    assert_eq!(page.eval("location.pathname").await.unwrap(), "/models");
+    let listed = page
+        .eval(
+            "Array.from(document.querySelectorAll('#model-files tbody tr')).map(r => r.innerText)",
+        )
+        .await
+        .unwrap();
+    assert_eq!(listed.as_array().unwrap().len(), 1, "{listed}");
+    assert!(
+        listed[0].as_str().unwrap().contains("logreg start"),
+        "{listed}"
+    );
+    assert!(
+        page.eval("!!document.getElementById('uploaded')")
+            .await
+            .unwrap()
+            == json!(true)
+    );
+    let files = api(&http, &base, reqwest::Method::GET, "/models", None).await;
+    assert_eq!(files.as_array().unwrap().len(), 1, "{files}");
+    assert_eq!(files[0]["name"], "logreg start");
+    assert_eq!(files[0]["parameters"], 650);
+    page.screenshot(&artifacts.join("models.png")).await;
+    // The new-experiment form offers it as the initial model.
+    page.goto(&format!("{base}/experiments/new")).await;
+    let offered = page
+        .eval("Array.from(document.querySelectorAll('#initial_model option')).map(o => o.value)")
+        .await
+        .unwrap();
+    assert_eq!(offered, json!(["", files[0]["id"]]), "{offered}");
 
     // Sign out: back to the sign-in page, and the dashboard is closed again.
     page.click_and_wait(".sign-out button").await;

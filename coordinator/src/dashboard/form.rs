@@ -19,6 +19,21 @@ pub enum Control {
     Number,
     /// A checkbox.
     Checkbox,
+    /// A choice among options given at render time ([`with_model_files`]).
+    Select,
+    /// A text box of several lines.
+    TextArea,
+}
+
+/// One option of a [`Control::Select`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Choice {
+    /// The value submitted.
+    pub value: String,
+    /// What the option reads.
+    pub label: String,
+    /// Whether it is the one chosen.
+    pub selected: bool,
 }
 
 /// One field of the form, ready to render.
@@ -30,7 +45,7 @@ pub struct FieldView {
     pub label: &'static str,
     /// A line of help under the control.
     pub help: &'static str,
-    /// `text`, `number` or `checkbox`.
+    /// `text`, `number`, `checkbox`, `select` or `textarea`.
     pub input_type: &'static str,
     /// The `step` of a number box (`any` for decimals).
     pub step: &'static str,
@@ -42,6 +57,8 @@ pub struct FieldView {
     pub checked: bool,
     /// What is wrong with it, if anything.
     pub error: Option<String>,
+    /// For a select: its options.
+    pub options: Vec<Choice>,
 }
 
 /// A group of fields.
@@ -81,7 +98,7 @@ const fn def(
     }
 }
 
-use Control::{Checkbox, Number, Text};
+use Control::{Checkbox, Number, Select, Text, TextArea};
 
 const GROUPS: &[(&str, &[FieldDef])] = &[
     (
@@ -98,7 +115,7 @@ const GROUPS: &[(&str, &[FieldDef])] = &[
             def(
                 "features",
                 "Features",
-                "Feature columns in the clients' data.",
+                "Feature columns in the clients' data (built-in models).",
                 Number,
                 false,
                 true,
@@ -106,7 +123,7 @@ const GROUPS: &[(&str, &[FieldDef])] = &[
             def(
                 "classes",
                 "Classes",
-                "Number of label classes (at least 2).",
+                "Number of label classes, at least 2 (built-in models).",
                 Number,
                 false,
                 true,
@@ -114,10 +131,26 @@ const GROUPS: &[(&str, &[FieldDef])] = &[
             def(
                 "model",
                 "Model",
-                "logreg, mlp or mlp:H1,H2,... (hidden layer widths).",
+                "logreg, mlp or mlp:H1,H2,... (hidden layer widths), trained by the edge client; or file: the initial model below, trained by the clients' own trainers.",
                 Text,
                 false,
                 true,
+            ),
+            def(
+                "initial_model",
+                "Initial model",
+                "A model file uploaded on the Models page to start from: required with model file; for a built-in model its tensors must be the model's.",
+                Select,
+                false,
+                false,
+            ),
+            def(
+                "hyperparameters",
+                "Trainer hyperparameters",
+                "Optional JSON object handed to the clients' trainers with every task, at most 16 KiB, e.g. {\"feature_scale\": 0.0625}.",
+                TextArea,
+                false,
+                false,
             ),
             def(
                 "strategy",
@@ -474,6 +507,8 @@ fn defaults() -> HashMap<&'static str, String> {
         ("features", d.features.to_string()),
         ("classes", d.classes.to_string()),
         ("model", d.model.to_string()),
+        ("initial_model", String::new()),
+        ("hyperparameters", String::new()),
         ("strategy", d.strategy.to_string()),
         ("aggregator", String::new()),
         ("seed", d.seed.to_string()),
@@ -548,6 +583,8 @@ fn view(
                         Text => "text",
                         Number => "number",
                         Checkbox => "checkbox",
+                        Select => "select",
+                        TextArea => "textarea",
                     },
                     step: if d.decimal { "any" } else { "1" },
                     required: d.required,
@@ -555,6 +592,7 @@ fn view(
                     checked: d.control == Checkbox
                         && values.get(d.name).is_some_and(|v| !v.is_empty()),
                     error: errors.get(d.name).cloned(),
+                    options: Vec::new(),
                 })
                 .collect(),
         })
@@ -564,6 +602,71 @@ fn view(
 /// A fresh form, filled with defaults.
 pub fn blank() -> Vec<Fieldset> {
     view(&defaults(), &HashMap::new())
+}
+
+/// The submitted values of the form's fields, by name.
+fn submitted_values(fields: &[(String, String)]) -> HashMap<&'static str, String> {
+    let mut values = HashMap::new();
+    for (key, value) in fields {
+        if let Some(def) = GROUPS
+            .iter()
+            .flat_map(|(_, defs)| defs.iter())
+            .find(|d| d.name == key)
+        {
+            values.insert(def.name, value.trim().to_string());
+        }
+    }
+    values
+}
+
+/// The submitted form again with these messages (by field name), for problems found
+/// after [`parse`] accepted it (those that need the store, such as an initial model
+/// that does not exist).
+pub fn rejected(
+    fields: &[(String, String)],
+    errors: &HashMap<&'static str, String>,
+) -> Vec<Fieldset> {
+    view(&submitted_values(fields), errors)
+}
+
+/// An uploaded model file as the initial-model select offers it.
+#[derive(Debug, Clone)]
+pub struct ModelFileChoice {
+    /// Its id, the value submitted.
+    pub id: String,
+    /// What the option reads.
+    pub label: String,
+}
+
+/// Fills the initial-model select with the uploaded model files (and "none"), the one
+/// submitted chosen; an id that is not among them (a file typed in by a script) stays
+/// an option, so that the form shows what was sent.
+pub fn with_model_files(fieldsets: &mut [Fieldset], files: &[ModelFileChoice]) {
+    for f in fieldsets
+        .iter_mut()
+        .flat_map(|s| s.fields.iter_mut())
+        .filter(|f| f.name == "initial_model")
+    {
+        let chosen = f.value.clone();
+        f.options = std::iter::once(Choice {
+            value: String::new(),
+            label: "none".into(),
+            selected: chosen.is_empty(),
+        })
+        .chain(files.iter().map(|m| Choice {
+            value: m.id.clone(),
+            label: m.label.clone(),
+            selected: m.id == chosen,
+        }))
+        .collect();
+        if !chosen.is_empty() && !files.iter().any(|m| m.id == chosen) {
+            f.options.push(Choice {
+                label: chosen.clone(),
+                value: chosen,
+                selected: true,
+            });
+        }
+    }
 }
 
 /// The outcome of reading a submitted form.
@@ -657,18 +760,9 @@ impl Reader {
 /// ([`ExperimentSpec::problems`]).
 pub fn parse(fields: &[(String, String)]) -> Parsed {
     let mut r = Reader {
-        values: HashMap::new(),
+        values: submitted_values(fields),
         errors: HashMap::new(),
     };
-    for (key, value) in fields {
-        if let Some(def) = GROUPS
-            .iter()
-            .flat_map(|(_, defs)| defs.iter())
-            .find(|d| d.name == key)
-        {
-            r.values.insert(def.name, value.trim().to_string());
-        }
-    }
     // A field that did not parse already has its message; the spec-wide rules still run,
     // with the default in its place, so that every other problem shows up at once too.
     let d = default_spec();
@@ -729,9 +823,32 @@ pub fn parse(fields: &[(String, String)]) -> Parsed {
         features: r.whole("features").unwrap_or(d.features),
         classes: r.whole("classes").unwrap_or(d.classes),
         model: r.parsed("model").unwrap_or(d.model),
-        initial_model: None,
+        initial_model: match r.text("initial_model").to_string().as_str() {
+            "" => None,
+            text => {
+                let id = uuid::Uuid::parse_str(text).ok();
+                if id.is_none() {
+                    r.errors
+                        .insert("initial_model", format!("`{text}` is not a model file id"));
+                }
+                id
+            }
+        },
+        // Filled in from the initial model when the experiment is created.
         tensors: None,
-        hyperparameters: None,
+        hyperparameters: match r.text("hyperparameters").to_string().as_str() {
+            "" => None,
+            text => match serde_json::from_str(text) {
+                Ok(map) => Some(map),
+                Err(e) => {
+                    r.errors.insert(
+                        "hyperparameters",
+                        format!("must be a JSON object, like {{\"epochs\": 2}}: {e}"),
+                    );
+                    None
+                }
+            },
+        },
         strategy: r.parsed("strategy").unwrap_or(d.strategy),
         rounds: r.whole("rounds").unwrap_or(d.rounds),
         clients_per_round: r.whole("clients_per_round").unwrap_or(d.clients_per_round),
@@ -956,6 +1073,85 @@ mod tests {
             ("secure_aggregation", "on"),
         ])));
         assert!(errs.contains_key("secure_aggregation"), "{errs:?}");
+    }
+
+    #[test]
+    fn a_file_model_takes_its_initial_model_and_hyperparameters_from_the_form() {
+        let id = uuid::Uuid::new_v4();
+        match parse(&submitted(&[
+            ("model", "file"),
+            ("initial_model", &id.to_string()),
+            ("hyperparameters", r#"{"epochs": 2}"#),
+        ])) {
+            Parsed::Spec(spec) => {
+                assert_eq!(spec.model, crate::server::models::SpecModel::File);
+                assert_eq!(spec.initial_model, Some(id));
+                assert_eq!(spec.hyperparameters.unwrap()["epochs"], 2);
+            }
+            Parsed::Invalid(sets) => panic!("{sets:?}"),
+        }
+        let errs = errors(parse(&submitted(&[("model", "file")])));
+        assert!(errs["initial_model"].contains("required"), "{errs:?}");
+        let errs = errors(parse(&submitted(&[
+            ("model", "file"),
+            ("initial_model", "latest"),
+            ("hyperparameters", "epochs=2"),
+        ])));
+        assert!(errs["initial_model"].contains("`latest`"), "{errs:?}");
+        assert!(errs["hyperparameters"].contains("JSON object"), "{errs:?}");
+        let big = format!(r#"{{"x": "{}"}}"#, "y".repeat(17 * 1024));
+        let errs = errors(parse(&submitted(&[
+            ("model", "file"),
+            ("initial_model", &id.to_string()),
+            ("hyperparameters", &big),
+        ])));
+        assert!(errs["hyperparameters"].contains("16384"), "{errs:?}");
+    }
+
+    #[test]
+    fn the_initial_model_select_offers_the_files_and_keeps_what_was_sent() {
+        let files = [form_choice("a"), form_choice("b")];
+        let mut sets = blank();
+        with_model_files(&mut sets, &files);
+        let select = |sets: &[Fieldset]| {
+            sets.iter()
+                .flat_map(|s| s.fields.iter())
+                .find(|f| f.name == "initial_model")
+                .unwrap()
+                .clone()
+        };
+        let f = select(&sets);
+        assert_eq!(f.input_type, "select");
+        assert_eq!(f.options.len(), 3);
+        assert!(f.options[0].selected && f.options[0].value.is_empty());
+        let mut sets = rejected(
+            &[("initial_model".to_string(), "b".to_string())],
+            &HashMap::new(),
+        );
+        with_model_files(&mut sets, &files);
+        let chosen: Vec<_> = select(&sets)
+            .options
+            .into_iter()
+            .filter(|o| o.selected)
+            .map(|o| o.value)
+            .collect();
+        assert_eq!(chosen, ["b"]);
+        // An id that is not among the files stays, chosen.
+        let mut sets = rejected(
+            &[("initial_model".to_string(), "zzz".to_string())],
+            &HashMap::new(),
+        );
+        with_model_files(&mut sets, &files);
+        let f = select(&sets);
+        assert_eq!(f.options.len(), 4);
+        assert!(f.options[3].selected && f.options[3].value == "zzz");
+    }
+
+    fn form_choice(id: &str) -> ModelFileChoice {
+        ModelFileChoice {
+            id: id.into(),
+            label: format!("file {id}"),
+        }
     }
 
     #[test]

@@ -7,12 +7,15 @@
 //!
 //! - [`session`]: sign-in with the admin token, the session cookie, and the guard that
 //!   also checks the CSRF token of every state-changing request.
-//! - [`pages`]: the experiment, experiment-detail and clients pages and their actions.
+//! - [`pages`]: the experiment, experiment-detail, clients and model files pages and
+//!   their actions.
 //! - [`form`]: the new-experiment form, its parsing and its per-field messages.
+//! - [`multipart`]: reading the model upload form's `multipart/form-data` body.
 //! - [`chart`]: SVG line charts, drawn on the server.
 
 pub mod chart;
 pub mod form;
+pub mod multipart;
 pub mod pages;
 pub mod session;
 
@@ -50,7 +53,7 @@ pub struct Chrome {
     pub csrf: String,
     /// Whether to show navigation and sign-out.
     pub signed_in: bool,
-    /// Which navigation entry is current: `experiments`, `clients` or empty.
+    /// Which navigation entry is current: `experiments`, `clients`, `models` or empty.
     pub nav: &'static str,
     /// See [`asset_version`].
     pub asset_version: &'static str,
@@ -93,6 +96,9 @@ pub enum PageError {
     /// The request itself is malformed.
     #[error("{0}")]
     BadRequest(String),
+    /// The request's body is larger than the server accepts.
+    #[error("{0}")]
+    TooLarge(String),
     /// Something failed on the server; details go to the log, not the page.
     #[error("internal error")]
     Internal(String),
@@ -110,6 +116,7 @@ impl PageError {
             PageError::Conflict(_) => StatusCode::CONFLICT,
             PageError::Forbidden(_) => StatusCode::FORBIDDEN,
             PageError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            PageError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             PageError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -222,6 +229,10 @@ pub fn router(state: AppState) -> Router<AppState> {
             get(pages::model_safetensors),
         )
         .route("/clients", get(pages::clients))
+        .route(
+            pages::UPLOAD_PATH,
+            get(pages::models).post(pages::upload_model),
+        )
         .route("/clients/{id}/revoke", post(pages::revoke_client))
         .route("/tokens", post(pages::create_token))
         .route("/tokens/{id}/revoke", post(pages::revoke_token))

@@ -1,7 +1,7 @@
 //! The dashboard's pages and the actions their forms post to. Every page is rendered
 //! whole on the server; the parts marked `data-live` are what the page script refreshes.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use askama::Template;
 use axum::Extension;
@@ -15,12 +15,16 @@ use uuid::Uuid;
 
 use super::chart::{self, Chart, Series};
 use super::form::{self, Fieldset, Parsed};
+use super::multipart;
 use super::session::{Session, field, form_fields};
 use super::{Chrome, PageError, render};
 use crate::server::AppState;
-use crate::server::admin::{ExperimentSpec, current_model, current_safetensors, octets};
+use crate::server::admin::{
+    ExperimentSpec, current_model, current_safetensors, octets, resolve_initial_model,
+};
 use crate::server::auth::{generate_secret, hash_secret};
 use crate::server::error::ApiError;
+use crate::server::models::{EvaluationSummary, SpecModel, summarise};
 use crate::store::{ExperimentState, Round, RoundStage, now_millis};
 
 /// Rounds per page of the experiment page's round table.
@@ -140,13 +144,38 @@ struct NewExperimentPage {
     invalid: bool,
 }
 
+/// The uploaded model files as the form's initial-model select offers them.
+async fn model_file_choices(state: &AppState) -> Result<Vec<form::ModelFileChoice>, PageError> {
+    Ok(state
+        .store
+        .model_files()
+        .await?
+        .into_iter()
+        .map(|m| form::ModelFileChoice {
+            label: format!(
+                "{} ({}, {} parameters, {})",
+                m.name,
+                &m.id.to_string()[..8],
+                m.parameters,
+                when(m.created_at)
+            ),
+            id: m.id.to_string(),
+        })
+        .collect())
+}
+
 /// `GET /experiments/new`: the form.
-pub async fn new_experiment(Extension(session): Extension<Session>) -> Response {
-    render(&NewExperimentPage {
+pub async fn new_experiment(
+    State(state): State<AppState>,
+    Extension(session): Extension<Session>,
+) -> Result<Response, PageError> {
+    let mut fieldsets = form::blank();
+    form::with_model_files(&mut fieldsets, &model_file_choices(&state).await?);
+    Ok(render(&NewExperimentPage {
         page: Chrome::signed_in(&session, "experiments"),
-        fieldsets: form::blank(),
+        fieldsets,
         invalid: false,
-    })
+    }))
 }
 
 /// `POST /experiments`: creates an experiment from the form, or shows the form again
@@ -157,22 +186,214 @@ pub async fn create(
     body: Bytes,
 ) -> Result<Response, PageError> {
     let fields = form_fields(&body)?;
-    match form::parse(&fields) {
-        Parsed::Spec(spec) => {
-            let value = serde_json::to_value(&*spec).map_err(PageError::internal)?;
-            let exp = state.store.create_experiment(&spec.name, &value).await?;
-            Ok(Redirect::to(&format!("/experiments/{}", exp.id)).into_response())
+    let fieldsets = match form::parse(&fields) {
+        Parsed::Spec(mut spec) => {
+            // As the API does: the initial model's tensors go into the spec, and the
+            // rules that depend on them (its parameter count) run again.
+            let errors: HashMap<&'static str, String> =
+                match resolve_initial_model(&state, &mut spec).await {
+                    Ok(()) => spec
+                        .problems()
+                        .into_iter()
+                        .map(|p| (p.field, p.message))
+                        .collect(),
+                    Err(ApiError::UnprocessableEntity { message, .. }) => {
+                        HashMap::from([("initial_model", message)])
+                    }
+                    Err(e) => return Err(e.into()),
+                };
+            if errors.is_empty() {
+                let value = serde_json::to_value(&*spec).map_err(PageError::internal)?;
+                let exp = state.store.create_experiment(&spec.name, &value).await?;
+                return Ok(Redirect::to(&format!("/experiments/{}", exp.id)).into_response());
+            }
+            form::rejected(&fields, &errors)
         }
-        Parsed::Invalid(fieldsets) => {
-            let mut response = render(&NewExperimentPage {
-                page: Chrome::signed_in(&session, "experiments"),
-                fieldsets,
-                invalid: true,
-            });
-            *response.status_mut() = StatusCode::UNPROCESSABLE_ENTITY;
-            Ok(response)
-        }
+        Parsed::Invalid(fieldsets) => fieldsets,
+    };
+    let mut fieldsets = fieldsets;
+    form::with_model_files(&mut fieldsets, &model_file_choices(&state).await?);
+    let mut response = render(&NewExperimentPage {
+        page: Chrome::signed_in(&session, "experiments"),
+        fieldsets,
+        invalid: true,
+    });
+    *response.status_mut() = StatusCode::UNPROCESSABLE_ENTITY;
+    Ok(response)
+}
+
+/// Where the model files page is, and where its upload form posts to.
+pub const UPLOAD_PATH: &str = "/models";
+
+/// A row of the model files table.
+#[derive(Debug, Clone)]
+pub struct ModelFileRow {
+    id: String,
+    name: String,
+    parameters: i64,
+    /// The values' size as `f32`, e.g. `1.2 MB`.
+    size: String,
+    /// (name, shape) of each tensor.
+    tensors: Vec<(String, String)>,
+    sha256: String,
+    uploaded: String,
+}
+
+#[derive(Template)]
+#[template(path = "models.html")]
+struct ModelsPage {
+    page: Chrome,
+    files: Vec<ModelFileRow>,
+    /// The file just uploaded, if the page follows an upload.
+    uploaded: Option<ModelFileRow>,
+    /// Why an upload was refused.
+    error: Option<String>,
+    /// The name typed, shown again after a refused upload.
+    name: String,
+    /// The largest upload this server takes, e.g. `64.0 MB`.
+    limit: String,
+}
+
+/// `n` bytes for people: `532 B`, `4.1 kB`, `1.2 MB`.
+fn bytes_text(n: u64) -> String {
+    match n {
+        0..1_000 => format!("{n} B"),
+        1_000..1_000_000 => format!("{:.1} kB", n as f64 / 1e3),
+        1_000_000..1_000_000_000 => format!("{:.1} MB", n as f64 / 1e6),
+        _ => format!("{:.1} GB", n as f64 / 1e9),
     }
+}
+
+fn model_file_row(m: &crate::store::ModelFile) -> ModelFileRow {
+    ModelFileRow {
+        id: m.id.to_string(),
+        name: m.name.clone(),
+        parameters: m.parameters,
+        size: bytes_text(m.parameters.max(0) as u64 * 4),
+        tensors: m
+            .tensors
+            .iter()
+            .map(|t| (t.name.clone(), format!("{:?}", t.shape)))
+            .collect(),
+        sha256: m.sha256.clone(),
+        uploaded: when(m.created_at),
+    }
+}
+
+/// `?uploaded=` of the model files page: the file just stored.
+#[derive(Debug, Deserialize)]
+pub struct UploadedQuery {
+    uploaded: Option<String>,
+}
+
+async fn models_page(
+    state: &AppState,
+    session: &Session,
+    uploaded: Option<Uuid>,
+    error: Option<String>,
+    name: String,
+) -> Result<Response, PageError> {
+    let files: Vec<ModelFileRow> = state
+        .store
+        .model_files()
+        .await?
+        .iter()
+        .map(model_file_row)
+        .collect();
+    let uploaded = uploaded.and_then(|id| {
+        let id = id.to_string();
+        files.iter().find(|f| f.id == id).cloned()
+    });
+    let status = if error.is_some() {
+        StatusCode::UNPROCESSABLE_ENTITY
+    } else {
+        StatusCode::OK
+    };
+    let mut response = render(&ModelsPage {
+        page: Chrome::signed_in(session, "models"),
+        files,
+        uploaded,
+        error,
+        name,
+        limit: bytes_text(state.settings.max_body_bytes as u64),
+    });
+    *response.status_mut() = status;
+    Ok(response)
+}
+
+/// `GET /models`: the uploaded model files, and the form to upload one.
+pub async fn models(
+    State(state): State<AppState>,
+    Extension(session): Extension<Session>,
+    Query(query): Query<UploadedQuery>,
+) -> Result<Response, PageError> {
+    let uploaded = query
+        .uploaded
+        .as_deref()
+        .and_then(|id| Uuid::parse_str(id).ok());
+    models_page(&state, &session, uploaded, None, String::new()).await
+}
+
+/// `POST /models`: stores an uploaded safetensors file (a `multipart/form-data` form
+/// with `name` and `file`) exactly as the API does, then shows it listed; a file the API
+/// would refuse is refused with its reason, and nothing is stored.
+pub async fn upload_model(
+    State(state): State<AppState>,
+    Extension(session): Extension<Session>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Result<Response, PageError> {
+    let Some(boundary) = headers
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(multipart::boundary)
+    else {
+        return Err(PageError::BadRequest(
+            "a model file is uploaded as multipart/form-data (the form on this page)".into(),
+        ));
+    };
+    let parts = multipart::parse(&body, &boundary)
+        .map_err(|e| PageError::BadRequest(format!("malformed form: {e}")))?;
+    let typed = multipart::text(&parts, "name").trim().to_string();
+    let file = multipart::part(&parts, "file").filter(|f| !f.data.is_empty());
+    let Some(file) = file else {
+        let error = "Choose a safetensors file to upload.".to_string();
+        return models_page(&state, &session, None, Some(error), typed).await;
+    };
+    // Without a name, the file's own name (less its extension) says what it is.
+    let name = if typed.is_empty() {
+        let from_file = file.filename.as_deref().unwrap_or("").trim();
+        let stem = from_file.strip_suffix(".safetensors").unwrap_or(from_file);
+        if stem.is_empty() {
+            "model".to_string()
+        } else {
+            stem.chars().take(200).collect()
+        }
+    } else {
+        typed.clone()
+    };
+    match crate::server::models::store_model_file(&state, name, file.data.clone()).await {
+        Ok(stored) => {
+            Ok(Redirect::to(&format!("{UPLOAD_PATH}?uploaded={}", stored.id)).into_response())
+        }
+        Err(ApiError::UnprocessableEntity { message, .. }) => {
+            models_page(&state, &session, None, Some(capitalise(&message)), typed).await
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// `text` with its first letter upper-case and a full stop, as a sentence on a page.
+fn capitalise(text: &str) -> String {
+    let mut chars = text.chars();
+    let mut out: String = chars
+        .next()
+        .map(|c| c.to_uppercase().chain(chars).collect())
+        .unwrap_or_default();
+    if !out.ends_with('.') {
+        out.push('.');
+    }
+    out
 }
 
 /// A row of the rounds table.
@@ -190,6 +411,19 @@ pub struct RoundRow {
     epsilon: String,
     duration: String,
     failure: String,
+    /// Tasks of this attempt that clients reported they could not complete.
+    failed_tasks: usize,
+}
+
+/// A task a client reported it could not complete.
+#[derive(Debug, Clone)]
+pub struct FailureRow {
+    round: i64,
+    attempt: i64,
+    client: String,
+    at: String,
+    /// Client-supplied text: the template escapes it like every value.
+    reason: String,
 }
 
 /// The round in progress.
@@ -258,7 +492,21 @@ struct ExperimentPage {
     job_counts: String,
     jobs: Vec<JobRow>,
     settings: Vec<(String, String)>,
+    /// Whether the model is from a file: its metrics are the clients' evaluations.
+    file_model: bool,
+    /// For a file model: the clients' evaluation of the initial model, in a line.
+    initial_evaluation: String,
+    /// Task failures reported by clients, newest first (at most [`FAILURES_SHOWN`]).
+    failures: Vec<FailureRow>,
+    /// Every reported task failure of the experiment.
+    failure_count: usize,
+    /// Whether to show task failures: always for a file model, whose clients run their
+    /// own trainers; for a built-in one only once a client has reported one.
+    show_failures: bool,
 }
+
+/// Task failures the experiment page lists (newest first).
+pub const FAILURES_SHOWN: usize = 100;
 
 /// `?page=` of a paged table.
 #[derive(Debug, Deserialize)]
@@ -321,12 +569,28 @@ pub async fn experiment(
 ) -> Result<Response, PageError> {
     let id = parse_id(&id, "experiment")?;
     let exp = state.store.experiment(id).await?;
-    let (rounds, jobs, model) = tokio::try_join!(
+    let (rounds, jobs, model, evaluations, task_failures) = tokio::try_join!(
         state.store.rounds(id),
         state.store.job_summary(id, JOBS_SHOWN),
-        state.store.latest_model(id)
+        state.store.latest_model(id),
+        state.store.client_evaluations(id),
+        state.store.task_failures(id)
     )?;
     let spec: Option<ExperimentSpec> = serde_json::from_value(exp.spec.clone()).ok();
+    let file_model = spec.as_ref().is_some_and(|s| s.model == SpecModel::File);
+    let client_metrics = summarise(&evaluations);
+    let client_metric = |version: i64, name: &str| client_metric(&client_metrics, version, name);
+    let shown = |r: &Round| {
+        shown_evaluation(
+            file_model,
+            &client_metrics,
+            r.round,
+            r.stage == RoundStage::Published,
+            (r.test_accuracy, r.test_loss),
+        )
+    };
+    let test_accuracy = |r: &Round| shown(r).0;
+    let test_loss = |r: &Round| shown(r).1;
     let total_rounds = spec.as_ref().map_or(0, |s| i64::from(s.rounds));
     let fedbuff = spec.as_ref().and_then(ExperimentSpec::fedbuff);
     let now = now_millis();
@@ -344,20 +608,35 @@ pub async fn experiment(
         .copied()
         .filter(|r| r.stage == RoundStage::Published)
         .collect();
-    let series_of = |f: fn(&Round) -> Option<f64>| -> Vec<(f64, f64)> {
+    let series_of = |f: &dyn Fn(&Round) -> Option<f64>| -> Vec<(f64, f64)> {
         published
             .iter()
             .filter_map(|r| f(r).map(|v| (r.round as f64, v)))
             .collect()
     };
+    // The initial model (version 0) has the clients' evaluation too.
+    let with_initial = |name: &str, mut points: Vec<(f64, f64)>| {
+        if file_model && let Some(v) = client_metric(0, name) {
+            points.insert(0, (0.0, v));
+        }
+        points
+    };
     let accuracy_series = [Series {
-        name: "Test accuracy",
+        name: if file_model {
+            "Clients' evaluation accuracy (weighted)"
+        } else {
+            "Test accuracy"
+        },
         class: "s-accuracy",
-        points: series_of(|r| r.test_accuracy),
+        points: with_initial("accuracy", series_of(&test_accuracy)),
     }];
     let accuracy_chart = chart::render(
         &Chart {
-            title: "Test accuracy per round",
+            title: if file_model {
+                "Clients' evaluation accuracy per round"
+            } else {
+                "Test accuracy per round"
+            },
             x_label: "round",
             y_label: "accuracy",
             y_range: Some((0.0, 1.0)),
@@ -367,14 +646,18 @@ pub async fn experiment(
     );
     let loss_series = [
         Series {
-            name: "Test loss",
+            name: if file_model {
+                "Clients' evaluation loss (weighted)"
+            } else {
+                "Test loss"
+            },
             class: "s-test-loss",
-            points: series_of(|r| r.test_loss),
+            points: with_initial("loss", series_of(&test_loss)),
         },
         Series {
             name: "Training loss (clients, weighted)",
             class: "s-train-loss",
-            points: series_of(|r| r.train_loss),
+            points: series_of(&|r: &Round| r.train_loss),
         },
     ];
     let loss_chart = chart::render(
@@ -439,20 +722,24 @@ pub async fn experiment(
             reported: r.reported,
             dropped: r.dropped,
             train_loss: number(r.train_loss),
-            test_loss: number(r.test_loss),
-            accuracy: percent(r.test_accuracy),
+            test_loss: number(test_loss(r)),
+            accuracy: percent(test_accuracy(r)),
             epsilon: r.epsilon.map_or_else(|| "–".into(), |e| format!("{e:.3}")),
             duration: r
                 .finished_at
                 .map(|f| format!("{:.1} s", (f - r.started_at) as f64 / 1000.0))
                 .unwrap_or_else(|| "running".into()),
             failure: r.failure.clone().unwrap_or_default(),
+            failed_tasks: task_failures
+                .iter()
+                .filter(|f| f.round == r.round && f.attempt == r.attempt)
+                .count(),
         })
         .collect();
 
     let best = published
         .iter()
-        .filter_map(|r| r.test_accuracy)
+        .filter_map(|r| test_accuracy(r))
         .fold(None, |best: Option<f64>, a| {
             Some(best.map_or(a, |b| b.max(a)))
         });
@@ -488,9 +775,9 @@ pub async fn experiment(
             ),
             None => "rounds with a selected cohort".into(),
         },
-        latest_accuracy: percent(latest.and_then(|r| r.test_accuracy)),
+        latest_accuracy: percent(latest.and_then(|r| test_accuracy(r))),
         best_accuracy: percent(best),
-        latest_loss: number(latest.and_then(|r| r.test_loss)),
+        latest_loss: number(latest.and_then(|r| test_loss(r))),
         privacy,
         privacy_detail,
         model_round: model.map(|m| m.round),
@@ -525,8 +812,69 @@ pub async fn experiment(
             })
             .collect(),
         settings: settings_lines(&exp.spec),
+        file_model,
+        initial_evaluation: match client_metrics.get(&0) {
+            Some(s) => format!(
+                "accuracy {}, loss {} ({} clients, {} examples)",
+                percent(s.metrics.get("accuracy").copied()),
+                number(s.metrics.get("loss").copied()),
+                s.clients,
+                s.num_examples
+            ),
+            None => "not reported yet".into(),
+        },
+        failure_count: task_failures.len(),
+        show_failures: file_model || !task_failures.is_empty(),
+        failures: task_failures
+            .iter()
+            .rev()
+            .take(FAILURES_SHOWN)
+            .map(|f| FailureRow {
+                round: f.round,
+                attempt: f.attempt,
+                client: f.client_id.to_string(),
+                at: when(f.at),
+                reason: f.reason.clone(),
+            })
+            .collect(),
     };
     Ok(render(&page))
+}
+
+/// Metric `name` of the clients' evaluations of model version `version`.
+fn client_metric(
+    clients: &BTreeMap<i64, EvaluationSummary>,
+    version: i64,
+    name: &str,
+) -> Option<f64> {
+    clients
+        .get(&version)
+        .and_then(|s| s.metrics.get(name))
+        .copied()
+}
+
+/// The (accuracy, loss) a round attempt shows. A built-in model's come from the server's
+/// test set (`server`). A file model has none the server could compute: its are the
+/// clients' sample-weighted evaluations of the version the attempt published (version
+/// `round`), and an attempt that published nothing (one retried for want of a quorum)
+/// shows none, though a later attempt of its round has them.
+fn shown_evaluation(
+    file_model: bool,
+    clients: &BTreeMap<i64, EvaluationSummary>,
+    round: i64,
+    published: bool,
+    server: (Option<f64>, Option<f64>),
+) -> (Option<f64>, Option<f64>) {
+    if !file_model {
+        return server;
+    }
+    if !published {
+        return (None, None);
+    }
+    (
+        client_metric(clients, round, "accuracy"),
+        client_metric(clients, round, "loss"),
+    )
 }
 
 /// The privacy card: epsilon spent of the budget (the last charged attempt's figure,
@@ -893,4 +1241,49 @@ pub async fn create_token(
     .await?;
     *response.status_mut() = StatusCode::CREATED;
     Ok(response)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_model_shows_the_clients_evaluation_of_the_version_a_round_published() {
+        let clients = BTreeMap::from([(
+            3,
+            EvaluationSummary {
+                clients: 2,
+                num_examples: 50,
+                metrics: BTreeMap::from([("accuracy".into(), 0.8), ("loss".into(), 0.4)]),
+            },
+        )]);
+        let server = (Some(0.1), Some(2.0));
+        // A built-in model: the server's own figures, whatever the clients said.
+        assert_eq!(shown_evaluation(false, &clients, 3, true, server), server);
+        assert_eq!(
+            shown_evaluation(true, &clients, 3, true, server),
+            (Some(0.8), Some(0.4))
+        );
+        // The failed attempt of round 3 published nothing; round 4 is not evaluated yet.
+        assert_eq!(
+            shown_evaluation(true, &clients, 3, false, server),
+            (None, None)
+        );
+        assert_eq!(
+            shown_evaluation(true, &clients, 4, true, server),
+            (None, None)
+        );
+    }
+
+    #[test]
+    fn sizes_and_messages_read_as_text() {
+        assert_eq!(bytes_text(532), "532 B");
+        assert_eq!(bytes_text(4_100), "4.1 kB");
+        assert_eq!(bytes_text(67_108_864), "67.1 MB");
+        assert_eq!(
+            capitalise("model file: bad header"),
+            "Model file: bad header."
+        );
+        assert_eq!(capitalise("done."), "Done.");
+    }
 }

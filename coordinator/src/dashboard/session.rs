@@ -201,13 +201,41 @@ pub async fn require_session(
         if cross_site(request.headers(), request.uri()) {
             return Err(PageError::Forbidden("cross-site request refused".into()));
         }
+        // Only the model upload form sends files: a multipart body, up to the server's
+        // body limit, is taken there alone; every other form stays small.
+        let boundary = request
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(super::multipart::boundary)
+            .filter(|_| request.uri().path() == super::pages::UPLOAD_PATH);
+        let limit = if boundary.is_some() {
+            state.settings.max_body_bytes
+        } else {
+            MAX_FORM_BYTES
+        };
         let (parts, body) = request.into_parts();
-        let bytes = axum::body::to_bytes(body, MAX_FORM_BYTES)
-            .await
-            .map_err(|_| PageError::BadRequest("form too large".into()))?;
-        let fields = form_fields(&bytes)?;
-        let presented = field(&fields, CSRF_FIELD).unwrap_or("");
-        if !same_token(presented, &csrf) {
+        let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
+            if boundary.is_some() {
+                PageError::TooLarge(format!(
+                    "the upload is larger than this server accepts ({limit} bytes in all), \
+                     or was cut off; nothing was stored"
+                ))
+            } else {
+                PageError::BadRequest("form too large".into())
+            }
+        })?;
+        let presented = match &boundary {
+            Some(boundary) => {
+                let fields = super::multipart::parse(&bytes, boundary)
+                    .map_err(|e| PageError::BadRequest(format!("malformed form: {e}")))?;
+                super::multipart::text(&fields, CSRF_FIELD).to_string()
+            }
+            None => field(&form_fields(&bytes)?, CSRF_FIELD)
+                .unwrap_or("")
+                .to_string(),
+        };
+        if !same_token(&presented, &csrf) {
             return Err(PageError::Forbidden(
                 "missing or wrong CSRF token; reload the page and try again".into(),
             ));

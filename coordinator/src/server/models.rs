@@ -210,6 +210,19 @@ async fn upload_model(
         ));
     }
     let name = query.name.unwrap_or_else(|| "model".into());
+    let file = store_model_file(&state, name, body).await?;
+    Ok((StatusCode::CREATED, Json(file)))
+}
+
+/// Checks an uploaded model file and stores it: the name (1 to 200 characters), a
+/// safetensors file of finite `F32` tensors, at most the parameters a model may have.
+/// Nothing is stored unless all of that holds. Shared by the API and the dashboard, so
+/// that both accept exactly the same files.
+pub(crate) async fn store_model_file(
+    state: &AppState,
+    name: String,
+    body: axum::body::Bytes,
+) -> Result<ModelFile, ApiError> {
     if name.trim().is_empty() || name.len() > 200 {
         return Err(ApiError::unprocessable(
             "invalid_model",
@@ -254,7 +267,7 @@ async fn upload_model(
         .map_err(ApiError::internal)?
         .map_err(ApiError::internal)?;
     state.store.create_model_file(&file).await?;
-    Ok((StatusCode::CREATED, Json(file)))
+    Ok(file)
 }
 
 fn hex(bytes: &[u8]) -> String {
