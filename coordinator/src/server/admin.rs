@@ -26,8 +26,35 @@ impl From<StoreError> for ApiError {
             StoreError::NotFound(what) => ApiError::NotFound(what),
             StoreError::Conflict(message) => ApiError::conflict("conflict", message),
             StoreError::Refused(why) => ApiError::Unauthorized(why.to_string()),
+            StoreError::Database(e) if database_unreachable(&e) => ApiError::Unavailable {
+                detail: e.to_string(),
+                retry_after_seconds: DATABASE_RETRY_AFTER_SECONDS,
+            },
             other => ApiError::internal(other),
         }
+    }
+}
+
+/// What a caller is told to wait while the database is unreachable: the pool
+/// reconnects by itself, and a restarted PostgreSQL takes seconds to come back.
+pub const DATABASE_RETRY_AFTER_SECONDS: u64 = 5;
+
+/// True for the database errors that mean "not reachable right now" (connection refused
+/// or reset, no connection free in time, the server shutting down), as opposed to a
+/// query the database refused.
+pub fn database_unreachable(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_) => true,
+        // PostgreSQL's class 08 (connection exception) and 57P0x (admin shutdown, crash
+        // shutdown, cannot connect now).
+        sqlx::Error::Database(db) => db
+            .code()
+            .is_some_and(|c| c.starts_with("08") || c.starts_with("57P0")),
+        _ => false,
     }
 }
 
@@ -1068,3 +1095,26 @@ pub(crate) fn routes() -> Router<AppState> {
     ))
 )]
 pub(crate) struct AdminDoc;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Connection failures become a 503 with a retry hint; a query the database refused
+    /// stays a 500, since retrying it would not help.
+    #[test]
+    fn only_unreachable_databases_are_unavailable() {
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        for e in [
+            sqlx::Error::Io(refused),
+            sqlx::Error::PoolTimedOut,
+            sqlx::Error::PoolClosed,
+        ] {
+            assert!(database_unreachable(&e), "{e}");
+            let api: ApiError = StoreError::Database(e).into();
+            assert_eq!(api.status(), axum::http::StatusCode::SERVICE_UNAVAILABLE);
+        }
+        let api: ApiError = StoreError::Database(sqlx::Error::RowNotFound).into();
+        assert_eq!(api.status(), axum::http::StatusCode::INTERNAL_SERVER_ERROR);
+    }
+}

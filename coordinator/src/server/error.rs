@@ -63,9 +63,26 @@ pub enum ApiError {
         /// What is invalid, naming the field when known.
         message: String,
     },
+    /// 429: this caller sent more than its share; `Retry-After` says when to come back.
+    #[error("{message}")]
+    TooManyRequests {
+        /// Which limit was hit.
+        message: String,
+        /// Seconds until a request will be taken again.
+        retry_after_seconds: u64,
+    },
     /// 500: a fault on the server's side. The detail is logged, never sent.
     #[error("internal error: {0}")]
     Internal(String),
+    /// 503: a dependency (the database) is unreachable for now; `Retry-After` says when
+    /// to try again. The detail is logged, never sent.
+    #[error("unavailable: {detail}")]
+    Unavailable {
+        /// What failed, for the log.
+        detail: String,
+        /// Seconds to wait before retrying.
+        retry_after_seconds: u64,
+    },
 }
 
 /// The body of every error response.
@@ -88,6 +105,9 @@ pub struct ErrorDetail {
 
 /// What a client sees instead of the detail of an internal error.
 const INTERNAL_MESSAGE: &str = "internal server error";
+/// What a client sees when the database is unreachable.
+const UNAVAILABLE_MESSAGE: &str =
+    "the coordinator cannot reach its database right now; retry after the time in Retry-After";
 
 impl ApiError {
     /// A 400 with a specific code.
@@ -131,7 +151,9 @@ impl ApiError {
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::UnprocessableEntity { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::TooManyRequests { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -147,7 +169,9 @@ impl ApiError {
             ApiError::MethodNotAllowed(_) => "method_not_allowed",
             ApiError::PayloadTooLarge(_) => "payload_too_large",
             ApiError::UnsupportedMediaType(_) => "unsupported_media_type",
+            ApiError::TooManyRequests { .. } => "rate_limited",
             ApiError::Internal(_) => "internal",
+            ApiError::Unavailable { .. } => "unavailable",
         }
     }
 
@@ -162,8 +186,10 @@ impl ApiError {
             | ApiError::NotFound(message)
             | ApiError::MethodNotAllowed(message)
             | ApiError::PayloadTooLarge(message)
-            | ApiError::UnsupportedMediaType(message) => message,
+            | ApiError::UnsupportedMediaType(message)
+            | ApiError::TooManyRequests { message, .. } => message,
             ApiError::Internal(_) => INTERNAL_MESSAGE,
+            ApiError::Unavailable { .. } => UNAVAILABLE_MESSAGE,
         }
     }
 
@@ -206,8 +232,27 @@ impl IntoResponse for ApiError {
         if let ApiError::Internal(detail) = &self {
             tracing::error!(%detail, "internal error while handling a request");
         }
+        if let ApiError::Unavailable { detail, .. } = &self {
+            tracing::warn!(%detail, "database unavailable while handling a request");
+        }
         let status = self.status();
+        let retry_after = match &self {
+            ApiError::TooManyRequests {
+                retry_after_seconds,
+                ..
+            }
+            | ApiError::Unavailable {
+                retry_after_seconds,
+                ..
+            } => Some(*retry_after_seconds),
+            _ => None,
+        };
         let mut response = (status, axum::Json(self.body())).into_response();
+        if let Some(seconds) = retry_after {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
         if status == StatusCode::UNAUTHORIZED {
             response
                 .headers_mut()
@@ -454,5 +499,30 @@ mod tests {
         let e = ApiError::internal("db password is hunter2");
         assert_eq!(e.status(), StatusCode::INTERNAL_SERVER_ERROR);
         assert_eq!(e.body().error.message, "internal server error");
+    }
+
+    /// A caller told to slow down, or to wait out a database outage, learns when to come
+    /// back (`Retry-After`) and gets the usual JSON error; the outage's detail (which
+    /// may name hosts) stays in the log.
+    #[tokio::test]
+    async fn throttled_and_unavailable_answers_carry_retry_after() {
+        let limited = ApiError::TooManyRequests {
+            message: "too many enrolments from this address".into(),
+            retry_after_seconds: 7,
+        }
+        .into_response();
+        assert_eq!(limited.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(limited.headers()[header::RETRY_AFTER], "7");
+        let down = ApiError::Unavailable {
+            detail: "connection refused by db.internal:5432".into(),
+            retry_after_seconds: 5,
+        }
+        .into_response();
+        assert_eq!(down.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(down.headers()[header::RETRY_AFTER], "5");
+        let body = axum::body::to_bytes(down.into_body(), 4096).await.unwrap();
+        let body: ErrorBody = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body.error.code, "unavailable");
+        assert!(!body.error.message.contains("db.internal"));
     }
 }
