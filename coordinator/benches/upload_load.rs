@@ -42,7 +42,7 @@ use tokio::sync::Semaphore;
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use common::{ADMIN, free_port, spawn_serve};
+use common::{ADMIN, free_port, spawn_serve_with};
 
 fn arg(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
@@ -134,7 +134,17 @@ impl Coordinator {
 async fn start_coordinator(data_dir: &Path, url: &str) -> Coordinator {
     let port = free_port();
     let base = format!("https://127.0.0.1:{port}");
-    let child = spawn_serve(data_dir, port, Some(url));
+    // Every simulated client shares this machine's address: the per-address limits
+    // would throttle the run itself.
+    let child = spawn_serve_with(
+        data_dir,
+        port,
+        Some(url),
+        &[
+            ("COHORT_ENROL_RATE", "0"),
+            ("COHORT_ADDRESS_UPLOAD_RATE", "0"),
+        ],
+    );
     let ca_path = data_dir.join("tls/ca.pem");
     common::wait_healthy(&base, &ca_path).await;
     // The uploads of a big run take longer than the helpers' client waits.

@@ -538,6 +538,97 @@ async fn every_admin_action_is_in_the_audit_log() {
     server.shut_down().await.unwrap();
 }
 
+/// Enrolment is limited per address (wrong tokens count too, so tokens cannot be
+/// guessed at speed) and uploads per client: past the limit the answer is 429 with
+/// Retry-After, and the store is not touched.
+#[tokio::test]
+async fn enrolment_and_uploads_are_rate_limited() {
+    cohort_coordinator::server::install_crypto_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let flags = ServeFlags {
+        enrol_rate: Some(3),
+        upload_rate: Some(2),
+        ..dev_tls()
+    };
+    let prepared = prepare(settings(dir.path(), flags)).await.unwrap();
+    let token = prepared
+        .generated_admin_token
+        .as_ref()
+        .unwrap()
+        .expose()
+        .to_string();
+    let mut server = launch(prepared, None, token.clone());
+    server._dir = Some(dir);
+    let issued: serde_json::Value = server
+        .client
+        .post(server.url("/api/v1/admin/enrolment-tokens"))
+        .bearer_auth(&token)
+        .json(&serde_json::json!({"label": "site"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let enrol = |t: String| {
+        server
+            .client
+            .post(server.url("/api/v1/clients/enrol"))
+            .json(&serde_json::json!({ "token": t }))
+            .send()
+    };
+    assert_eq!(enrol("guess-1".into()).await.unwrap().status(), 401);
+    assert_eq!(enrol("guess-2".into()).await.unwrap().status(), 401);
+    let ok = enrol(issued["token"].as_str().unwrap().into())
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 201);
+    let credential: serde_json::Value = ok.json().await.unwrap();
+    let limited = enrol("guess-3".into()).await.unwrap();
+    assert_eq!(limited.status(), StatusCode::TOO_MANY_REQUESTS);
+    let wait: u64 = limited.headers()[reqwest::header::RETRY_AFTER]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=20).contains(&wait), "{wait}");
+    assert_eq!(error_body(limited).await.error.code, "rate_limited");
+
+    let bearer = format!(
+        "{}.{}",
+        credential["client_id"].as_str().unwrap(),
+        credential["secret"].as_str().unwrap()
+    );
+    let upload = || {
+        server
+            .client
+            .post(server.url(&format!(
+                "/api/v1/clients/experiments/{}/rounds/1/attempts/1/update",
+                uuid::Uuid::new_v4()
+            )))
+            .bearer_auth(&bearer)
+            .header("content-type", "application/octet-stream")
+            .body(vec![0u8; 16])
+            .send()
+    };
+    for _ in 0..2 {
+        let r = upload().await.unwrap();
+        assert_ne!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    }
+    let r = upload().await.unwrap();
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(r.headers().contains_key(reqwest::header::RETRY_AFTER));
+    // Nobody else is throttled by this client's haste: the admin API still answers.
+    assert_eq!(
+        server
+            .get("/api/v1/admin/clients", Some(&token))
+            .await
+            .status(),
+        StatusCode::OK
+    );
+    server.shut_down().await.unwrap();
+}
+
 #[tokio::test]
 async fn unknown_routes_are_404_with_the_error_shape() {
     let server = start().await;

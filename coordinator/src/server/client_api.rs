@@ -102,8 +102,10 @@ impl AuthenticatedClient {
               (status = 422, body = ErrorBody)))]
 async fn enrol(
     State(state): State<AppState>,
+    super::rate_limit::PeerAddr(peer): super::rate_limit::PeerAddr,
     Json(req): Json<EnrolRequest>,
 ) -> Result<(StatusCode, Json<Enrolled>), ApiError> {
+    state.limits.enrolment(peer)?;
     let secret = generate_secret().map_err(ApiError::internal)?;
     let client = state
         .store
@@ -408,11 +410,13 @@ pub struct UploadQuery {
 async fn upload(
     State(state): State<AppState>,
     AuthenticatedClient(client): AuthenticatedClient,
+    super::rate_limit::PeerAddr(peer): super::rate_limit::PeerAddr,
     axum::extract::Path((id, round, attempt)): axum::extract::Path<(String, i64, i64)>,
     query: Result<axum::extract::Query<UploadQuery>, axum::extract::rejection::QueryRejection>,
     headers: axum::http::HeaderMap,
     body: axum::body::Body,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
+    state.limits.upload(client.id, peer)?;
     let axum::extract::Query(query) =
         query.map_err(|e| ApiError::unprocessable("invalid_query", e.body_text()))?;
     let is_octets = headers

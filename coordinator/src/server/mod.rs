@@ -20,6 +20,7 @@ pub mod error;
 pub mod fedbuff;
 pub mod models;
 pub mod privacy;
+pub mod rate_limit;
 pub mod secagg_api;
 pub mod secure_rounds;
 pub mod settings;
@@ -70,6 +71,8 @@ pub struct AppState {
     pub eval: Option<Arc<cohort_edge::data::Dataset>>,
     /// This server's request and job series, for `/metrics`.
     pub telemetry: telemetry::Telemetry,
+    /// This replica's rate limits on enrolment and uploads.
+    pub limits: Arc<rate_limit::RateLimits>,
 }
 
 impl AppState {
@@ -82,7 +85,9 @@ impl AppState {
         blobs: BlobStore,
         reducer: Arc<dyn cohort_aggregation::reduce::Reducer>,
     ) -> Self {
+        let limits = Arc::new(rate_limit::RateLimits::new(settings.rate_limits));
         Self {
+            limits,
             settings: Arc::new(settings),
             admin: Arc::new(admin),
             store,
@@ -429,7 +434,8 @@ pub async fn serve(
         tracing::info!("shutting down");
         trigger.graceful_shutdown(Some(SHUTDOWN_GRACE));
     });
-    let service = router.into_make_service();
+    // The peer's address goes with every request, for the per-address rate limits.
+    let service = router.into_make_service_with_connect_info::<SocketAddr>();
     let result = match tls {
         Some(config) => {
             let mut server = axum_server::tls_rustls::from_tcp_rustls(

@@ -101,6 +101,8 @@ pub struct ServeSettings {
     /// Mutual TLS: a PEM file of the CA certificates every TLS client must present a
     /// certificate from.
     pub client_ca: Option<PathBuf>,
+    /// Rate limits on enrolment and uploads.
+    pub rate_limits: super::rate_limit::RateSettings,
 }
 
 /// Why the settings cannot be used. Messages name the setting and, except for secrets,
@@ -224,6 +226,18 @@ pub struct ServeFlags {
     /// must present a certificate issued by a CA in this PEM file [env: COHORT_CLIENT_CA]
     #[arg(long, value_name = "FILE")]
     pub client_ca: Option<PathBuf>,
+    /// Enrolments per minute from one address, 0 for no limit [env: COHORT_ENROL_RATE]
+    /// [default: 600]
+    #[arg(long, value_name = "N")]
+    pub enrol_rate: Option<u32>,
+    /// Update uploads per minute from one client, 0 for no limit [env: COHORT_UPLOAD_RATE]
+    /// [default: 120]
+    #[arg(long, value_name = "N")]
+    pub upload_rate: Option<u32>,
+    /// Update uploads per minute from one address, all its clients together, 0 for no
+    /// limit [env: COHORT_ADDRESS_UPLOAD_RATE] [default: 60000]
+    #[arg(long, value_name = "N")]
+    pub address_upload_rate: Option<u32>,
 }
 
 /// `cohort serve`'s command line: an optional config file plus the flags.
@@ -253,6 +267,9 @@ struct Layer {
     reducer: Option<cohort_aggregation::reduce::ReducerChoice>,
     eval_data: Option<PathBuf>,
     client_ca: Option<PathBuf>,
+    enrol_rate: Option<u32>,
+    upload_rate: Option<u32>,
+    address_upload_rate: Option<u32>,
 }
 
 impl Layer {
@@ -271,6 +288,9 @@ impl Layer {
             reducer: over.reducer.or(self.reducer),
             eval_data: over.eval_data.or(self.eval_data),
             client_ca: over.client_ca.or(self.client_ca),
+            enrol_rate: over.enrol_rate.or(self.enrol_rate),
+            upload_rate: over.upload_rate.or(self.upload_rate),
+            address_upload_rate: over.address_upload_rate.or(self.address_upload_rate),
         }
     }
 
@@ -310,6 +330,16 @@ impl Layer {
                 })
                 .transpose()
         };
+        let rate = |var: &'static str| -> Result<Option<u32>, SettingsError> {
+            get(var)
+                .map(|v| {
+                    v.parse().map_err(|_| SettingsError::InvalidEnv {
+                        var,
+                        message: format!("`{v}` is not a whole number per minute"),
+                    })
+                })
+                .transpose()
+        };
         Ok(Layer {
             listen: get("COHORT_LISTEN")
                 .map(|v| {
@@ -344,6 +374,9 @@ impl Layer {
                 .transpose()?,
             eval_data: get("COHORT_EVAL_DATA").map(PathBuf::from),
             client_ca: get("COHORT_CLIENT_CA").map(PathBuf::from),
+            enrol_rate: rate("COHORT_ENROL_RATE")?,
+            upload_rate: rate("COHORT_UPLOAD_RATE")?,
+            address_upload_rate: rate("COHORT_ADDRESS_UPLOAD_RATE")?,
         })
     }
 
@@ -362,6 +395,9 @@ impl Layer {
             reducer: flags.reducer,
             eval_data: flags.eval_data,
             client_ca: flags.client_ca,
+            enrol_rate: flags.enrol_rate,
+            upload_rate: flags.upload_rate,
+            address_upload_rate: flags.address_upload_rate,
         }
     }
 }
@@ -454,13 +490,27 @@ impl ServeSettings {
             reducer: layer.reducer.unwrap_or_default(),
             eval_data: layer.eval_data,
             client_ca: layer.client_ca,
+            rate_limits: {
+                use super::rate_limit::{PerMinute, RateSettings};
+                let d = RateSettings::default();
+                RateSettings {
+                    enrol_per_address: layer.enrol_rate.map_or(d.enrol_per_address, PerMinute),
+                    uploads_per_client: layer.upload_rate.map_or(d.uploads_per_client, PerMinute),
+                    uploads_per_address: layer
+                        .address_upload_rate
+                        .map_or(d.uploads_per_address, PerMinute),
+                }
+            },
         })
     }
 }
 
 /// Maps an arbitrary `COHORT_*` name to the static name used in errors.
 fn known_var(key: &str) -> &'static str {
-    const KNOWN: [&str; 12] = [
+    const KNOWN: [&str; 15] = [
+        "COHORT_ENROL_RATE",
+        "COHORT_UPLOAD_RATE",
+        "COHORT_ADDRESS_UPLOAD_RATE",
         "COHORT_EVAL_DATA",
         "COHORT_CLIENT_CA",
         "COHORT_LISTEN",

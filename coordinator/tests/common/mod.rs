@@ -21,7 +21,18 @@ pub fn free_port() -> u16 {
 
 /// Starts the real `cohort serve` binary with dev TLS on `port`, quietly.
 pub fn spawn_serve(data_dir: &Path, port: u16, database_url: Option<&str>) -> Child {
+    spawn_serve_with(data_dir, port, database_url, &[])
+}
+
+/// [`spawn_serve`] with extra environment variables (settings such as rate limits).
+pub fn spawn_serve_with(
+    data_dir: &Path,
+    port: u16,
+    database_url: Option<&str>,
+    env: &[(&str, &str)],
+) -> Child {
     let mut command = Command::new(env!("CARGO_BIN_EXE_cohort"));
+    command.envs(env.iter().copied());
     command
         .args(["serve", "--dev-tls", "--listen"])
         .arg(format!("127.0.0.1:{port}"))

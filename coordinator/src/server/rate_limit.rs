@@ -1,0 +1,270 @@
+//! Rate limits on the client routes a stranger or a misbehaving device can hammer:
+//! enrolment per address, uploads per client and per address. Token buckets, one per
+//! key, in this replica's memory: each replica enforces its own share, which bounds what
+//! one caller can cost it.
+//!
+//! The number of buckets is bounded: when the table is full, buckets that have filled up
+//! again (their caller has been quiet) are dropped; if none has, a new key is refused
+//! until one does, so that a flood of fresh addresses cannot grow memory without bound.
+
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use axum::extract::{ConnectInfo, FromRequestParts};
+use axum::http::request::Parts;
+use uuid::Uuid;
+
+use super::error::ApiError;
+
+/// Most keys one limiter tracks.
+pub const MAX_KEYS: usize = 100_000;
+
+/// Requests per minute allowed to one key; all of them may come at once. Zero turns the
+/// limit off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PerMinute(pub u32);
+
+/// One caller's bucket.
+#[derive(Debug, Clone, Copy)]
+struct Bucket {
+    tokens: f64,
+    at: Instant,
+}
+
+/// Token buckets keyed by `K`.
+#[derive(Debug)]
+pub struct KeyedLimiter<K> {
+    rate: PerMinute,
+    max_keys: usize,
+    buckets: Mutex<HashMap<K, Bucket>>,
+}
+
+impl<K: Eq + Hash + Copy> KeyedLimiter<K> {
+    /// A limiter at `rate`, tracking at most `max_keys` keys.
+    pub fn new(rate: PerMinute, max_keys: usize) -> Self {
+        Self {
+            rate,
+            max_keys: max_keys.max(1),
+            buckets: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Takes one request of `key` at `now`: `Ok`, or `Err(seconds)` until it would be
+    /// taken.
+    pub fn check(&self, key: K, now: Instant) -> Result<(), u64> {
+        let PerMinute(per_minute) = self.rate;
+        if per_minute == 0 {
+            return Ok(());
+        }
+        let capacity = f64::from(per_minute);
+        let per_second = capacity / 60.0;
+        let refill = |b: &Bucket| {
+            let elapsed = now.saturating_duration_since(b.at).as_secs_f64();
+            (b.tokens + elapsed * per_second).min(capacity)
+        };
+        // A poisoned lock only means another request panicked mid-update; the counts are
+        // still usable.
+        let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        if !buckets.contains_key(&key) && buckets.len() >= self.max_keys {
+            buckets.retain(|_, b| refill(b) < capacity);
+            if buckets.len() >= self.max_keys {
+                return Err(60);
+            }
+        }
+        let bucket = buckets.entry(key).or_insert(Bucket {
+            tokens: capacity,
+            at: now,
+        });
+        let tokens = refill(bucket);
+        if tokens >= 1.0 {
+            *bucket = Bucket {
+                tokens: tokens - 1.0,
+                at: now,
+            };
+            Ok(())
+        } else {
+            *bucket = Bucket { tokens, at: now };
+            Err(((1.0 - tokens) / per_second).ceil().max(1.0) as u64)
+        }
+    }
+
+    /// Keys tracked now.
+    pub fn len(&self) -> usize {
+        self.buckets.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// True when no key is tracked.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The limits `cohort serve` applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RateSettings {
+    /// Enrolments per minute from one address.
+    pub enrol_per_address: PerMinute,
+    /// Uploads (model updates and secure-aggregation messages) per minute from one
+    /// client.
+    pub uploads_per_client: PerMinute,
+    /// Uploads per minute from one address, all its clients together.
+    pub uploads_per_address: PerMinute,
+}
+
+impl Default for RateSettings {
+    /// Generous for real fleets: a site re-enrolling devices, a client retrying an
+    /// upload, a hospital's many devices behind one NAT.
+    fn default() -> Self {
+        Self {
+            enrol_per_address: PerMinute(600),
+            uploads_per_client: PerMinute(120),
+            uploads_per_address: PerMinute(60_000),
+        }
+    }
+}
+
+/// This replica's limiters.
+#[derive(Debug)]
+pub struct RateLimits {
+    enrol_per_address: KeyedLimiter<IpAddr>,
+    uploads_per_client: KeyedLimiter<Uuid>,
+    uploads_per_address: KeyedLimiter<IpAddr>,
+}
+
+impl RateLimits {
+    /// Limiters for `settings`.
+    pub fn new(settings: RateSettings) -> Self {
+        Self {
+            enrol_per_address: KeyedLimiter::new(settings.enrol_per_address, MAX_KEYS),
+            uploads_per_client: KeyedLimiter::new(settings.uploads_per_client, MAX_KEYS),
+            uploads_per_address: KeyedLimiter::new(settings.uploads_per_address, MAX_KEYS),
+        }
+    }
+
+    /// An enrolment from `peer` (unknown in tests that call the router directly: not
+    /// limited by address).
+    pub fn enrolment(&self, peer: Option<IpAddr>) -> Result<(), ApiError> {
+        if let Some(ip) = peer {
+            self.enrol_per_address
+                .check(ip, Instant::now())
+                .map_err(|seconds| limited("enrolments from this address", seconds))?;
+        }
+        Ok(())
+    }
+
+    /// An upload by `client` from `peer`.
+    pub fn upload(&self, client: Uuid, peer: Option<IpAddr>) -> Result<(), ApiError> {
+        let now = Instant::now();
+        self.uploads_per_client
+            .check(client, now)
+            .map_err(|seconds| limited("uploads from this client", seconds))?;
+        if let Some(ip) = peer {
+            self.uploads_per_address
+                .check(ip, now)
+                .map_err(|seconds| limited("uploads from this address", seconds))?;
+        }
+        Ok(())
+    }
+}
+
+fn limited(what: &str, seconds: u64) -> ApiError {
+    ApiError::TooManyRequests {
+        message: format!("too many {what}: retry in {seconds} s"),
+        retry_after_seconds: seconds,
+    }
+}
+
+/// The address the request came from, when the server records it (it does when
+/// serving; a router called directly in a test has none).
+#[derive(Debug, Clone, Copy)]
+pub struct PeerAddr(pub Option<IpAddr>);
+
+impl<S: Send + Sync> FromRequestParts<S> for PeerAddr {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        Ok(PeerAddr(
+            parts
+                .extensions
+                .get::<ConnectInfo<SocketAddr>>()
+                .map(|c| c.0.ip()),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// A full minute's worth may come at once; then one more per 60/N seconds.
+    #[test]
+    fn a_burst_then_the_steady_rate() {
+        let limiter = KeyedLimiter::new(PerMinute(6), 10);
+        let t0 = Instant::now();
+        for _ in 0..6 {
+            assert_eq!(limiter.check(1, t0), Ok(()));
+        }
+        assert_eq!(limiter.check(1, t0), Err(10));
+        // Another key has its own bucket.
+        assert_eq!(limiter.check(2, t0), Ok(()));
+        assert_eq!(limiter.check(1, t0 + Duration::from_secs(9)), Err(1));
+        assert_eq!(limiter.check(1, t0 + Duration::from_secs(10)), Ok(()));
+        assert!(limiter.check(1, t0 + Duration::from_secs(10)).is_err());
+    }
+
+    #[test]
+    fn zero_turns_the_limit_off() {
+        let limiter = KeyedLimiter::new(PerMinute(0), 1);
+        let t0 = Instant::now();
+        for key in 0..1000 {
+            assert_eq!(limiter.check(key, t0), Ok(()));
+        }
+        assert!(limiter.is_empty(), "nothing is tracked when off");
+    }
+
+    /// The table never holds more than its bound: quiet callers make room, and while
+    /// every tracked caller is active a new one waits.
+    #[test]
+    fn the_table_is_bounded() {
+        let limiter = KeyedLimiter::new(PerMinute(60), 3);
+        let t0 = Instant::now();
+        for key in 0..3 {
+            assert_eq!(limiter.check(key, t0), Ok(()));
+        }
+        assert_eq!(limiter.check(99, t0), Err(60), "all three are active");
+        assert_eq!(limiter.len(), 3);
+        // A second later each bucket has refilled: they are dropped for the newcomer.
+        assert_eq!(limiter.check(99, t0 + Duration::from_secs(1)), Ok(()));
+        assert!(limiter.len() <= 3);
+    }
+
+    proptest! {
+        /// Over any window, a key gets at most the burst plus what refilled in it.
+        #[test]
+        fn never_more_than_burst_plus_refill(
+            per_minute in 1u32..600,
+            gaps_ms in proptest::collection::vec(0u64..2000, 1..300),
+        ) {
+            let limiter = KeyedLimiter::new(PerMinute(per_minute), 4);
+            let t0 = Instant::now();
+            let mut now = t0;
+            let mut taken = 0u64;
+            for gap in gaps_ms {
+                now += Duration::from_millis(gap);
+                if limiter.check(7u8, now).is_ok() {
+                    taken += 1;
+                }
+            }
+            let elapsed = now.duration_since(t0).as_secs_f64();
+            let bound = f64::from(per_minute) * (1.0 + elapsed / 60.0);
+            prop_assert!(taken as f64 <= bound + 1e-9, "{taken} > {bound}");
+        }
+    }
+}
