@@ -629,6 +629,78 @@ async fn enrolment_and_uploads_are_rate_limited() {
     server.shut_down().await.unwrap();
 }
 
+/// Body limits per route: JSON bodies stop at 1 MiB however large --max-body-bytes is,
+/// while a model file may use all of it.
+#[tokio::test]
+async fn json_routes_take_small_bodies_and_model_files_large_ones() {
+    cohort_coordinator::server::install_crypto_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let settings = ServeSettings::from_sources(
+        None,
+        &HashMap::new(),
+        ServeFlags {
+            listen: Some("127.0.0.1:0".parse().unwrap()),
+            data_dir: Some(dir.path().to_path_buf()),
+            max_body_bytes: Some(8 << 20),
+            ..dev_tls()
+        },
+    )
+    .unwrap();
+    let prepared = prepare(settings).await.unwrap();
+    let token = prepared
+        .generated_admin_token
+        .as_ref()
+        .unwrap()
+        .expose()
+        .to_string();
+    let mut server = launch(prepared, None, token.clone());
+    server._dir = Some(dir);
+    let big_json = format!(r#"{{"name":"{}"}}"#, "x".repeat(1 << 20));
+    let r = server
+        .client
+        .post(server.url("/api/v1/admin/experiments"))
+        .bearer_auth(&token)
+        .header("content-type", "application/json")
+        .body(big_json)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(error_body(r).await.error.code, "payload_too_large");
+    // 2 MiB of parameters: over the JSON limit, within --max-body-bytes.
+    let layout = std::sync::Arc::new(
+        cohort_aggregation::Layout::new(vec![cohort_aggregation::TensorSpec::new(
+            "w",
+            [512, 1024],
+        )])
+        .unwrap(),
+    );
+    let model = cohort_aggregation::ModelVector::new(layout, vec![0.5; 512 * 1024]).unwrap();
+    let file = cohort_aggregation::model_file::encode(&model, Default::default());
+    assert!(file.len() > 2 << 20);
+    let r = server
+        .client
+        .post(server.url("/api/v1/admin/models?name=big"))
+        .bearer_auth(&token)
+        .header("content-type", "application/octet-stream")
+        .body(file)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    let r = server
+        .client
+        .post(server.url("/api/v1/admin/models?name=too-big"))
+        .bearer_auth(&token)
+        .header("content-type", "application/octet-stream")
+        .body(vec![0u8; 9 << 20])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    server.shut_down().await.unwrap();
+}
+
 #[tokio::test]
 async fn unknown_routes_are_404_with_the_error_shape() {
     let server = start().await;

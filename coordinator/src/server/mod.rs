@@ -166,6 +166,10 @@ impl ServeError {
     }
 }
 
+/// The largest body a route that reads its body whole (JSON, forms) takes: 1 MiB, or
+/// `--max-body-bytes` when that is smaller. Nothing of the API's JSON comes near it.
+pub const MAX_JSON_BODY_BYTES: usize = 1 << 20;
+
 /// The whole HTTP application: public routes, the guarded admin routes of
 /// [`admin_router`], the JSON 404 fallback, the body limit and request tracing.
 pub fn app(state: AppState) -> Router {
@@ -199,7 +203,11 @@ pub fn app_with_admin(state: AppState, admin: Router<AppState>) -> Router {
             state.clone(),
             telemetry::record_requests,
         ))
-        .layer(DefaultBodyLimit::max(state.settings.max_body_bytes))
+        // Bodies read whole (JSON, forms) stay small; the routes that take big bodies
+        // (update uploads, model files) read them as streams against --max-body-bytes.
+        .layer(DefaultBodyLimit::max(
+            state.settings.max_body_bytes.min(MAX_JSON_BODY_BYTES),
+        ))
         .layer(
             TraceLayer::new_for_http()
                 .make_span_with(DefaultMakeSpan::new().level(Level::INFO))

@@ -196,10 +196,18 @@ async fn upload_model(
     State(state): State<AppState>,
     query: Result<Query<UploadModelQuery>, axum::extract::rejection::QueryRejection>,
     headers: axum::http::HeaderMap,
-    body: axum::body::Bytes,
+    body: axum::body::Body,
 ) -> Result<(StatusCode, Json<ModelFile>), ApiError> {
     let Query(query) =
         query.map_err(|e| ApiError::unprocessable("invalid_query", e.body_text()))?;
+    // A model file may be as large as the server takes (--max-body-bytes); the JSON
+    // routes' smaller default limit does not apply to it.
+    let limit = state.settings.max_body_bytes;
+    let body = axum::body::to_bytes(body, limit).await.map_err(|_| {
+        ApiError::PayloadTooLarge(format!(
+            "the model file is larger than the limit of {limit} bytes, or was cut off"
+        ))
+    })?;
     let is_octets = headers
         .get(axum::http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
