@@ -510,6 +510,7 @@ on_both_backends!(
     upload_for_a_round_that_does_not_exist_is_404,
     upload_after_collection_closed_is_409,
     replayed_upload_is_409,
+    a_retried_upload_with_its_upload_id_is_recognised_not_counted_again,
     missing_credential_is_401,
     wrong_credential_is_401,
     revoked_client_is_403,
@@ -1156,6 +1157,61 @@ async fn replayed_upload_is_409(h: &Harness) {
         )
         .await;
     }
+}
+
+/// Idempotent uploads: a retry carrying the upload's own id (its first try stored, the
+/// answer lost) gets 200 and the stored upload's id, and changes nothing; another
+/// upload from the same client is still refused; the id is the client's own, so
+/// another client may use the same one.
+async fn a_retried_upload_with_its_upload_id_is_recognised_not_counted_again(h: &Harness) {
+    let round = h.collecting(2, 30).await;
+    let upload_id = uuid::Uuid::new_v4();
+    let with_id = |credential: &str, id: uuid::Uuid, values: [f32; 10]| {
+        let path = format!(
+            "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/update\
+             ?num_samples=3&train_loss=0.5&upload_id={id}",
+            round.task.experiment, round.task.round, round.task.attempt
+        );
+        h.client
+            .post(h.url(&path))
+            .bearer_auth(credential)
+            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+            .body(floats(&values))
+    };
+    let first = with_id(&round.a, upload_id, [1.0; 10])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let first: serde_json::Value = first.json().await.unwrap();
+    let before = h.state().await;
+    for _ in 0..2 {
+        let again = with_id(&round.a, upload_id, [1.0; 10])
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(again.status(), StatusCode::OK);
+        let again: serde_json::Value = again.json().await.unwrap();
+        assert_eq!(again["upload_id"], first["upload_id"]);
+        assert_eq!(again["replayed"], true);
+    }
+    assert!(
+        h.state().await == before,
+        "a recognised retry changes nothing"
+    );
+    h.refused(
+        with_id(&round.a, uuid::Uuid::new_v4(), [9.0; 10]),
+        StatusCode::CONFLICT,
+        "conflict",
+    )
+    .await;
+    let other = with_id(&round.b, upload_id, [2.0; 10])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(other.status(), StatusCode::CREATED);
+    let other: serde_json::Value = other.json().await.unwrap();
+    assert_ne!(other["upload_id"], first["upload_id"]);
 }
 
 async fn missing_credential_is_401(h: &Harness) {

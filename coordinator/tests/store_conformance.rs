@@ -499,6 +499,7 @@ fn upload(client: Uuid, n: i64) -> NewUpload<'static> {
         sha256: &[7; 32],
         num_samples: n,
         train_loss: Some(0.5),
+        client_upload_id: None,
     }
 }
 

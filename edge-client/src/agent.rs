@@ -484,7 +484,10 @@ async fn serve_task(
             output.train_loss.unwrap_or(f64::NAN),
         ),
     };
-    with_retries(|| client.upload(cred, task, &params, samples, loss)).await?;
+    // One id for every try of this upload: a retry whose first try was stored (its
+    // answer lost) is recognised, not counted twice or refused.
+    let upload_id = uuid::Uuid::new_v4();
+    with_retries(|| client.upload(cred, task, &params, samples, loss, upload_id)).await?;
     Ok(())
 }
 
@@ -574,7 +577,8 @@ async fn serve_secure_task(
     .await
     .map_err(|e| AgentError::Task(e.to_string()))?;
     let masked = masked?;
-    match with_retries(|| client.upload_masked(cred, task, &masked)).await {
+    let upload_id = uuid::Uuid::new_v4();
+    match with_retries(|| client.upload_masked(cred, task, &masked, upload_id)).await {
         Ok(()) => note(&format!("secagg uploaded masked input {round}")),
         // A retry whose first try was stored (its answer lost) is refused as a replay;
         // the survivor list says whether the input is in the sum, and a client left out

@@ -421,15 +421,16 @@ impl CoordinatorClient {
     }
 
     /// Secure round, stage 3: uploads the masked input, the only form in which the
-    /// update leaves the machine.
+    /// update leaves the machine. `upload_id` is the same for every retry of it.
     pub async fn upload_masked(
         &self,
         cred: &Credential,
         task: &Task,
         masked: &[u32],
+        upload_id: Uuid,
     ) -> Result<(), ProtocolError> {
         let url = format!(
-            "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/update",
+            "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/update?upload_id={upload_id}",
             task.experiment_id, task.round, task.attempt
         );
         let r = self
@@ -468,7 +469,9 @@ impl CoordinatorClient {
             .await
     }
 
-    /// Uploads a trained update for `task`.
+    /// Uploads a trained update for `task`. `upload_id` is the same for every retry of
+    /// it, so that a retry whose first try was stored is recognised (200) rather than
+    /// counted twice or refused.
     pub async fn upload(
         &self,
         cred: &Credential,
@@ -476,9 +479,10 @@ impl CoordinatorClient {
         params: &ModelVector,
         num_samples: usize,
         train_loss: f64,
+        upload_id: Uuid,
     ) -> Result<(), ProtocolError> {
         let mut url = format!(
-            "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/update?num_samples={num_samples}",
+            "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/update?num_samples={num_samples}&upload_id={upload_id}",
             task.experiment_id, task.round, task.attempt
         );
         if train_loss.is_finite() {

@@ -393,6 +393,11 @@ pub struct UploadQuery {
     /// The client's mean training loss.
     #[serde(default)]
     pub train_loss: Option<f64>,
+    /// An id the client chooses for this upload (a UUID) and sends again with every
+    /// retry of it: a retry whose first try was stored is answered 200 with the stored
+    /// upload instead of being counted twice or refused.
+    #[serde(default)]
+    pub upload_id: Option<Uuid>,
 }
 
 /// Uploads a trained update (little-endian `f32`, `application/octet-stream`), or, in a
@@ -403,10 +408,13 @@ pub struct UploadQuery {
     params(("id" = String, Path, description = "Experiment id"), ("round" = i64, Path, description = "Round"),
            ("attempt" = i64, Path, description = "Attempt"), UploadQuery),
     request_body(content = Vec<u8>, content_type = "application/octet-stream"),
-    responses((status = 201, description = "Stored"), (status = 401, body = ErrorBody),
-              (status = 404, body = ErrorBody), (status = 409, description = "Not selected, replayed, or past the deadline", body = ErrorBody),
+    responses((status = 201, description = "Stored"),
+              (status = 200, description = "A retry (same upload_id) of an upload already stored: nothing counted again"),
+              (status = 401, body = ErrorBody),
+              (status = 404, body = ErrorBody), (status = 409, description = "Not selected, replayed without its upload_id, or past the deadline", body = ErrorBody),
               (status = 413, body = ErrorBody), (status = 415, body = ErrorBody),
-              (status = 422, description = "Wrong dimension or non-finite value", body = ErrorBody)))]
+              (status = 422, description = "Wrong dimension or non-finite value", body = ErrorBody),
+              (status = 429, description = "Too many uploads from this client or address", body = ErrorBody)))]
 async fn upload(
     State(state): State<AppState>,
     AuthenticatedClient(client): AuthenticatedClient,
@@ -441,6 +449,19 @@ async fn upload(
         ));
     }
     let id = super::admin::parse_id(&id, "experiment")?;
+    // A retry of an upload that was stored: the same answer, nothing counted again,
+    // whatever stage the round has reached since.
+    if let Some(upload_id) = query.upload_id
+        && let Some(stored) = state
+            .store
+            .upload_by_client_id(id, client.id, upload_id)
+            .await?
+    {
+        return Ok((
+            StatusCode::OK,
+            Json(serde_json::json!({"upload_id": stored.id, "replayed": true})),
+        ));
+    }
     let exp = state.store.experiment(id).await?;
     let (spec, model) = super::driver::experiment_model(&exp).map_err(ApiError::internal)?;
     // A secure round takes only masked words; a plain round takes floats and a weight.
@@ -486,6 +507,7 @@ async fn upload(
         // A secure upload's weight is masked; the row records none.
         num_samples: query.num_samples.unwrap_or(0),
         train_loss: query.train_loss,
+        client_upload_id: query.upload_id,
     };
     let recorded = match spec.fedbuff() {
         // FedBuff takes the upload into the buffer open now, whichever round its task
@@ -522,6 +544,18 @@ async fn upload(
         Err(e) => {
             let blobs = state.blobs.clone();
             let _ = tokio::task::spawn_blocking(move || blobs.remove(&path)).await;
+            // Two tries of one upload raced, and the other one was stored.
+            if let Some(upload_id) = query.upload_id
+                && let Some(stored) = state
+                    .store
+                    .upload_by_client_id(id, client.id, upload_id)
+                    .await?
+            {
+                return Ok((
+                    StatusCode::OK,
+                    Json(serde_json::json!({"upload_id": stored.id, "replayed": true})),
+                ));
+            }
             Err(e)
         }
     }

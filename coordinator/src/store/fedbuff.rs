@@ -503,8 +503,9 @@ impl Store {
             .await?;
             sqlx::query(
                 "INSERT INTO uploads (id, experiment_id, round, attempt, client_id, blob_path, \
-                 bytes, sha256, created_at, num_samples, buffer_round, staleness) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+                 bytes, sha256, created_at, num_samples, buffer_round, staleness, \
+                 client_upload_id) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
             )
             .bind(id.to_string())
             .bind(&exp)
@@ -518,6 +519,7 @@ impl Store {
             .bind(upload.num_samples)
             .bind(buffer)
             .bind(staleness)
+            .bind(upload.client_upload_id.map(|u| u.to_string()))
             .execute(&mut *tx)
             .await?;
             let closed = reported + 1 >= rules.buffer_size;

@@ -290,6 +290,9 @@ pub struct NewUpload<'a> {
     pub num_samples: i64,
     /// The client's mean training loss.
     pub train_loss: Option<f64>,
+    /// The id the client chose for this upload, if it sent one: a retry with the same id
+    /// finds the stored upload through [`Store::upload_by_client_id`].
+    pub client_upload_id: Option<Uuid>,
 }
 
 /// A recorded upload.
@@ -668,8 +671,8 @@ impl Store {
             }
             sqlx::query(
                 "INSERT INTO uploads (id, experiment_id, round, attempt, client_id, blob_path, \
-                 bytes, sha256, created_at, num_samples) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+                 bytes, sha256, created_at, num_samples, client_upload_id) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
             )
             .bind(id.to_string())
             .bind(&exp)
@@ -681,6 +684,7 @@ impl Store {
             .bind(upload.sha256)
             .bind(now)
             .bind(upload.num_samples)
+            .bind(upload.client_upload_id.map(|u| u.to_string()))
             .execute(&mut *tx)
             .await?;
             sqlx::query(
@@ -781,6 +785,38 @@ impl Store {
             tx.commit().await?;
         });
         self.round(experiment_id, round, attempt).await
+    }
+
+    /// The upload `client` sent to `experiment_id` under its own id `client_upload_id`,
+    /// if one was stored: how a retried upload is recognised.
+    pub async fn upload_by_client_id(
+        &self,
+        experiment_id: Uuid,
+        client: Uuid,
+        client_upload_id: Uuid,
+    ) -> Result<Option<Upload>, StoreError> {
+        with_pool!(self, p => {
+            let row: Option<(String, String, String, i64, Vec<u8>, i64)> = sqlx::query_as(
+                "SELECT id, client_id, blob_path, bytes, sha256, num_samples FROM uploads \
+                 WHERE experiment_id = $1 AND client_id = $2 AND client_upload_id = $3",
+            )
+            .bind(experiment_id.to_string())
+            .bind(client.to_string())
+            .bind(client_upload_id.to_string())
+            .fetch_optional(p)
+            .await?;
+            row.map(|(id, c, path, bytes, sha, n)| {
+                Ok(Upload {
+                    id: parse_uuid(&id)?,
+                    client_id: parse_uuid(&c)?,
+                    blob_path: path,
+                    bytes,
+                    sha256: sha,
+                    num_samples: n,
+                })
+            })
+            .transpose()
+        })
     }
 
     /// The uploads of a round attempt, in upload-id order, for the aggregation job.
