@@ -177,6 +177,26 @@ async fn openapi_document_is_served_without_a_token() {
             .get("admin_token")
             .is_some()
     );
+    // Every status a caller can get is documented, those of the layers included: a body
+    // that does not parse, is too large or of another type, and a database outage.
+    for (path, method) in [
+        ("/api/v1/admin/experiments", "post"),
+        ("/api/v1/clients/enrol", "post"),
+        ("/api/v1/admin/enrolment-tokens", "post"),
+    ] {
+        let responses = &doc["paths"][path][method]["responses"];
+        for status in ["400", "413", "415", "503"] {
+            assert!(
+                responses.get(status).is_some(),
+                "{method} {path}: no {status}"
+            );
+        }
+    }
+    assert!(
+        doc["paths"]["/api/v1/admin/audit"]["get"]["responses"]
+            .get("400")
+            .is_some()
+    );
     server.shut_down().await.unwrap();
 }
 

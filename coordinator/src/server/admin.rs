@@ -421,12 +421,18 @@ pub struct SpecProblem {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewEnrolmentToken {
-    /// Who it is for, e.g. the hospital it is handed to.
+    /// Who it is for, e.g. the hospital it is handed to: 1 to 200 bytes, not only
+    /// spaces.
+    #[schema(min_length = 1, max_length = 200, pattern = r"\S")]
     pub label: String,
-    /// Seconds until it stops working; none means it never expires.
+    /// Seconds until it stops working, 1 to ten years; none means it never expires.
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 315_360_000)]
     pub expires_in_seconds: Option<u64>,
 }
+
+/// The longest an enrolment token may live: ten years.
+pub const MAX_TOKEN_LIFETIME_SECONDS: u64 = 10 * 365 * 86_400;
 
 /// A new enrolment token. `token` is shown only here: the server keeps its hash.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -874,7 +880,7 @@ async fn create_token(
         ));
     }
     let expires_at = match req.expires_in_seconds {
-        Some(s) if s == 0 || s > 10 * 365 * 86_400 => {
+        Some(s) if s == 0 || s > MAX_TOKEN_LIFETIME_SECONDS => {
             return Err(ApiError::unprocessable(
                 "invalid_token_request",
                 "expires_in_seconds must be between 1 and ten years",

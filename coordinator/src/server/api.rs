@@ -59,7 +59,65 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
         super::client_api::CLIENT_SECURITY_SCHEME,
         SecurityScheme::Http(scheme),
     );
+    document_framework_answers(&mut doc);
     doc
+}
+
+/// Documents, on every operation, the answers given before its handler runs or by the
+/// layers around it, so that the document lists every status a caller can get: 400 for
+/// a body or query that does not parse, 413 and 415 for a body too large or of another
+/// type, 503 while the database is unreachable.
+fn document_framework_answers(doc: &mut utoipa::openapi::OpenApi) {
+    use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
+    let error = |description: &str| -> RefOr<utoipa::openapi::Response> {
+        ResponseBuilder::new()
+            .description(description)
+            .content(
+                "application/json",
+                ContentBuilder::new()
+                    .schema(Some(Ref::from_schema_name("ErrorBody")))
+                    .build(),
+            )
+            .build()
+            .into()
+    };
+    for item in doc.paths.paths.values_mut() {
+        for op in [
+            &mut item.get,
+            &mut item.post,
+            &mut item.put,
+            &mut item.delete,
+            &mut item.patch,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let has_query = op.parameters.as_ref().is_some_and(|ps| {
+                ps.iter().any(|p| {
+                    matches!(p, RefOr::T(p)
+                        if p.parameter_in == utoipa::openapi::path::ParameterIn::Query)
+                })
+            });
+            let has_body = op.request_body.is_some();
+            let responses = &mut op.responses.responses;
+            if has_body || has_query {
+                responses
+                    .entry("400".into())
+                    .or_insert_with(|| error("The body or a query parameter does not parse"));
+            }
+            if has_body {
+                responses
+                    .entry("413".into())
+                    .or_insert_with(|| error("The body is larger than the server takes"));
+                responses
+                    .entry("415".into())
+                    .or_insert_with(|| error("The body's content type is not the one documented"));
+            }
+            responses.entry("503".into()).or_insert_with(|| {
+                error("The database is unreachable for now: retry after Retry-After seconds")
+            });
+        }
+    }
 }
 
 /// Adds the admin bearer scheme to the document's components.

@@ -23,6 +23,7 @@ pub const MAX_AUDIT_PAGE: i64 = 1000;
 #[serde(deny_unknown_fields)]
 pub struct AuditQuery {
     /// Entries to return, 1 to 1000 (default 100).
+    #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<i64>,
     /// Only entries older than this id: the last id of the previous page.
     pub before: Option<i64>,

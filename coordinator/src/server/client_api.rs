@@ -99,7 +99,8 @@ impl AuthenticatedClient {
 #[utoipa::path(post, path = "/api/v1/clients/enrol", tag = "client", request_body = EnrolRequest,
     responses((status = 201, description = "Enrolled", body = Enrolled),
               (status = 401, description = "Unknown, used, revoked or expired token", body = ErrorBody),
-              (status = 422, body = ErrorBody)))]
+              (status = 422, body = ErrorBody),
+              (status = 429, description = "Too many enrolments from this address", body = ErrorBody)))]
 async fn enrol(
     State(state): State<AppState>,
     super::rate_limit::PeerAddr(peer): super::rate_limit::PeerAddr,
