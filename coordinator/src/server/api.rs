@@ -65,7 +65,7 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
 
 /// Documents, on every operation, the answers given before its handler runs or by the
 /// layers around it, so that the document lists every status a caller can get: 400 for
-/// a body or query that does not parse, 413 and 415 for a body too large or of another
+/// a body or parameter that does not parse, 413 and 415 for a body too large or of another
 /// type, 503 while the database is unreachable.
 fn document_framework_answers(doc: &mut utoipa::openapi::OpenApi) {
     use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
@@ -92,18 +92,15 @@ fn document_framework_answers(doc: &mut utoipa::openapi::OpenApi) {
         .into_iter()
         .flatten()
         {
-            let has_query = op.parameters.as_ref().is_some_and(|ps| {
-                ps.iter().any(|p| {
-                    matches!(p, RefOr::T(p)
-                        if p.parameter_in == utoipa::openapi::path::ParameterIn::Query)
-                })
-            });
+            // A path or query parameter that does not parse (an attempt number past
+            // i64) is refused before the handler runs, as is a body that does not.
+            let has_parameters = op.parameters.as_ref().is_some_and(|ps| !ps.is_empty());
             let has_body = op.request_body.is_some();
             let responses = &mut op.responses.responses;
-            if has_body || has_query {
-                responses
-                    .entry("400".into())
-                    .or_insert_with(|| error("The body or a query parameter does not parse"));
+            if has_body || has_parameters {
+                responses.entry("400".into()).or_insert_with(|| {
+                    error("The body or a path or query parameter does not parse")
+                });
             }
             if has_body {
                 responses
