@@ -178,21 +178,52 @@ fn limited(what: &str, seconds: u64) -> ApiError {
 }
 
 /// The address the request came from, when the server records it (it does when
-/// serving; a router called directly in a test has none).
+/// serving; a router called directly in a test has none). Behind a trusted proxy
+/// (`--trusted-proxies`), the address that proxy names in `X-Forwarded-For`.
 #[derive(Debug, Clone, Copy)]
 pub struct PeerAddr(pub Option<IpAddr>);
 
-impl<S: Send + Sync> FromRequestParts<S> for PeerAddr {
+impl FromRequestParts<super::AppState> for PeerAddr {
     type Rejection = std::convert::Infallible;
 
-    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
-        Ok(PeerAddr(
-            parts
-                .extensions
-                .get::<ConnectInfo<SocketAddr>>()
-                .map(|c| c.0.ip()),
-        ))
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &super::AppState,
+    ) -> Result<Self, Self::Rejection> {
+        let peer = parts
+            .extensions
+            .get::<ConnectInfo<SocketAddr>>()
+            .map(|c| c.0.ip());
+        Ok(PeerAddr(peer.map(|ip| {
+            client_address(ip, &parts.headers, &state.settings.trusted_proxies)
+        })))
     }
+}
+
+/// The client's address: `peer` itself, unless `peer` is a trusted proxy; then the
+/// right-most address of `X-Forwarded-For` that is not a trusted proxy (the entries to
+/// its left were written by the client and prove nothing). A header that does not parse
+/// leaves the proxy's own address.
+pub fn client_address(peer: IpAddr, headers: &axum::http::HeaderMap, trusted: &[IpAddr]) -> IpAddr {
+    if !trusted.contains(&peer) {
+        return peer;
+    }
+    let mut hops: Vec<IpAddr> = Vec::new();
+    for value in headers.get_all("x-forwarded-for") {
+        let Ok(text) = value.to_str() else {
+            return peer;
+        };
+        for hop in text.split(',') {
+            match hop.trim().parse() {
+                Ok(ip) => hops.push(ip),
+                Err(_) => return peer,
+            }
+        }
+    }
+    hops.into_iter()
+        .rev()
+        .find(|ip| !trusted.contains(ip))
+        .unwrap_or(peer)
 }
 
 #[cfg(test)]
@@ -217,6 +248,24 @@ mod tests {
         assert_eq!(limiter.check(1, t0 + Duration::from_secs(9)), Err(1));
         assert_eq!(limiter.check(1, t0 + Duration::from_secs(10)), Ok(()));
         assert!(limiter.check(1, t0 + Duration::from_secs(10)).is_err());
+    }
+
+    /// Only a trusted proxy may name another address, and only its own hop counts:
+    /// what a client writes into the header itself is ignored.
+    #[test]
+    fn forwarded_addresses_are_believed_only_from_trusted_proxies() {
+        let proxy: IpAddr = "10.0.0.2".parse().unwrap();
+        let client: IpAddr = "203.0.113.7".parse().unwrap();
+        let mut headers = axum::http::HeaderMap::new();
+        headers.insert("x-forwarded-for", "1.2.3.4, 203.0.113.7".parse().unwrap());
+        assert_eq!(client_address(proxy, &headers, &[proxy]), client);
+        assert_eq!(client_address(client, &headers, &[proxy]), client);
+        let stranger: IpAddr = "198.51.100.1".parse().unwrap();
+        assert_eq!(client_address(stranger, &headers, &[proxy]), stranger);
+        headers.insert("x-forwarded-for", "not an address".parse().unwrap());
+        assert_eq!(client_address(proxy, &headers, &[proxy]), proxy);
+        let empty = axum::http::HeaderMap::new();
+        assert_eq!(client_address(proxy, &empty, &[proxy]), proxy);
     }
 
     #[test]

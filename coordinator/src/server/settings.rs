@@ -103,6 +103,9 @@ pub struct ServeSettings {
     pub client_ca: Option<PathBuf>,
     /// Rate limits on enrolment and uploads.
     pub rate_limits: super::rate_limit::RateSettings,
+    /// Load balancers in front of the coordinator: a request from one of these
+    /// addresses is taken to come from the address it names in `X-Forwarded-For`.
+    pub trusted_proxies: Vec<std::net::IpAddr>,
 }
 
 /// Why the settings cannot be used. Messages name the setting and, except for secrets,
@@ -160,6 +163,9 @@ pub enum SettingsError {
         /// The minimum.
         min: usize,
     },
+    /// A trusted proxy is not an IP address.
+    #[error("trusted proxies: `{0}` is not an IP address (give a comma-separated list)")]
+    InvalidTrustedProxy(String),
     /// Mutual TLS was asked for without TLS.
     #[error("--client-ca needs TLS (--dev-tls or --tls-cert/--tls-key), not --insecure-http")]
     ClientCaWithoutTls,
@@ -238,6 +244,11 @@ pub struct ServeFlags {
     /// limit [env: COHORT_ADDRESS_UPLOAD_RATE] [default: 60000]
     #[arg(long, value_name = "N")]
     pub address_upload_rate: Option<u32>,
+    /// Comma-separated IP addresses of load balancers in front of the coordinator: their
+    /// requests count as coming from the address they name in X-Forwarded-For (for the
+    /// per-address rate limits) [env: COHORT_TRUSTED_PROXIES]
+    #[arg(long, value_name = "ADDRS")]
+    pub trusted_proxies: Option<String>,
 }
 
 /// `cohort serve`'s command line: an optional config file plus the flags.
@@ -270,6 +281,7 @@ struct Layer {
     enrol_rate: Option<u32>,
     upload_rate: Option<u32>,
     address_upload_rate: Option<u32>,
+    trusted_proxies: Option<String>,
 }
 
 impl Layer {
@@ -291,6 +303,7 @@ impl Layer {
             enrol_rate: over.enrol_rate.or(self.enrol_rate),
             upload_rate: over.upload_rate.or(self.upload_rate),
             address_upload_rate: over.address_upload_rate.or(self.address_upload_rate),
+            trusted_proxies: over.trusted_proxies.or(self.trusted_proxies),
         }
     }
 
@@ -377,6 +390,7 @@ impl Layer {
             enrol_rate: rate("COHORT_ENROL_RATE")?,
             upload_rate: rate("COHORT_UPLOAD_RATE")?,
             address_upload_rate: rate("COHORT_ADDRESS_UPLOAD_RATE")?,
+            trusted_proxies: get("COHORT_TRUSTED_PROXIES").map(str::to_string),
         })
     }
 
@@ -398,6 +412,7 @@ impl Layer {
             enrol_rate: flags.enrol_rate,
             upload_rate: flags.upload_rate,
             address_upload_rate: flags.address_upload_rate,
+            trusted_proxies: flags.trusted_proxies,
         }
     }
 }
@@ -442,6 +457,18 @@ impl ServeSettings {
 
     fn validate(layer: Layer) -> Result<Self, SettingsError> {
         let tls = tls_mode(&layer)?;
+        let trusted_proxies = layer
+            .trusted_proxies
+            .as_deref()
+            .unwrap_or("")
+            .split(',')
+            .map(str::trim)
+            .filter(|a| !a.is_empty())
+            .map(|a| {
+                a.parse()
+                    .map_err(|_| SettingsError::InvalidTrustedProxy(a.to_string()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         if layer.client_ca.is_some() && tls == TlsMode::InsecureHttp {
             return Err(SettingsError::ClientCaWithoutTls);
         }
@@ -490,6 +517,7 @@ impl ServeSettings {
             reducer: layer.reducer.unwrap_or_default(),
             eval_data: layer.eval_data,
             client_ca: layer.client_ca,
+            trusted_proxies,
             rate_limits: {
                 use super::rate_limit::{PerMinute, RateSettings};
                 let d = RateSettings::default();
@@ -507,7 +535,8 @@ impl ServeSettings {
 
 /// Maps an arbitrary `COHORT_*` name to the static name used in errors.
 fn known_var(key: &str) -> &'static str {
-    const KNOWN: [&str; 15] = [
+    const KNOWN: [&str; 16] = [
+        "COHORT_TRUSTED_PROXIES",
         "COHORT_ENROL_RATE",
         "COHORT_UPLOAD_RATE",
         "COHORT_ADDRESS_UPLOAD_RATE",
@@ -704,6 +733,27 @@ mod tests {
                 key: "/flag-k.pem".into()
             }
         );
+    }
+
+    #[test]
+    fn trusted_proxies_are_a_list_of_addresses() {
+        let e = env(&[("COHORT_TRUSTED_PROXIES", "10.0.0.2, ::1")]);
+        let s = ServeSettings::from_sources(None, &e, insecure()).unwrap();
+        assert_eq!(
+            s.trusted_proxies,
+            vec![
+                "10.0.0.2".parse::<std::net::IpAddr>().unwrap(),
+                "::1".parse().unwrap()
+            ]
+        );
+        let e = env(&[("COHORT_TRUSTED_PROXIES", "10.0.0.2,nginx")]);
+        let err = ServeSettings::from_sources(None, &e, insecure()).unwrap_err();
+        assert!(
+            matches!(err, SettingsError::InvalidTrustedProxy(ref a) if a == "nginx"),
+            "{err}"
+        );
+        let s = ServeSettings::from_sources(None, &env(&[]), insecure()).unwrap();
+        assert!(s.trusted_proxies.is_empty());
     }
 
     /// Mutual TLS is a TLS setting: from the file, the environment or the flags, and
