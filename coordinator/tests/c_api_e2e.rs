@@ -116,15 +116,8 @@ async fn a_c_app_completes_rounds_through_the_c_api() {
     let id = exp["id"].as_str().unwrap().to_string();
     let mut edges = Vec::new();
     for (site, csv) in csvs.iter().take(2).enumerate() {
-        let issued = admin(
-            &http,
-            &base,
-            Method::POST,
-            "/enrolment-tokens",
-            Some(serde_json::json!({ "label": format!("edge-{site}") })),
-        )
-        .await;
-        let token = issued["token"].as_str().unwrap();
+        let issued = common::issue_token(&http, &base, &format!("edge-{site}")).await;
+        let token = &issued;
         edges.push(
             common::edge_command(site, &base, &ca, csv, dir.path(), token, 15)
                 .stderr(Stdio::null())
@@ -132,15 +125,8 @@ async fn a_c_app_completes_rounds_through_the_c_api() {
                 .unwrap(),
         );
     }
-    let issued = admin(
-        &http,
-        &base,
-        Method::POST,
-        "/enrolment-tokens",
-        Some(serde_json::json!({ "label": "c-app" })),
-    )
-    .await;
-    let token = issued["token"].as_str().unwrap().to_string();
+    let issued = common::issue_token(&http, &base, "c-app").await;
+    let token = issued;
     let mut command = if valgrind_available() {
         let mut c = Command::new("valgrind");
         c.args([

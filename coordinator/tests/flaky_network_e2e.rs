@@ -11,7 +11,7 @@ mod common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cohort_coordinator::demo::write_digits_partitions;
 use cohort_edge::partition::PartitionScheme;
@@ -200,49 +200,17 @@ async fn rounds_complete_through_a_faulty_network_and_nothing_counts_twice() {
     let id = exp["id"].as_str().unwrap().to_string();
     let mut edges = Vec::new();
     for (site, csv) in csvs.iter().enumerate() {
-        let issued = admin(
-            &http,
-            &base,
-            Method::POST,
-            "/enrolment-tokens",
-            Some(serde_json::json!({ "label": format!("site-{site}") })),
-        )
-        .await;
+        let issued = common::issue_token(&http, &base, &format!("site-{site}")).await;
         let log = dir.path().join(format!("edge-{site}.log"));
         edges.push((
-            common::edge_command(
-                site,
-                &proxy,
-                &ca,
-                csv,
-                dir.path(),
-                issued["token"].as_str().unwrap(),
-                30,
-            )
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap(),
+            common::edge_command(site, &proxy, &ca, csv, dir.path(), &issued, 30)
+                .stderr(std::fs::File::create(&log).unwrap())
+                .spawn()
+                .unwrap(),
             log,
         ));
     }
-    let start = Instant::now();
-    loop {
-        let seen = admin(&http, &base, Method::GET, "/clients", None)
-            .await
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|c| c["last_seen_at"].is_i64())
-            .count();
-        if seen == SITES {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "clients did not get through"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    common::wait_checked_in(&http, &base, SITES, Duration::from_secs(120)).await;
     admin(
         &http,
         &base,

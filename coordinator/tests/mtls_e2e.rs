@@ -129,35 +129,20 @@ async fn only_clients_with_a_certificate_from_the_client_ca_get_in() {
     )
     .await;
     let id = exp["id"].as_str().unwrap().to_string();
-    let issued = admin(
-        &good,
-        &base,
-        Method::POST,
-        "/enrolment-tokens",
-        Some(serde_json::json!({ "label": "site-0" })),
-    )
-    .await;
+    let issued = common::issue_token(&good, &base, "site-0").await;
     let cert_file = dir.path().join("site-0.pem");
     let key_file = dir.path().join("site-0.key");
     std::fs::write(&cert_file, &site_cert).unwrap();
     std::fs::write(&key_file, &site_key).unwrap();
     let log = dir.path().join("edge.log");
-    let mut edge = common::edge_command(
-        0,
-        &base,
-        &ca,
-        &csvs[0],
-        dir.path(),
-        issued["token"].as_str().unwrap(),
-        10,
-    )
-    .arg("--client-cert")
-    .arg(&cert_file)
-    .arg("--client-key")
-    .arg(&key_file)
-    .stderr(std::fs::File::create(&log).unwrap())
-    .spawn()
-    .unwrap();
+    let mut edge = common::edge_command(0, &base, &ca, &csvs[0], dir.path(), &issued, 10)
+        .arg("--client-cert")
+        .arg(&cert_file)
+        .arg("--client-key")
+        .arg(&key_file)
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
     let start = std::time::Instant::now();
     loop {
         let clients = admin(&good, &base, Method::GET, "/clients", None).await;

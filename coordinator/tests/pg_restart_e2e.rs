@@ -168,44 +168,17 @@ async fn the_coordinator_rides_out_a_postgres_restart_mid_round() {
     let id = exp["id"].as_str().unwrap().to_string();
     let mut edges = Vec::new();
     for (site, csv) in csvs.iter().enumerate() {
-        let issued = admin(
-            &http,
-            &base,
-            Method::POST,
-            "/enrolment-tokens",
-            Some(serde_json::json!({ "label": format!("site-{site}") })),
-        )
-        .await;
+        let issued = common::issue_token(&http, &base, &format!("site-{site}")).await;
         edges.push(
-            common::edge_command(
-                site,
-                &base,
-                &ca,
-                csv,
-                dir.path(),
-                issued["token"].as_str().unwrap(),
-                20,
-            )
-            // Slow enough that round 1 is still collecting when the database goes.
-            .args(["--slowdown-ms", "6000"])
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+            common::edge_command(site, &base, &ca, csv, dir.path(), &issued, 20)
+                // Slow enough that round 1 is still collecting when the database goes.
+                .args(["--slowdown-ms", "6000"])
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
         );
     }
-    let start = Instant::now();
-    while admin(&http, &base, Method::GET, "/clients", None)
-        .await
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|c| c["last_seen_at"].is_i64())
-        .count()
-        < 2
-    {
-        assert!(start.elapsed() < Duration::from_secs(60));
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    common::wait_checked_in(&http, &base, 2, Duration::from_secs(60)).await;
     admin(
         &http,
         &base,

@@ -98,17 +98,10 @@ async fn schemathesis_finds_no_5xx_and_nothing_the_document_does_not_say() {
         })),
     )
     .await;
-    let issued = admin(
-        &http,
-        &base,
-        Method::POST,
-        "/enrolment-tokens",
-        Some(serde_json::json!({ "label": "fuzzer" })),
-    )
-    .await;
+    let issued = common::issue_token(&http, &base, "fuzzer").await;
     let enrolled: serde_json::Value = http
         .post(format!("{base}/api/v1/clients/enrol"))
-        .json(&serde_json::json!({ "token": issued["token"] }))
+        .json(&serde_json::json!({ "token": issued }))
         .send()
         .await
         .unwrap()

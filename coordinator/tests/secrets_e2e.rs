@@ -97,15 +97,8 @@ async fn no_secret_reaches_a_log_or_the_database() {
     let mut secrets = vec![ADMIN.to_string(), near_miss];
     let mut edges = Vec::new();
     for (site, csv) in csvs.iter().enumerate() {
-        let issued = admin(
-            &http,
-            &base,
-            Method::POST,
-            "/enrolment-tokens",
-            Some(serde_json::json!({ "label": format!("site-{site}") })),
-        )
-        .await;
-        let token = issued["token"].as_str().unwrap().to_string();
+        let issued = common::issue_token(&http, &base, &format!("site-{site}")).await;
+        let token = issued;
         edges.push(
             common::edge_command(site, &base, &ca, csv, dir.path(), &token, 10)
                 .env("RUST_LOG", "debug")

@@ -110,41 +110,6 @@ fn spawn_trainer_edge(
     (child, log)
 }
 
-async fn token(http: &reqwest::Client, base: &str, label: &str) -> String {
-    let issued = admin(
-        http,
-        base,
-        Method::POST,
-        "/enrolment-tokens",
-        Some(serde_json::json!({ "label": label })),
-    )
-    .await;
-    issued["token"].as_str().unwrap().to_string()
-}
-
-/// Waits until `n` clients have enrolled and checked in, so that the first round can
-/// select all of them.
-async fn wait_clients(http: &reqwest::Client, base: &str, n: usize) {
-    let start = Instant::now();
-    loop {
-        let clients = admin(http, base, Method::GET, "/clients", None).await;
-        let seen = clients
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|c| c["last_seen_at"].is_i64())
-            .count();
-        if seen >= n {
-            return;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "clients did not check in: {clients}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
 fn wait_exit(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
     let start = Instant::now();
     loop {
@@ -222,7 +187,7 @@ async fn numpy_trainers_train_a_file_model_under_secure_aggregation() {
     );
     let mut edges = Vec::new();
     for (site, csv) in csvs.iter().enumerate() {
-        let t = token(&http, &base, &format!("site-{site}")).await;
+        let t = common::issue_token(&http, &base, &format!("site-{site}")).await;
         let trainer = format!(
             "python3 {} --data {}",
             example.join("train.py").display(),
@@ -241,7 +206,7 @@ async fn numpy_trainers_train_a_file_model_under_secure_aggregation() {
             20,
         ));
     }
-    wait_clients(&http, &base, SITES).await;
+    common::wait_checked_in(&http, &base, SITES, Duration::from_secs(60)).await;
     admin(
         &http,
         &base,
@@ -411,8 +376,8 @@ async fn trainer_faults_are_reported_and_the_client_carries_on() {
     let script = repo().join("coordinator/tests/fixtures/faulty_trainer.py");
     let good = format!("python3 {}", script.display());
     let faulty = format!("python3 {} --fault-by-round", script.display());
-    let t0 = token(&http, &base, "good").await;
-    let t1 = token(&http, &base, "faulty").await;
+    let t0 = common::issue_token(&http, &base, "good").await;
+    let t1 = common::issue_token(&http, &base, "faulty").await;
     let mut good_edge = spawn_trainer_edge(
         0,
         &base,
@@ -437,7 +402,7 @@ async fn trainer_faults_are_reported_and_the_client_carries_on() {
         },
         15,
     );
-    wait_clients(&http, &base, 2).await;
+    common::wait_checked_in(&http, &base, 2, Duration::from_secs(60)).await;
     admin(
         &http,
         &base,

@@ -125,18 +125,10 @@ pub fn run(args: EdgeArgs) -> ExitCode {
         None => None,
     };
     let identity_pem = match (&args.client_cert, &args.client_key) {
-        (Some(cert), Some(key)) => match (std::fs::read(cert), std::fs::read(key)) {
-            (Ok(mut pem), Ok(key_pem)) => {
-                pem.push(b'\n');
-                pem.extend_from_slice(&key_pem);
-                Some(pem)
-            }
-            (Err(e), _) => {
-                eprintln!("error: cannot read `{}`: {e}", cert.display());
-                return ExitCode::from(2);
-            }
-            (_, Err(e)) => {
-                eprintln!("error: cannot read `{}`: {e}", key.display());
+        (Some(cert), Some(key)) => match crate::protocol::read_identity(cert, key) {
+            Ok(pem) => Some(pem),
+            Err((path, e)) => {
+                eprintln!("error: cannot read `{}`: {e}", path.display());
                 return ExitCode::from(2);
             }
         },

@@ -420,20 +420,19 @@ pub unsafe extern "C" fn cohort_client_run_pending(
             (None, None) => None,
         };
         let identity_pem = match (&c.client_cert_file, &c.client_key_file) {
-            (Some(cert), Some(key)) => {
-                let read = |path: &PathBuf, what: &str| {
-                    std::fs::read(path).map_err(|e| {
-                        Failure(
-                            CohortCode::CohortInvalidConfig,
-                            format!("{what} `{}`: {e}", path.display()),
-                        )
-                    })
-                };
-                let mut pem = read(cert, "client_cert_file")?;
-                pem.push(b'\n');
-                pem.extend_from_slice(&read(key, "client_key_file")?);
-                Some(pem)
-            }
+            (Some(cert), Some(key)) => Some(crate::protocol::read_identity(cert, key).map_err(
+                |(path, e)| {
+                    let what = if &path == cert {
+                        "client_cert_file"
+                    } else {
+                        "client_key_file"
+                    };
+                    Failure(
+                        CohortCode::CohortInvalidConfig,
+                        format!("{what} `{}`: {e}", path.display()),
+                    )
+                },
+            )?),
             _ => None,
         };
         let config = crate::agent::AgentConfig {

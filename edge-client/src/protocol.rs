@@ -166,6 +166,20 @@ impl ProtocolError {
     }
 }
 
+/// A mutual-TLS identity as [`CoordinatorClient::with_identity`] takes it: the
+/// certificate chain file, then the private key file, both PEM. On failure, the file
+/// that could not be read and why.
+pub fn read_identity(
+    cert: &std::path::Path,
+    key: &std::path::Path,
+) -> Result<Vec<u8>, (std::path::PathBuf, std::io::Error)> {
+    let read = |path: &std::path::Path| std::fs::read(path).map_err(|e| (path.to_path_buf(), e));
+    let mut pem = read(cert)?;
+    pem.push(b'\n');
+    pem.extend_from_slice(&read(key)?);
+    Ok(pem)
+}
+
 /// An HTTP client for one coordinator.
 #[derive(Debug, Clone)]
 pub struct CoordinatorClient {

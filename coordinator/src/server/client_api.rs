@@ -452,16 +452,8 @@ async fn upload(
     let id = super::admin::parse_id(&id, "experiment")?;
     // A retry of an upload that was stored: the same answer, nothing counted again,
     // whatever stage the round has reached since.
-    if let Some(upload_id) = query.upload_id
-        && let Some(stored) = state
-            .store
-            .upload_by_client_id(id, client.id, upload_id)
-            .await?
-    {
-        return Ok((
-            StatusCode::OK,
-            Json(serde_json::json!({"upload_id": stored.id, "replayed": true})),
-        ));
+    if let Some(replayed) = stored_upload(&state, id, client.id, query.upload_id).await? {
+        return Ok(replayed);
     }
     let exp = state.store.experiment(id).await?;
     let (spec, model) = super::driver::experiment_model(&exp).map_err(ApiError::internal)?;
@@ -546,20 +538,35 @@ async fn upload(
             let blobs = state.blobs.clone();
             let _ = tokio::task::spawn_blocking(move || blobs.remove(&path)).await;
             // Two tries of one upload raced, and the other one was stored.
-            if let Some(upload_id) = query.upload_id
-                && let Some(stored) = state
-                    .store
-                    .upload_by_client_id(id, client.id, upload_id)
-                    .await?
-            {
-                return Ok((
-                    StatusCode::OK,
-                    Json(serde_json::json!({"upload_id": stored.id, "replayed": true})),
-                ));
+            if let Some(replayed) = stored_upload(&state, id, client.id, query.upload_id).await? {
+                return Ok(replayed);
             }
             Err(e)
         }
     }
+}
+
+/// The answer to a retry of an upload already stored under the client's `upload_id`
+/// (200, the stored upload's id), or `None` when there is no such upload.
+async fn stored_upload(
+    state: &AppState,
+    experiment: Uuid,
+    client: Uuid,
+    upload_id: Option<Uuid>,
+) -> Result<Option<(StatusCode, Json<serde_json::Value>)>, ApiError> {
+    let Some(upload_id) = upload_id else {
+        return Ok(None);
+    };
+    let stored = state
+        .store
+        .upload_by_client_id(experiment, client, upload_id)
+        .await?;
+    Ok(stored.map(|u| {
+        (
+            StatusCode::OK,
+            Json(serde_json::json!({"upload_id": u.id, "replayed": true})),
+        )
+    }))
 }
 
 /// How far past the body limit an oversized upload is read (and dropped) before the 413

@@ -131,6 +131,37 @@ pub async fn admin(
     r.json().await.unwrap_or(serde_json::Value::Null)
 }
 
+/// Issues a one-time enrolment token labelled `label`; the token.
+pub async fn issue_token(http: &reqwest::Client, base: &str, label: &str) -> String {
+    let path = "/enrolment-tokens";
+    let body = serde_json::json!({ "label": label });
+    let issued = admin(http, base, reqwest::Method::POST, path, Some(body)).await;
+    issued["token"].as_str().expect("a token").to_string()
+}
+
+/// Waits until `n` clients have enrolled and checked in, so that a round can select all
+/// of them, failing after `limit`.
+pub async fn wait_checked_in(http: &reqwest::Client, base: &str, n: usize, limit: Duration) {
+    let start = Instant::now();
+    loop {
+        let clients = admin(http, base, reqwest::Method::GET, "/clients", None).await;
+        let seen = clients
+            .as_array()
+            .expect("clients are a list")
+            .iter()
+            .filter(|c| c["last_seen_at"].is_i64())
+            .count();
+        if seen >= n {
+            return;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "clients did not check in: {clients}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// Waits until experiment `id` has finished, failing after `limit`.
 pub async fn wait_finished(http: &reqwest::Client, base: &str, id: &str, limit: Duration) {
     let start = Instant::now();
