@@ -14,12 +14,14 @@
 //! - [`dashboard`]: the admin web dashboard `cohort serve` shows at `/`.
 //! - [`bench`]: `cohort bench`, measurements a user can rerun.
 //! - [`privacy_cli`]: `cohort privacy`, the privacy accountant on the command line.
+//! - [`fault`]: named crash points for the fault-injection tests.
 
 pub mod bench;
 pub mod blobs;
 pub mod dashboard;
 pub mod demo;
 pub mod engine;
+pub mod fault;
 pub mod privacy_cli;
 pub mod seeds;
 pub mod server;

@@ -33,7 +33,10 @@ pub struct AgentConfig {
     pub state_dir: PathBuf,
     /// Stop after this long without a task (`None`: run until killed).
     pub idle_exit: Option<Duration>,
-    /// Seed of local shuffling.
+    /// Seed of local shuffling and of the stochastic rounding before masking. Each task
+    /// uses a seed derived from this one and the task's round number (not from how many
+    /// tasks came before), so a round that is handed out again after a coordinator
+    /// restart trains and rounds exactly as the first time.
     pub seed: u64,
     /// Local differential privacy: clip and noise every update before it leaves, within
     /// the client's own budget.
@@ -199,7 +202,6 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
         None => None,
     };
     let mut idle_since = Instant::now();
-    let mut round_seed = config.seed;
     loop {
         if config
             .idle_exit
@@ -233,7 +235,7 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
                 Err(e) => return Err(e.into()),
             }
         }
-        round_seed = round_seed.wrapping_add(1);
+        let round_seed = task_seed(config.seed, task.round);
         let outcome = match task.kind {
             TaskKind::Evaluate => {
                 serve_evaluation(&client, &cred, config.trainer.clone(), &task, round_seed).await
@@ -569,9 +571,21 @@ async fn serve_secure_task(
         }
         None => (output.train_loss.unwrap_or(0.0), output.num_examples),
     };
+    // Stochastic rounding needs no secrecy (the masks hide the rounded vector), so its
+    // noise follows the task's seed and a re-run of the round gives the same sum. Noise
+    // for differential privacy must be unpredictable: with distributed noise the
+    // generator is the operating system's.
+    let seeded_rounding = session.quantizer().distributed_noise().is_none();
     // Masking is a few passes over the model: off the async threads.
     let (mut session, masked) = tokio::task::spawn_blocking(move || {
-        let masked = session.mask(&forwarded, &delta, samples, loss, &mut rand::rng());
+        let masked = if seeded_rounding {
+            // A stream apart from training's, derived from the same task seed.
+            let mut rounding =
+                <rand_chacha::ChaCha20Rng as rand::SeedableRng>::seed_from_u64(task_seed(seed, -1));
+            session.mask(&forwarded, &delta, samples, loss, &mut rounding)
+        } else {
+            session.mask(&forwarded, &delta, samples, loss, &mut rand::rng())
+        };
         (session, masked)
     })
     .await
@@ -595,6 +609,15 @@ async fn serve_secure_task(
     with_retries(|| client.send_unmask(cred, task, &reveal)).await?;
     note(&format!("secagg revealed shares {round}"));
     Ok(())
+}
+
+/// The seed of a task of round `round`: the agent's seed and the round number, mixed
+/// (SplitMix64's finaliser) so that neighbouring rounds get unrelated streams.
+fn task_seed(seed: u64, round: i64) -> u64 {
+    let mut z = seed ^ (round as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// The task's model bound to the local data.

@@ -524,6 +524,7 @@ async fn upload(
     };
     match recorded {
         Ok(upload) => {
+            crate::fault::reached(crate::fault::FaultPoint::UploadStored).await;
             // Best effort: the upload is committed, and a failed touch must not turn
             // its acknowledgement into an error the client would retry.
             if let Err(e) = state.store.touch_client(client.id, now_millis()).await {

@@ -33,8 +33,6 @@ pub const FOLD_BATCH: usize = 16;
 pub const TICK: Duration = Duration::from_millis(250);
 /// A client counts as available when it checked in this recently.
 pub const AVAILABILITY_WINDOW_MS: i64 = 60_000;
-/// How long a worker holds a claimed job before another may take it over.
-pub const JOB_LEASE_MS: i64 = 120_000;
 /// Attempts a job gets before it fails for good.
 pub const JOB_ATTEMPTS: i64 = 5;
 
@@ -171,13 +169,35 @@ pub async fn tick(state: &AppState, worker: &str) -> Result<(), DriverError> {
             tracing::warn!(experiment = %exp.id, error = %e, "experiment step failed");
         }
     }
+    let lease = state.settings.job_lease;
+    let lease_ms = lease.as_millis() as i64;
     while let Some(job) = state
         .store
-        .claim_job(worker, now_millis(), JOB_LEASE_MS)
+        .claim_job(worker, now_millis(), lease_ms)
         .await?
     {
+        crate::fault::reached(crate::fault::FaultPoint::JobClaimed).await;
         let started = std::time::Instant::now();
-        let outcome = run_job(state, &job).await;
+        let outcome = {
+            // The lease is renewed while the job runs: a job longer than one lease stays
+            // with this live worker, and only a dead worker's job is taken over.
+            let renewals = async {
+                loop {
+                    tokio::time::sleep(lease / 3).await;
+                    if let Err(e) = state
+                        .store
+                        .renew_job(job.id, worker, now_millis() + lease_ms)
+                        .await
+                    {
+                        tracing::warn!(job = job.id, error = %e, "job lease not renewed");
+                    }
+                }
+            };
+            tokio::select! {
+                outcome = run_job(state, &job) => outcome,
+                never = renewals => never,
+            }
+        };
         state.telemetry.observe_job(
             job.kind.as_str(),
             outcome.is_ok(),
@@ -366,6 +386,7 @@ async fn open(
         .into_iter()
         .map(|i| available[i])
         .collect();
+    crate::fault::reached(crate::fault::FaultPoint::Selection).await;
     let opened = match &spec.secure_aggregation {
         Some(secure) => {
             let (_, model) = experiment_model(exp)?;
@@ -506,6 +527,7 @@ async fn close(
     now: i64,
 ) -> Result<(), DriverError> {
     let quorum = spec.min_participants as i64;
+    crate::fault::reached(crate::fault::FaultPoint::Collected).await;
     match state
         .store
         .close_collection(
@@ -649,6 +671,7 @@ pub(super) async fn publish(
     model: &PublishedModel,
     metrics: RoundMetrics,
 ) -> Result<(), DriverError> {
+    crate::fault::reached(crate::fault::FaultPoint::Publishing).await;
     match state
         .store
         .publish_model(
@@ -691,7 +714,11 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
     if round.secagg.is_some() {
         return aggregate_secure(state, &exp, &spec, &model, &round, &current).await;
     }
-    let uploads = store.uploads(exp.id, round.round, round.attempt).await?;
+    let mut uploads = store.uploads(exp.id, round.round, round.attempt).await?;
+    // Floating-point sums depend on their order. Folding in the order of the uploads'
+    // contents, not of their arrival, makes a round that is run again (after a crash, or
+    // in a replay of the experiment) give the same model bit for bit.
+    uploads.sort_by(|a, b| a.sha256.cmp(&b.sha256).then(a.id.cmp(&b.id)));
     if let (Some(privacy), Some(record)) = (&spec.privacy, &round.privacy) {
         return aggregate_central(
             state, &exp, &spec, privacy, record, &model, &round, &current, uploads,
@@ -885,6 +912,7 @@ async fn publish_private(
         delta,
     )
     .map_err(|e| DriverError::Spec(experiment, format!("differential privacy: {e}")))?;
+    crate::fault::reached(crate::fault::FaultPoint::Publishing).await;
     match state
         .store
         .publish_private_model(

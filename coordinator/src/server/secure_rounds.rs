@@ -20,6 +20,7 @@ use utoipa::ToSchema;
 use super::AppState;
 use super::admin::ExperimentSpec;
 use super::driver::DriverError;
+use crate::fault::FaultPoint;
 use crate::store::{
     Participation, Round, RoundStage, SecAggMessageKind, SecureNext, Store, StoreError, now_millis,
 };
@@ -362,6 +363,16 @@ pub async fn step(
             },
         }
     };
+    let point = match (round.stage, &next) {
+        (_, SecureNext::Fail { .. }) => None,
+        (RoundStage::Advertising, _) => Some(FaultPoint::Advertised),
+        (RoundStage::Sharing, _) => Some(FaultPoint::Shared),
+        (RoundStage::Collecting, _) => Some(FaultPoint::Collected),
+        _ => Some(FaultPoint::Unmasked),
+    };
+    if let Some(point) = point {
+        crate::fault::reached(point).await;
+    }
     match store
         .advance_secure_round(exp, r, a, round.stage, &next, now)
         .await

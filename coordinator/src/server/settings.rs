@@ -18,6 +18,7 @@
 //! | plain HTTP | `insecure-http = true` | `COHORT_INSECURE_HTTP=1` | `--insecure-http` |
 //! | admin token | `admin-token = "..."` | `COHORT_ADMIN_TOKEN=...` | `--admin-token` |
 //! | body limit | `max-body-bytes = 67108864` | `COHORT_MAX_BODY_BYTES=67108864` | `--max-body-bytes` |
+//! | job lease | `job-lease-seconds = 120` | `COHORT_JOB_LEASE_SECONDS=120` | `--job-lease-seconds` |
 
 use std::collections::HashMap;
 use std::fmt;
@@ -34,6 +35,11 @@ pub const DEFAULT_DATA_DIR: &str = "cohort-data";
 pub const DEFAULT_DATABASE_URL: &str = "sqlite://cohort.db";
 /// Default largest accepted request body: 64 MiB, room for a large model update.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
+/// Default job lease: long enough for an aggregation between two renewals.
+pub const DEFAULT_JOB_LEASE_SECONDS: u64 = 120;
+/// Shortest job lease: the lease is renewed every third of it, and a database round trip
+/// must fit in that.
+pub const MIN_JOB_LEASE_SECONDS: u64 = 3;
 /// Shortest admin token accepted from settings; shorter ones are guessable.
 pub const MIN_ADMIN_TOKEN_LEN: usize = 32;
 
@@ -106,6 +112,9 @@ pub struct ServeSettings {
     /// Load balancers in front of the coordinator: a request from one of these
     /// addresses is taken to come from the address it names in `X-Forwarded-For`.
     pub trusted_proxies: Vec<std::net::IpAddr>,
+    /// How long a replica holds a claimed job without renewing it; a job held by a
+    /// replica that died is taken over this long after its last renewal.
+    pub job_lease: std::time::Duration,
 }
 
 /// Why the settings cannot be used. Messages name the setting and, except for secrets,
@@ -166,6 +175,9 @@ pub enum SettingsError {
     /// A trusted proxy is not an IP address.
     #[error("trusted proxies: `{0}` is not an IP address (give a comma-separated list)")]
     InvalidTrustedProxy(String),
+    /// The job lease is out of range.
+    #[error("job lease: {0} seconds is out of range (3 to 86400)")]
+    InvalidJobLease(u64),
     /// Mutual TLS was asked for without TLS.
     #[error("--client-ca needs TLS (--dev-tls or --tls-cert/--tls-key), not --insecure-http")]
     ClientCaWithoutTls,
@@ -249,6 +261,10 @@ pub struct ServeFlags {
     /// per-address rate limits) [env: COHORT_TRUSTED_PROXIES]
     #[arg(long, value_name = "ADDRS")]
     pub trusted_proxies: Option<String>,
+    /// Seconds a replica holds a claimed job between renewals; a job held by a replica
+    /// that died is taken over after this [env: COHORT_JOB_LEASE_SECONDS] [default: 120]
+    #[arg(long, value_name = "SECS")]
+    pub job_lease_seconds: Option<u64>,
 }
 
 /// `cohort serve`'s command line: an optional config file plus the flags.
@@ -282,6 +298,7 @@ struct Layer {
     upload_rate: Option<u32>,
     address_upload_rate: Option<u32>,
     trusted_proxies: Option<String>,
+    job_lease_seconds: Option<u64>,
 }
 
 impl Layer {
@@ -304,6 +321,7 @@ impl Layer {
             upload_rate: over.upload_rate.or(self.upload_rate),
             address_upload_rate: over.address_upload_rate.or(self.address_upload_rate),
             trusted_proxies: over.trusted_proxies.or(self.trusted_proxies),
+            job_lease_seconds: over.job_lease_seconds.or(self.job_lease_seconds),
         }
     }
 
@@ -391,6 +409,14 @@ impl Layer {
             upload_rate: rate("COHORT_UPLOAD_RATE")?,
             address_upload_rate: rate("COHORT_ADDRESS_UPLOAD_RATE")?,
             trusted_proxies: get("COHORT_TRUSTED_PROXIES").map(str::to_string),
+            job_lease_seconds: get("COHORT_JOB_LEASE_SECONDS")
+                .map(|v| {
+                    v.parse().map_err(|_| SettingsError::InvalidEnv {
+                        var: "COHORT_JOB_LEASE_SECONDS",
+                        message: format!("expected whole seconds, got `{v}`"),
+                    })
+                })
+                .transpose()?,
         })
     }
 
@@ -413,6 +439,7 @@ impl Layer {
             upload_rate: flags.upload_rate,
             address_upload_rate: flags.address_upload_rate,
             trusted_proxies: flags.trusted_proxies,
+            job_lease_seconds: flags.job_lease_seconds,
         }
     }
 }
@@ -502,6 +529,10 @@ impl ServeSettings {
         if max_body_bytes == 0 {
             return Err(SettingsError::ZeroMaxBodyBytes);
         }
+        let job_lease_seconds = layer.job_lease_seconds.unwrap_or(DEFAULT_JOB_LEASE_SECONDS);
+        if !(MIN_JOB_LEASE_SECONDS..=86_400).contains(&job_lease_seconds) {
+            return Err(SettingsError::InvalidJobLease(job_lease_seconds));
+        }
         let listen = layer.listen.unwrap_or_else(|| {
             DEFAULT_LISTEN
                 .parse()
@@ -518,6 +549,7 @@ impl ServeSettings {
             eval_data: layer.eval_data,
             client_ca: layer.client_ca,
             trusted_proxies,
+            job_lease: std::time::Duration::from_secs(job_lease_seconds),
             rate_limits: {
                 use super::rate_limit::{PerMinute, RateSettings};
                 let d = RateSettings::default();
@@ -535,7 +567,8 @@ impl ServeSettings {
 
 /// Maps an arbitrary `COHORT_*` name to the static name used in errors.
 fn known_var(key: &str) -> &'static str {
-    const KNOWN: [&str; 16] = [
+    const KNOWN: [&str; 17] = [
+        "COHORT_JOB_LEASE_SECONDS",
         "COHORT_TRUSTED_PROXIES",
         "COHORT_ENROL_RATE",
         "COHORT_UPLOAD_RATE",

@@ -229,6 +229,28 @@ impl Store {
         })
     }
 
+    /// Extends `worker`'s lease on a running job to `until` (Unix ms), so that a job
+    /// that runs longer than one lease is not taken over while its worker is alive.
+    /// Fails with a conflict if `worker` no longer holds it.
+    pub async fn renew_job(&self, id: i64, worker: &str, until: i64) -> Result<(), StoreError> {
+        let renewed = with_pool!(self, p => {
+            sqlx::query(
+                "UPDATE jobs SET locked_until = $1 \
+                 WHERE id = $2 AND state = 'running' AND locked_by = $3",
+            )
+            .bind(until)
+            .bind(id)
+            .bind(worker)
+            .execute(p)
+            .await?
+            .rows_affected()
+        });
+        if renewed == 0 {
+            return Err(StoreError::Conflict(format!("job {id} is not held by {worker}")));
+        }
+        Ok(())
+    }
+
     /// Marks a job done, and writes who ran it to the audit log. Fails with a conflict if
     /// `worker` no longer holds it (its lease ran out and another worker took over), so a
     /// slow worker cannot finish twice.
