@@ -107,6 +107,7 @@ conformance!(
     concurrent_workers_never_claim_the_same_job,
     failed_job_is_retried_until_attempts_run_out,
     expired_lease_hands_the_job_to_another_worker,
+    a_renewed_lease_keeps_the_job_and_only_its_holder_renews,
     round_records_uploads_and_drops_clients_that_miss_the_deadline,
     round_without_quorum_fails_and_runs_again_as_next_attempt,
     uploads_outside_collection_are_refused_and_change_nothing,
@@ -461,6 +462,46 @@ async fn expired_lease_hands_the_job_to_another_worker(store: &Store) {
         Err(StoreError::Conflict(_))
     ));
     store.complete_job(b.id, "b").await.unwrap();
+}
+
+async fn a_renewed_lease_keeps_the_job_and_only_its_holder_renews(store: &Store) {
+    let e = store
+        .create_experiment("renew", &serde_json::json!({}))
+        .await
+        .unwrap();
+    store
+        .enqueue_job(JobKind::Aggregate, e.id, 1, 3)
+        .await
+        .unwrap();
+    let t0 = now_millis();
+    let a = store.claim_job("a", t0, 100).await.unwrap().unwrap();
+    // The holder renews before its lease runs out; past the old end the job stays its.
+    store.renew_job(a.id, "a", t0 + 1_000).await.unwrap();
+    assert!(
+        store.claim_job("b", t0 + 500, 100).await.unwrap().is_none(),
+        "a renewed lease is still held"
+    );
+    assert!(matches!(
+        store.renew_job(a.id, "b", t0 + 10_000).await,
+        Err(StoreError::Conflict(_))
+    ));
+    // Once the renewed lease runs out, another worker takes over and the old holder can
+    // neither renew nor complete it.
+    let b = store
+        .claim_job("b", t0 + 1_100, 100)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((b.id, b.attempts), (a.id, 2));
+    assert!(matches!(
+        store.renew_job(a.id, "a", t0 + 20_000).await,
+        Err(StoreError::Conflict(_))
+    ));
+    store.complete_job(b.id, "b").await.unwrap();
+    assert!(matches!(
+        store.renew_job(b.id, "b", t0 + 20_000).await,
+        Err(StoreError::Conflict(_))
+    ));
 }
 
 /// A running experiment and `n` enrolled clients.

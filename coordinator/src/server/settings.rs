@@ -769,6 +769,35 @@ mod tests {
     }
 
     #[test]
+    fn the_job_lease_comes_from_any_layer_and_is_range_checked() {
+        let s = ServeSettings::from_sources(None, &env(&[]), insecure()).unwrap();
+        assert_eq!(s.job_lease, std::time::Duration::from_secs(120));
+        let e = env(&[("COHORT_JOB_LEASE_SECONDS", "5")]);
+        let s = ServeSettings::from_sources(None, &e, insecure()).unwrap();
+        assert_eq!(s.job_lease, std::time::Duration::from_secs(5));
+        let flags = ServeFlags {
+            job_lease_seconds: Some(30),
+            ..insecure()
+        };
+        let s = ServeSettings::from_sources(None, &e, flags).unwrap();
+        assert_eq!(s.job_lease, std::time::Duration::from_secs(30));
+        for bad in ["0", "2", "86401"] {
+            let e = env(&[("COHORT_JOB_LEASE_SECONDS", bad)]);
+            let err = ServeSettings::from_sources(None, &e, insecure()).unwrap_err();
+            assert!(
+                matches!(err, SettingsError::InvalidJobLease(_)),
+                "{bad}: {err}"
+            );
+        }
+        let e = env(&[("COHORT_JOB_LEASE_SECONDS", "soon")]);
+        let err = ServeSettings::from_sources(None, &e, insecure()).unwrap_err();
+        assert!(
+            err.to_string().contains("COHORT_JOB_LEASE_SECONDS"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn trusted_proxies_are_a_list_of_addresses() {
         let e = env(&[("COHORT_TRUSTED_PROXIES", "10.0.0.2, ::1")]);
         let s = ServeSettings::from_sources(None, &e, insecure()).unwrap();

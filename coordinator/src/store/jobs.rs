@@ -246,7 +246,9 @@ impl Store {
             .rows_affected()
         });
         if renewed == 0 {
-            return Err(StoreError::Conflict(format!("job {id} is not held by {worker}")));
+            return Err(StoreError::Conflict(format!(
+                "job {id} is not held by {worker}"
+            )));
         }
         Ok(())
     }
