@@ -431,6 +431,38 @@ async fn state_changing_requests_need_this_sessions_csrf_token_and_this_site() {
         server.get("/experiments", Some(&session)).await.status(),
         StatusCode::OK
     );
+
+    // The audit log says who acted: a dashboard session (named by a prefix of its
+    // stored hash, never the cookie) from this address; each sign-in its own session.
+    let log = server.api(Method::GET, "/audit?limit=100", None).await;
+    let actors = |action: &str| -> Vec<String> {
+        log.as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["action"] == action)
+            .map(|e| e["actor"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let sign_ins = actors("dashboard.sign_in");
+    assert_eq!(sign_ins.len(), 2, "{log}");
+    assert_ne!(sign_ins[0], sign_ins[1], "two sessions, two names");
+    for actor in sign_ins
+        .iter()
+        .chain(&actors("experiment.create"))
+        .chain(&actors("experiment.state"))
+    {
+        let label = actor
+            .strip_prefix("admin via dashboard session ")
+            .and_then(|rest| rest.strip_suffix(" from 127.0.0.1"))
+            .unwrap_or_else(|| panic!("actor {actor}"));
+        assert!(label.len() == 8 && label.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert!(!session.contains(label), "the session id is not in the log");
+    }
+    assert_eq!(
+        actors("experiment.create")[0],
+        actors("experiment.state")[0],
+        "the same session created and started it"
+    );
     server.shut_down().await;
 }
 

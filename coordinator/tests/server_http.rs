@@ -526,6 +526,15 @@ async fn every_admin_action_is_in_the_audit_log() {
         log.iter()
             .all(|e| e["at"].is_i64() && e["actor"].is_string())
     );
+    // Who: the admin's channel and address; an enrolment is the client's own act.
+    for entry in &log {
+        let actor = entry["actor"].as_str().unwrap();
+        if entry["action"] == "client.enrol" {
+            assert_eq!(actor, client, "{entry}");
+        } else if entry["action"] != "round.open" && entry["action"] != "round.close" {
+            assert_eq!(actor, "admin via api from 127.0.0.1", "{entry}");
+        }
+    }
     assert!(
         log.windows(2)
             .all(|w| w[0]["id"].as_i64() > w[1]["id"].as_i64()),

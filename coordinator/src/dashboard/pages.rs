@@ -1009,7 +1009,10 @@ pub async fn act(
             needs.as_str()
         )));
     }
-    state.store.set_experiment_state(uuid, to, "admin").await?;
+    state
+        .store
+        .set_experiment_state(uuid, to, &crate::store::admin_actor())
+        .await?;
     Ok(Redirect::to(&format!("/experiments/{uuid}")).into_response())
 }
 

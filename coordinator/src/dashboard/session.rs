@@ -164,6 +164,7 @@ pub fn field<'a>(fields: &'a [(String, String)], name: &str) -> Option<&'a str> 
 /// page views go to the sign-in page (and back afterwards); anything else is refused.
 pub async fn require_session(
     State(state): State<AppState>,
+    crate::server::rate_limit::PeerAddr(peer): crate::server::rate_limit::PeerAddr,
     request: Request,
     next: Next,
 ) -> Result<Response, PageError> {
@@ -243,7 +244,18 @@ pub async fn require_session(
         Request::from_parts(parts, Body::from(bytes))
     };
     request.extensions_mut().insert(Session { csrf });
-    Ok(next.run(request).await)
+    let actor = format!(
+        "admin via dashboard session {} from {}",
+        session_label(&session_id),
+        crate::server::api::address_text(peer)
+    );
+    Ok(crate::store::acting_as(actor, next.run(request)).await)
+}
+
+/// Names a session in the audit log without revealing it: the first 8 hex digits of
+/// its stored hash, enough to tell sessions apart and to find the row.
+fn session_label(session_id: &str) -> String {
+    to_hex(&hash_secret(session_id)[..4])
 }
 
 /// Percent-encodes `text` for a query-string value.
@@ -312,6 +324,7 @@ pub async fn sign_in_page(
 /// `POST /sign-in`: checks the admin token and starts a session.
 pub async fn sign_in(
     State(state): State<AppState>,
+    crate::server::rate_limit::PeerAddr(peer): crate::server::rate_limit::PeerAddr,
     uri: Uri,
     headers: HeaderMap,
     body: axum::body::Bytes,
@@ -343,10 +356,20 @@ pub async fn sign_in(
     }
     let session_id = generate_secret().map_err(PageError::internal)?;
     let now = now_millis();
-    state
-        .store
-        .create_dashboard_session(&hash_secret(&session_id), now, now + SESSION_LIFETIME_MS)
-        .await?;
+    let actor = format!(
+        "admin via dashboard session {} from {}",
+        session_label(&session_id),
+        crate::server::api::address_text(peer)
+    );
+    crate::store::acting_as(
+        actor,
+        state.store.create_dashboard_session(
+            &hash_secret(&session_id),
+            now,
+            now + SESSION_LIFETIME_MS,
+        ),
+    )
+    .await?;
     let mut response = Redirect::to(&next).into_response();
     let headers = response.headers_mut();
     headers.append(
@@ -368,13 +391,22 @@ pub async fn sign_in(
 /// `POST /sign-out`: ends the session here and in the database.
 pub async fn sign_out(
     State(state): State<AppState>,
+    crate::server::rate_limit::PeerAddr(peer): crate::server::rate_limit::PeerAddr,
     headers: HeaderMap,
 ) -> Result<Response, PageError> {
     if let Some(id) = cookie(&headers, SESSION_COOKIE) {
-        state
-            .store
-            .end_dashboard_session(&hash_secret(id), now_millis())
-            .await?;
+        let actor = format!(
+            "admin via dashboard session {} from {}",
+            session_label(id),
+            crate::server::api::address_text(peer)
+        );
+        crate::store::acting_as(
+            actor,
+            state
+                .store
+                .end_dashboard_session(&hash_secret(id), now_millis()),
+        )
+        .await?;
     }
     let mut response = Redirect::to("/sign-in").into_response();
     response.headers_mut().append(

@@ -532,7 +532,10 @@ async fn transition(
 ) -> Result<Json<Experiment>, ApiError> {
     let id = parse_id(id, "experiment")?;
     Ok(Json(
-        state.store.set_experiment_state(id, to, "admin").await?,
+        state
+            .store
+            .set_experiment_state(id, to, &crate::store::admin_actor())
+            .await?,
     ))
 }
 

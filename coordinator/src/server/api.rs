@@ -212,13 +212,22 @@ pub fn admin_router() -> Router<AppState> {
 }
 
 /// Middleware: lets a request through only with `Authorization: Bearer <admin token>`.
+/// The admin's actions are audited as `admin via api from <address>`.
 pub(crate) async fn require_admin(
     State(state): State<AppState>,
+    super::rate_limit::PeerAddr(peer): super::rate_limit::PeerAddr,
     request: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
     check_admin(&state, request.headers())?;
-    Ok(next.run(request).await)
+    let actor = format!("admin via api from {}", address_text(peer));
+    Ok(crate::store::acting_as(actor, next.run(request)).await)
+}
+
+/// A client address for the audit log; `unknown` where the server has none (a router
+/// called directly, as in tests).
+pub(crate) fn address_text(peer: Option<std::net::IpAddr>) -> String {
+    peer.map_or_else(|| "unknown".to_string(), |ip| ip.to_string())
 }
 
 pub(crate) fn check_admin(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {

@@ -70,7 +70,7 @@ impl Store {
             .bind(expires_at)
             .execute(&mut *tx)
             .await?;
-            audit!(tx, now, "admin", "dashboard.sign_in", "", "");
+            audit!(tx, now, super::admin_actor(), "dashboard.sign_in", "", "");
             tx.commit().await?;
         });
         Ok(())
@@ -116,7 +116,7 @@ impl Store {
                 .execute(&mut *tx)
                 .await?;
             if done.rows_affected() > 0 {
-                audit!(tx, now, "admin", "dashboard.sign_out", "", "");
+                audit!(tx, now, super::admin_actor(), "dashboard.sign_out", "", "");
             }
             tx.commit().await?;
         });

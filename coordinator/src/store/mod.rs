@@ -101,6 +101,26 @@ macro_rules! with_pool {
 }
 pub(crate) use with_pool;
 
+tokio::task_local! {
+    static ADMIN_ACTOR: String;
+}
+
+/// Runs `work` with `actor` as the "who" of the admin actions it audits: the request
+/// guards name the channel (the API's bearer token or a dashboard session) and the
+/// address, so that the audit log says more than "admin" without every store method
+/// taking one more argument.
+pub async fn acting_as<F: std::future::Future>(actor: String, work: F) -> F::Output {
+    ADMIN_ACTOR.scope(actor, work).await
+}
+
+/// The actor of an admin action audited now: the one [`acting_as`] set for this
+/// request, else `admin`.
+pub(crate) fn admin_actor() -> String {
+    ADMIN_ACTOR
+        .try_with(Clone::clone)
+        .unwrap_or_else(|_| "admin".to_string())
+}
+
 /// Appends an audit entry inside the caller's open transaction `$tx`.
 macro_rules! audit {
     ($tx:expr, $at:expr, $actor:expr, $action:expr, $subject:expr, $detail:expr) => {
@@ -394,7 +414,7 @@ impl Store {
             .bind(now)
             .execute(&mut *tx)
             .await?;
-            audit!(tx, now, "admin", "experiment.create", exp.id.to_string(), &exp.name);
+            audit!(tx, now, admin_actor(), "experiment.create", exp.id.to_string(), &exp.name);
             tx.commit().await?;
         });
         Ok(exp)
@@ -527,7 +547,10 @@ pub struct AuditEntry {
     pub id: i64,
     /// When, Unix ms.
     pub at: i64,
-    /// Who: `admin`, a client id, or `coordinator`.
+    /// Who: the admin with the channel and address (`admin via api from 10.0.0.5`,
+    /// `admin via dashboard session 1a2b3c4d from 10.0.0.5`: the first 8 hex digits of
+    /// the session's stored hash), a client id, `coordinator`, or the job worker that
+    /// finished a job.
     pub actor: String,
     /// What, e.g. `experiment.create`.
     pub action: String,

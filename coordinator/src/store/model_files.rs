@@ -96,7 +96,7 @@ impl Store {
             .bind(file.created_at)
             .execute(&mut *tx)
             .await?;
-            audit!(tx, file.created_at, "admin", "model_file.upload", file.id.to_string(),
+            audit!(tx, file.created_at, super::admin_actor(), "model_file.upload", file.id.to_string(),
                 format!("{} ({} parameters, sha256 {})", file.name, file.parameters, file.sha256));
             tx.commit().await?;
         });

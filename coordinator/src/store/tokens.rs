@@ -109,7 +109,7 @@ impl Store {
             .bind(expires_at)
             .execute(&mut *tx)
             .await?;
-            audit!(tx, now, "admin", "token.create", id.to_string(), label);
+            audit!(tx, now, super::admin_actor(), "token.create", id.to_string(), label);
             tx.commit().await?;
         });
         Ok(EnrolmentToken {
@@ -162,7 +162,7 @@ impl Store {
                     )),
                 });
             }
-            audit!(tx, now, "admin", "token.revoke", id.to_string(), "");
+            audit!(tx, now, super::admin_actor(), "token.revoke", id.to_string(), "");
             tx.commit().await?;
         });
         Ok(())
@@ -300,7 +300,7 @@ impl Store {
                     Some(_) => StoreError::Conflict(format!("client {id} is already revoked")),
                 });
             }
-            audit!(tx, now, "admin", "client.revoke", id.to_string(), "");
+            audit!(tx, now, super::admin_actor(), "client.revoke", id.to_string(), "");
             tx.commit().await?;
         });
         Ok(())
