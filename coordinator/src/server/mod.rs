@@ -17,6 +17,7 @@ pub mod auth;
 pub mod client_api;
 pub mod driver;
 pub mod error;
+pub mod fd_limit;
 pub mod fedbuff;
 pub mod models;
 pub mod privacy;
@@ -478,8 +479,8 @@ pub async fn run(
 }
 
 /// `cohort serve` from a synchronous `main`: installs the ring crypto provider, starts
-/// logging to stderr (`RUST_LOG`, default `info`) and a multi-threaded runtime, and runs
-/// until Ctrl-C or SIGTERM.
+/// logging to stderr (`RUST_LOG`, default `info`), raises the open file limit
+/// ([`fd_limit`]), starts a multi-threaded runtime, and runs until Ctrl-C or SIGTERM.
 pub fn run_until_signal(settings: ServeSettings) -> Result<(), ServeError> {
     install_crypto_provider();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -489,6 +490,8 @@ pub fn run_until_signal(settings: ServeSettings) -> Result<(), ServeError> {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
+    // Every held client connection is a file descriptor; before anything listens.
+    fd_limit::raise_and_log();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
