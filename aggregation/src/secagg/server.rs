@@ -274,6 +274,15 @@ impl ServerSession {
     /// Stage 2: accepts client `from`'s encrypted shares: exactly one per neighbour, each
     /// of the right size.
     pub fn receive_shares(&mut self, from: u32, shares: &ShareKeys) -> Result<(), SecAggError> {
+        self.check_shares(from, shares)?;
+        self.shared.insert(from, shares.clone());
+        Ok(())
+    }
+
+    /// The checks of [`receive_shares`](Self::receive_shares) without recording
+    /// anything: a server that keeps the round's state elsewhere (a database) validates
+    /// a message against a shared snapshot of the closed stages instead of a copy.
+    pub fn check_shares(&self, from: u32, shares: &ShareKeys) -> Result<(), SecAggError> {
         self.expect(Stage::Share)?;
         if !self.keys.contains_key(&from) {
             return Err(SecAggError::NotInRound(from));
@@ -303,7 +312,6 @@ impl ServerSession {
                 found: s.ciphertext.len(),
             });
         }
-        self.shared.insert(from, shares.clone());
         Ok(())
     }
 
@@ -428,6 +436,18 @@ impl ServerSession {
     /// neighbours, key shares only of neighbours that dropped after sharing, each share
     /// held by `from`.
     pub fn receive_unmask(&mut self, from: u32, reply: &UnmaskShares) -> Result<(), SecAggError> {
+        let revealed = self.parse_unmask(from, reply)?;
+        self.revealed.insert(from, revealed);
+        Ok(())
+    }
+
+    /// The checks of [`receive_unmask`](Self::receive_unmask) without recording
+    /// anything (see [`check_shares`](Self::check_shares)).
+    pub fn check_unmask(&self, from: u32, reply: &UnmaskShares) -> Result<(), SecAggError> {
+        self.parse_unmask(from, reply).map(drop)
+    }
+
+    fn parse_unmask(&self, from: u32, reply: &UnmaskShares) -> Result<Revealed, SecAggError> {
         self.expect(Stage::Unmask)?;
         if !self.masked.contains(&from) {
             return Err(SecAggError::NotInRound(from));
@@ -472,8 +492,7 @@ impl ServerSession {
                 return Err(SecAggError::Duplicate(r.owner));
             }
         }
-        self.revealed.insert(from, Revealed { seeds, keys });
-        Ok(())
+        Ok(Revealed { seeds, keys })
     }
 
     /// Secrets that do not have `t` shares yet: `(owner, true)` for a survivor's seed,

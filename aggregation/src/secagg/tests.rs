@@ -1141,3 +1141,84 @@ fn no_message_to_the_coordinator_reveals_a_clients_noise_share() {
     // And the same noise seed gives the same sum: the difference is the share alone.
     assert_eq!(coordinator_view(17, 100, d).1, sum_a);
 }
+
+/// A coordinator checks each client message against a shared snapshot of the closed
+/// stages (`check_*`) and records it in its database: the checks must refuse exactly
+/// what `receive_*` refuses, and record nothing themselves.
+#[test]
+fn checks_refuse_what_receive_refuses_and_record_nothing() {
+    let cfg = config(6, 5, 4, 4);
+    let mut live = ServerSession::new(cfg.clone()).unwrap();
+    let mut snapshot = ServerSession::new(cfg.clone()).unwrap();
+    let mut rng = ChaCha20Rng::seed_from_u64(11);
+    let mut clients = BTreeMap::new();
+    for u in 1..=6 {
+        let (c, keys) = ClientSession::new(cfg.clone(), u, &mut rng).unwrap();
+        live.receive_keys(u, &keys).unwrap();
+        snapshot.receive_keys(u, &keys).unwrap();
+        clients.insert(u, c);
+    }
+    let dir = live.close_advertise().unwrap();
+    snapshot.close_advertise().unwrap();
+    let mut messages = BTreeMap::new();
+    for (&u, c) in clients.iter_mut() {
+        messages.insert(u, c.share_keys(&dir, &mut rng).unwrap());
+    }
+    // Bad messages: a share cut short, shares out of order, a stranger's message.
+    let mut short = messages[&1].clone();
+    short.shares[0].ciphertext.pop();
+    let mut reordered = messages[&2].clone();
+    reordered.shares.swap(0, 1);
+    for (from, bad) in [(1, &short), (2, &reordered), (9, &messages[&3])] {
+        let checked = snapshot.check_shares(from, bad).unwrap_err();
+        assert_eq!(live.receive_shares(from, bad).unwrap_err(), checked);
+    }
+    for (&u, m) in &messages {
+        snapshot.check_shares(u, m).unwrap();
+        live.receive_shares(u, m).unwrap();
+    }
+    assert_eq!(snapshot.shared().count(), 0, "a check records nothing");
+    assert_eq!(
+        live.check_shares(1, &messages[&1]).unwrap_err(),
+        SecAggError::Duplicate(1)
+    );
+    live.close_sharing().unwrap();
+    for u in 1..=5 {
+        let f = live.forwarded_for(u).unwrap();
+        let masked = clients
+            .get_mut(&u)
+            .unwrap()
+            .mask(&f, &[0.5; 4], 10, 0.1, &mut rng)
+            .unwrap();
+        live.receive_masked(u, &masked).unwrap();
+    }
+    let request = live.close_collection().unwrap();
+    let replies: BTreeMap<u32, UnmaskShares> = (1..=5)
+        .map(|u| (u, clients.get_mut(&u).unwrap().unmask(&request).unwrap()))
+        .collect();
+    // Client 6 dropped before masking: its seed share is the wrong kind of share.
+    let mut wrong_kind = replies[&1].clone();
+    let six = wrong_kind.key_shares.remove(0);
+    assert_eq!(six.owner, 6);
+    wrong_kind.seed_shares.push(six);
+    let checked = live.check_unmask(1, &wrong_kind).unwrap_err();
+    assert!(matches!(checked, SecAggError::BadMessage(_)), "{checked:?}");
+    assert_eq!(
+        live.check_unmask(6, &replies[&2]).unwrap_err(),
+        SecAggError::NotInRound(6)
+    );
+    for (&u, reply) in &replies {
+        live.check_unmask(u, reply).unwrap();
+        assert_eq!(
+            live.unmasked().count(),
+            (u - 1) as usize,
+            "a check records nothing"
+        );
+        live.receive_unmask(u, reply).unwrap();
+    }
+    assert_eq!(
+        live.check_unmask(1, &replies[&1]).unwrap_err(),
+        SecAggError::Duplicate(1)
+    );
+    assert!(live.missing_secrets().is_empty());
+}

@@ -23,6 +23,7 @@ pub mod models;
 pub mod privacy;
 pub mod rate_limit;
 pub mod secagg_api;
+pub mod secagg_snapshots;
 pub mod secure_rounds;
 pub mod settings;
 pub mod telemetry;
@@ -74,6 +75,8 @@ pub struct AppState {
     pub telemetry: telemetry::Telemetry,
     /// This replica's rate limits on enrolment and uploads.
     pub limits: Arc<rate_limit::RateLimits>,
+    /// This replica's snapshots of secure rounds' closed stages.
+    pub secure_rounds: Arc<secagg_snapshots::SecureRoundCache>,
 }
 
 impl AppState {
@@ -96,6 +99,7 @@ impl AppState {
             reducer,
             eval: None,
             telemetry: telemetry::Telemetry::new(),
+            secure_rounds: Arc::new(secagg_snapshots::SecureRoundCache::new()),
         }
     }
 

@@ -8,9 +8,9 @@
 //! | 3 masked input | `POST .../update` (the masked words) | `GET survivors`: who is in the sum |
 //! | 4 unmask | `POST unmask` | |
 //!
-//! Every message is checked against the round's protocol state, rebuilt from the store,
-//! before it is recorded; the store re-checks the stage in the transaction that records
-//! it. A `GET` answers `{"stage": ..., "<message>": null}` until the stage it waits for
+//! Every message is checked against the round's protocol state, rebuilt from the store
+//! (the stages that have closed, once per replica: [`super::secagg_snapshots`]), before
+//! it is recorded; the store re-checks the stage in the transaction that records it. A `GET` answers `{"stage": ..., "<message>": null}` until the stage it waits for
 //! has closed, and a 409 when the round failed or went on without the caller.
 
 use std::time::Duration;
@@ -20,8 +20,8 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::routing::post;
 use cohort_aggregation::secagg::{
-    AdvertiseKeys, DirectoryEntry, ForwardedShares, KeyDirectory, RoundConfig, SecAggError,
-    ServerSession, ShareKeys, UnmaskRequest, UnmaskShares,
+    AdvertiseKeys, ForwardedShares, KeyDirectory, RoundConfig, SecAggError, ServerSession,
+    ShareKeys, UnmaskRequest, UnmaskShares,
 };
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -30,7 +30,8 @@ use uuid::Uuid;
 use super::AppState;
 use super::client_api::{AuthenticatedClient, MAX_CHECKIN_WAIT_SECONDS};
 use super::error::{ApiError, ErrorBody, Json};
-use super::secure_rounds::{SecureRoundError, rebuild, round_config};
+use super::secagg_snapshots::POLL_INTERVAL;
+use super::secure_rounds::{SecureRoundError, round_config};
 use crate::store::{Participation, Round, RoundStage, SecAggMessageKind, now_millis};
 
 const BASE: &str = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg";
@@ -147,10 +148,8 @@ async fn view(
     })?;
     let me = state
         .store
-        .participations(experiment, round, attempt)
+        .participation(experiment, round, attempt, client)
         .await?
-        .into_iter()
-        .find(|p| p.client_id == client)
         .ok_or_else(|| {
             ApiError::conflict(
                 "conflict",
@@ -219,20 +218,23 @@ fn past(stage: RoundStage, of: RoundStage) -> bool {
 /// The `wait_seconds` query of a long poll, or why it did not parse.
 type WaitParam = Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>;
 
-/// The round's protocol state rebuilt from the store, as the caller's request sees it.
-async fn rebuilt(state: &AppState, v: &ClientView) -> Result<ServerSession, ApiError> {
-    let parts = state
-        .store
-        .participations(v.experiment, v.round.round, v.round.attempt)
-        .await?;
-    rebuild(&state.store, &v.round, &parts)
+/// The round's closed stages through `closed`, as this replica keeps them.
+async fn closed(
+    state: &AppState,
+    v: &ClientView,
+    closed: RoundStage,
+) -> Result<std::sync::Arc<ServerSession>, ApiError> {
+    state
+        .secure_rounds
+        .closed(&state.store, &v.round, closed)
         .await
         .map_err(round_error)
 }
 
 /// A long-polling `GET` for what stage `after` produces: waits (up to the query's
 /// `wait_seconds`) until the round is past `after`, then answers with `fetch`'s message;
-/// `None` when the wait ends first, a 409 when the round failed.
+/// `None` when the wait ends first, a 409 when the round failed. While it waits it reads
+/// only the round's stage, through the replica's shared read.
 async fn poll_after<'a, T, F, Fut>(
     state: &'a AppState,
     client: &'a AuthenticatedClient,
@@ -242,44 +244,38 @@ async fn poll_after<'a, T, F, Fut>(
     fetch: F,
 ) -> Result<(RoundStage, Option<T>), ApiError>
 where
-    F: Fn(ClientView) -> Fut,
+    F: FnOnce(ClientView) -> Fut,
     Fut: std::future::Future<Output = Result<T, ApiError>>,
 {
     let Query(q) = query.map_err(|e| ApiError::unprocessable("invalid_query", e.body_text()))?;
     let wait = check_wait(&q)?;
-    let found = long_poll(wait, || async {
-        let v = view(state, client.0.id, id, round, attempt).await?;
-        if v.round.stage == RoundStage::Failed {
+    let until = tokio::time::Instant::now() + wait;
+    let mut v = view(state, client.0.id, id, round, attempt).await?;
+    let found = loop {
+        let stage = v.round.stage;
+        if stage == RoundStage::Failed {
             return Err(failed(&v.round));
         }
-        let stage = v.round.stage;
-        if !past(stage, after) {
-            return Ok((stage, None));
+        if past(stage, after) {
+            break (stage, Some(fetch(v).await?));
         }
-        Ok((stage, Some(fetch(v).await?)))
-    })
-    .await?;
+        if tokio::time::Instant::now() >= until {
+            break (stage, None);
+        }
+        tokio::time::sleep(POLL_INTERVAL).await;
+        let now = state
+            .secure_rounds
+            .round(&state.store, v.experiment, round, attempt)
+            .await?;
+        if now.stage == RoundStage::Failed || past(now.stage, after) {
+            // The caller's own row may have changed with the stage.
+            v = view(state, client.0.id, id, round, attempt).await?;
+        } else {
+            v.round = now;
+        }
+    };
     client_seen(state, client).await;
     Ok(found)
-}
-
-/// Polls `fetch` until it yields a message or `wait` is over.
-async fn long_poll<T, F, Fut>(
-    wait: Duration,
-    mut fetch: F,
-) -> Result<(RoundStage, Option<T>), ApiError>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<(RoundStage, Option<T>), ApiError>>,
-{
-    let until = tokio::time::Instant::now() + wait;
-    loop {
-        let (stage, found) = fetch().await?;
-        if found.is_some() || tokio::time::Instant::now() >= until {
-            return Ok((stage, found));
-        }
-        tokio::time::sleep(Duration::from_millis(150)).await;
-    }
 }
 
 async fn record(
@@ -400,21 +396,10 @@ async fn directory(
             if v.me.secagg_stage.is_none() {
                 return Err(not_in_round(&v.round, "did not advertise keys in time"));
             }
-            let entries = state
-                .store
-                .secagg_messages(v.experiment, round, attempt, SecAggMessageKind::Advertise)
+            closed(state, &v, RoundStage::Advertising)
                 .await?
-                .into_iter()
-                .map(|m| {
-                    serde_json::from_str::<AdvertiseKeys>(&m.body)
-                        .map(|keys| DirectoryEntry {
-                            index: m.index,
-                            keys,
-                        })
-                        .map_err(ApiError::internal)
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            Ok(KeyDirectory { entries })
+                .directory()
+                .ok_or_else(|| ApiError::internal("advertising closed without a key directory"))
         },
     )
     .await?;
@@ -443,9 +428,9 @@ async fn share(
 ) -> Result<(StatusCode, Json<Accepted>), ApiError> {
     let v = view(&state, client.0.id, &id, round, attempt).await?;
     require_stage(&v, RoundStage::Sharing)?;
-    rebuilt(&state, &v)
+    closed(&state, &v, RoundStage::Advertising)
         .await?
-        .receive_shares(v.index, &message)
+        .check_shares(v.index, &message)
         .map_err(protocol_error)?;
     let body = serde_json::to_string(&message).map_err(ApiError::internal)?;
     record(&state, &v, &client, SecAggMessageKind::Share, body).await
@@ -472,7 +457,10 @@ async fn shares(
         query,
         RoundStage::Sharing,
         |v| async move {
-            match rebuilt(state, &v).await?.forwarded_for(v.index) {
+            match closed(state, &v, RoundStage::Sharing)
+                .await?
+                .forwarded_for(v.index)
+            {
                 Ok(f) => Ok(f),
                 Err(SecAggError::NotInRound(_)) => {
                     Err(not_in_round(&v.round, "did not share keys in time"))
@@ -506,23 +494,17 @@ async fn survivors(
         query,
         RoundStage::Collecting,
         |v| async move {
-            let parts = state
-                .store
-                .participations(v.experiment, round, attempt)
-                .await?;
-            let mut survivors: Vec<u32> = parts
-                .iter()
-                .filter(|p| matches!(p.secagg_stage.as_deref(), Some("masked" | "unmasked")))
-                .filter_map(|p| p.secagg_index.and_then(|i| u32::try_from(i).ok()))
-                .collect();
-            survivors.sort_unstable();
-            if !survivors.contains(&v.index) {
+            let request = closed(state, &v, RoundStage::Collecting)
+                .await?
+                .unmask_request()
+                .ok_or_else(|| ApiError::internal("collection closed without survivors"))?;
+            if request.survivors.binary_search(&v.index).is_err() {
                 return Err(not_in_round(
                     &v.round,
                     "did not upload a masked input in time",
                 ));
             }
-            Ok(UnmaskRequest { survivors })
+            Ok(request)
         },
     )
     .await?;
@@ -546,9 +528,9 @@ async fn unmask(
 ) -> Result<(StatusCode, Json<Accepted>), ApiError> {
     let v = view(&state, client.0.id, &id, round, attempt).await?;
     require_stage(&v, RoundStage::Unmasking)?;
-    rebuilt(&state, &v)
+    closed(&state, &v, RoundStage::Collecting)
         .await?
-        .receive_unmask(v.index, &message)
+        .check_unmask(v.index, &message)
         .map_err(protocol_error)?;
     let body = serde_json::to_string(&message).map_err(ApiError::internal)?;
     record(&state, &v, &client, SecAggMessageKind::Unmask, body).await

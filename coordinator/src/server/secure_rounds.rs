@@ -4,9 +4,9 @@
 //!
 //! Nothing about a round lives only in memory. Each request and each driver step
 //! rebuilds the round's [`ServerSession`] from the stored messages (keys, encrypted
-//! shares, the set of masked inputs, revealed shares) and checks what it must against
-//! it; the store then records the change in one transaction that re-checks the round's
-//! stage. So any coordinator, restarted or one of several, carries a round on. The
+//! shares, the set of masked inputs, revealed shares), or takes the replica's snapshot
+//! of the stages that have closed, and checks what it must against it; the store then
+//! records the change in one transaction that re-checks the round's stage. So any coordinator, restarted or one of several, carries a round on. The
 //! coordinator never holds an unmasked update: clients send only masked vectors, and the
 //! job removes the masks from their sum alone.
 
@@ -191,37 +191,135 @@ pub async fn rebuild(
     round: &Round,
     participations: &[Participation],
 ) -> Result<ServerSession, SecureRoundError> {
-    let config = round_config(round)?
-        .ok_or_else(|| SecureRoundError::Corrupt("not a secure round".into()))?;
     let rank = stage_rank(round.stage);
     if rank == 0 {
-        return Err(SecureRoundError::Corrupt(format!(
-            "round {} attempt {} failed",
-            round.round, round.attempt
-        )));
+        return Err(failed_round(round));
     }
     let (exp, r, a) = (round.experiment_id, round.round, round.attempt);
-    let mut session = ServerSession::new(config)?;
-    for m in store
-        .secagg_messages(exp, r, a, SecAggMessageKind::Advertise)
-        .await?
-    {
-        session.restore_keys(m.index, &parse::<AdvertiseKeys>(&m.body, "stored keys")?)?;
+    if rank == 1 {
+        let mut session = ServerSession::new(config_of(round)?)?;
+        restore_keys(store, round, &mut session).await?;
+        return Ok(session);
     }
+    let mut session =
+        rebuild_through(store, round, (rank - 1).min(3), Some(participations)).await?;
+    match rank {
+        2 => {
+            for m in store
+                .secagg_messages(exp, r, a, SecAggMessageKind::Share)
+                .await?
+            {
+                session.receive_shares(m.index, &parse::<ShareKeys>(&m.body, "stored shares")?)?;
+            }
+        }
+        3 => restore_masked(participations, &mut session)?,
+        _ => {
+            for m in store
+                .secagg_messages(exp, r, a, SecAggMessageKind::Unmask)
+                .await?
+            {
+                session
+                    .receive_unmask(m.index, &parse::<UnmaskShares>(&m.body, "stored shares")?)?;
+            }
+        }
+    }
+    Ok(session)
+}
+
+/// The server session of a secure round with `closed` and every stage before it ended,
+/// and nothing of later stages: a snapshot that no request can change any more once the
+/// round is past `closed` (the store records a message only at its own stage), so each
+/// replica can rebuild it once and share it between requests ([`super::secagg_snapshots`]).
+/// `closed` is advertising, sharing or collecting; the round must be past it.
+pub async fn rebuild_closed(
+    store: &Store,
+    round: &Round,
+    closed: RoundStage,
+) -> Result<ServerSession, SecureRoundError> {
+    let wanted = stage_rank(closed);
+    let at = stage_rank(round.stage);
+    if at == 0 {
+        return Err(failed_round(round));
+    }
+    if !(1..=3).contains(&wanted) || at <= wanted {
+        return Err(SecureRoundError::Corrupt(format!(
+            "round {} attempt {} is {}: {} has not closed",
+            round.round,
+            round.attempt,
+            round.stage.as_str(),
+            closed.as_str()
+        )));
+    }
+    rebuild_through(store, round, wanted, None).await
+}
+
+/// Rebuilds a session through stage `rank` (1 to 3), closed. The masked inputs' senders
+/// come from `participations` when the caller has them, else from the store.
+async fn rebuild_through(
+    store: &Store,
+    round: &Round,
+    rank: u8,
+    participations: Option<&[Participation]>,
+) -> Result<ServerSession, SecureRoundError> {
+    let (exp, r, a) = (round.experiment_id, round.round, round.attempt);
+    let mut session = ServerSession::new(config_of(round)?)?;
+    restore_keys(store, round, &mut session).await?;
+    session.close_advertise()?;
     if rank < 2 {
         return Ok(session);
     }
-    session.close_advertise()?;
     for m in store
         .secagg_messages(exp, r, a, SecAggMessageKind::Share)
         .await?
     {
         session.receive_shares(m.index, &parse::<ShareKeys>(&m.body, "stored shares")?)?;
     }
+    session.close_sharing()?;
     if rank < 3 {
         return Ok(session);
     }
-    session.close_sharing()?;
+    match participations {
+        Some(parts) => restore_masked(parts, &mut session)?,
+        None => restore_masked(&store.participations(exp, r, a).await?, &mut session)?,
+    }
+    session.close_collection()?;
+    Ok(session)
+}
+
+fn config_of(round: &Round) -> Result<RoundConfig, SecureRoundError> {
+    round_config(round)?.ok_or_else(|| SecureRoundError::Corrupt("not a secure round".into()))
+}
+
+fn failed_round(round: &Round) -> SecureRoundError {
+    SecureRoundError::Corrupt(format!(
+        "round {} attempt {} failed",
+        round.round, round.attempt
+    ))
+}
+
+async fn restore_keys(
+    store: &Store,
+    round: &Round,
+    session: &mut ServerSession,
+) -> Result<(), SecureRoundError> {
+    for m in store
+        .secagg_messages(
+            round.experiment_id,
+            round.round,
+            round.attempt,
+            SecAggMessageKind::Advertise,
+        )
+        .await?
+    {
+        session.restore_keys(m.index, &parse::<AdvertiseKeys>(&m.body, "stored keys")?)?;
+    }
+    Ok(())
+}
+
+fn restore_masked(
+    participations: &[Participation],
+    session: &mut ServerSession,
+) -> Result<(), SecureRoundError> {
     let mut masked: Vec<u32> = participations
         .iter()
         .filter(|p| matches!(p.secagg_stage.as_deref(), Some("masked" | "unmasked")))
@@ -231,17 +329,7 @@ pub async fn rebuild(
     for index in masked {
         session.restore_masked(index)?;
     }
-    if rank < 4 {
-        return Ok(session);
-    }
-    session.close_collection()?;
-    for m in store
-        .secagg_messages(exp, r, a, SecAggMessageKind::Unmask)
-        .await?
-    {
-        session.receive_unmask(m.index, &parse::<UnmaskShares>(&m.body, "stored shares")?)?;
-    }
-    Ok(session)
+    Ok(())
 }
 
 /// Counts of a secure round's clients by progress.

@@ -11,7 +11,7 @@ use super::{
 };
 
 /// Where a round attempt is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RoundStage {
     /// Secure aggregation, stage 1: selected clients advertise their public keys.
@@ -550,21 +550,35 @@ impl Store {
                 .bind(attempt)
                 .fetch_all(p)
                 .await?;
-            rows.into_iter()
-                .map(|(c, s, sel, up, n, loss, index, stage, dropped)| {
-                    Ok(Participation {
-                        client_id: parse_uuid(&c)?,
-                        state: ParticipationState::parse(&s)?,
-                        selected_at: sel,
-                        uploaded_at: up,
-                        num_samples: n,
-                        train_loss: loss,
-                        secagg_index: index,
-                        secagg_stage: stage,
-                        dropped_stage: dropped,
-                    })
-                })
-                .collect()
+            rows.into_iter().map(participation_from_row).collect()
+        })
+    }
+
+    /// One client's participation in a round attempt, `None` when it was not selected.
+    /// The per-request lookup of the client protocol's routes: one row, where
+    /// [`participations`](Self::participations) reads the whole round.
+    pub async fn participation(
+        &self,
+        experiment_id: Uuid,
+        round: i64,
+        attempt: i64,
+        client: Uuid,
+    ) -> Result<Option<Participation>, StoreError> {
+        with_pool!(self, p => {
+            let row: Option<ParticipationRow> =
+                sqlx::query_as(
+                    "SELECT client_id, state, selected_at, uploaded_at, num_samples, train_loss, \
+                     secagg_index, secagg_stage, dropped_stage \
+                     FROM participations WHERE experiment_id = $1 AND round = $2 AND attempt = $3 \
+                     AND client_id = $4",
+                )
+                .bind(experiment_id.to_string())
+                .bind(round)
+                .bind(attempt)
+                .bind(client.to_string())
+                .fetch_optional(p)
+                .await?;
+            row.map(participation_from_row).transpose()
         })
     }
 
@@ -1028,4 +1042,20 @@ impl Store {
             row.map(Round::from_row).transpose()
         })
     }
+}
+
+fn participation_from_row(
+    (c, s, sel, up, n, loss, index, stage, dropped): ParticipationRow,
+) -> Result<Participation, StoreError> {
+    Ok(Participation {
+        client_id: parse_uuid(&c)?,
+        state: ParticipationState::parse(&s)?,
+        selected_at: sel,
+        uploaded_at: up,
+        num_samples: n,
+        train_loss: loss,
+        secagg_index: index,
+        secagg_stage: stage,
+        dropped_stage: dropped,
+    })
 }
