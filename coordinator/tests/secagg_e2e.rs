@@ -26,7 +26,7 @@ use cohort_aggregation::ModelVector;
 use cohort_aggregation::secagg::{EXTRA_WORDS, QuantizationParams, Quantizer};
 use cohort_coordinator::demo::write_digits_partitions;
 use cohort_coordinator::store::Store;
-use cohort_edge::agent::experiment_labels;
+use cohort_edge::agent::{experiment_labels, task_seed};
 use cohort_edge::model::{ModelKind, ModelSpec};
 use cohort_edge::partition::PartitionScheme;
 use cohort_edge::train::{LocalModel, TrainConfig, Trainer};
@@ -278,7 +278,7 @@ async fn secure_round_survives_two_clients_killed_mid_round() {
 
     // Recompute every survivor's update of round 1 as its edge client did: the initial
     // model, the experiment's training settings, the site's data, and the agent's seed
-    // for its first task (`--seed` + 1).
+    // for round 1 (`task_seed(--seed, 1)`).
     let spec = ModelSpec::new(&ModelKind::Mlp { hidden: vec![64] }, 64, 10).unwrap();
     let initial = spec.init(0);
     let train = TrainConfig::default();
@@ -288,7 +288,9 @@ async fn secure_round_survives_two_clients_killed_mid_round() {
         let data = cohort_edge::data::load_csv(&csvs[site]).unwrap();
         let labels = experiment_labels(&data, 10).unwrap();
         let local = LocalModel::from_parts(spec.clone(), data.features.clone(), labels).unwrap();
-        let u = local.train(&initial, &train, site as u64 + 1).unwrap();
+        let u = local
+            .train(&initial, &train, task_seed(site as u64, 1))
+            .unwrap();
         updates.push((site, u.params, u.num_samples as u64));
     }
     let store = Store::connect("sqlite://cohort.db", &data_dir)

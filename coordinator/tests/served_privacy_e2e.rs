@@ -22,7 +22,7 @@ use cohort_aggregation::privacy::distributed::SkellamScale;
 use cohort_aggregation::privacy::rdp;
 use cohort_coordinator::blobs::BlobStore;
 use cohort_coordinator::demo::write_digits_partitions;
-use cohort_edge::agent::experiment_labels;
+use cohort_edge::agent::{experiment_labels, task_seed};
 use cohort_edge::model::{ModelKind, ModelSpec};
 use cohort_edge::partition::PartitionScheme;
 use cohort_edge::train::{LocalModel, TrainConfig, Trainer};
@@ -172,7 +172,7 @@ impl Federation {
 
     /// Each site's round-1 update (its difference from the initial model), recomputed
     /// as its edge client trained it: the experiment's model and settings, the site's
-    /// data, and the agent's seed for its first task (`--seed` + 1).
+    /// data, and the seed the agent trains round 1 with (`task_seed(--seed, 1)`).
     fn first_updates(&self, spec: &ModelSpec, train: &TrainConfig) -> (Vec<f32>, Vec<Vec<f32>>) {
         let initial = spec.init(0);
         let updates = self
@@ -184,7 +184,9 @@ impl Federation {
                 let labels = experiment_labels(&data, 10).unwrap();
                 let local =
                     LocalModel::from_parts(spec.clone(), data.features.clone(), labels).unwrap();
-                let u = local.train(&initial, train, site as u64 + 1).unwrap();
+                let u = local
+                    .train(&initial, train, task_seed(site as u64, 1))
+                    .unwrap();
                 u.params
                     .values()
                     .iter()

@@ -611,9 +611,10 @@ async fn serve_secure_task(
     Ok(())
 }
 
-/// The seed of a task of round `round`: the agent's seed and the round number, mixed
-/// (SplitMix64's finaliser) so that neighbouring rounds get unrelated streams.
-fn task_seed(seed: u64, round: i64) -> u64 {
+/// The seed a task of round `round` trains with, given the agent's `--seed`: the two
+/// mixed (SplitMix64's finaliser) so that neighbouring rounds get unrelated streams.
+/// Public so that a test can recompute exactly the update an agent sent.
+pub fn task_seed(seed: u64, round: i64) -> u64 {
     let mut z = seed ^ (round as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
