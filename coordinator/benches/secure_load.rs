@@ -62,6 +62,10 @@ mod common;
 
 use common::{ADMIN, free_port};
 
+mod support;
+
+use support::{durable_write_rate, median, percentile, status_mib};
+
 /// The longest long poll the coordinator grants.
 const MAX_WAIT_SECONDS: u64 = 30;
 /// Tries of one request that failed in a way worth retrying (transport, 5xx, 429).
@@ -153,34 +157,6 @@ fn unix_ms() -> i64 {
         .as_millis() as i64
 }
 
-fn percentile(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let rank = ((sorted.len() as f64 - 1.0) * q).round() as usize;
-    sorted[rank.min(sorted.len() - 1)]
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
-}
-
-/// A `/proc/<pid>/status` field in MiB (`VmRSS:`, `VmHWM:`).
-fn status_mib(pid: u32, field: &str) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|kb| kb.parse::<f64>().ok())
-        .map_or(f64::NAN, |kb| kb / 1024.0)
-}
-
 /// Open file descriptors of `pid`, and how many of them are sockets.
 fn descriptors(pid: u32) -> (usize, usize) {
     let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
@@ -211,25 +187,6 @@ fn open_file_limits(pid: u32) -> (Option<u64>, Option<u64>) {
         .split_whitespace()
         .map(|v| v.parse::<u64>().ok());
     (fields.next().flatten(), fields.next().flatten())
-}
-
-/// Durable writes of `bytes` per second in `dir`: the steps of a blob put.
-fn durable_write_rate(dir: &Path, bytes: usize, count: usize) -> f64 {
-    use std::io::Write;
-    std::fs::create_dir_all(dir).unwrap();
-    let data = vec![7u8; bytes];
-    let start = Instant::now();
-    for i in 0..count {
-        let tmp = dir.join(format!("{i}.tmp"));
-        let mut f = std::fs::File::create(&tmp).unwrap();
-        f.write_all(&data).unwrap();
-        f.sync_all().unwrap();
-        std::fs::rename(&tmp, dir.join(format!("{i}.bin"))).unwrap();
-        std::fs::File::open(dir).unwrap().sync_all().unwrap();
-    }
-    let rate = count as f64 / start.elapsed().as_secs_f64();
-    std::fs::remove_dir_all(dir).unwrap();
-    rate
 }
 
 /// Samples a process's resident memory and descriptors until stopped; the peaks.

@@ -44,55 +44,20 @@ mod common;
 
 use common::{ADMIN, free_port, spawn_serve_with};
 
+mod support;
+
+use support::{durable_write_rate, median, percentile, status_mib};
+
+/// Resident set size and its high-water mark of `pid`, in MiB.
+fn memory_mib(pid: u32) -> (f64, f64) {
+    (status_mib(pid, "VmRSS:"), status_mib(pid, "VmHWM:"))
+}
+
 fn arg(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
     args.iter()
         .position(|a| a == name)
         .and_then(|i| args.get(i + 1).cloned())
-}
-
-fn percentile(sorted: &[f64], q: f64) -> f64 {
-    let rank = ((sorted.len() as f64 - 1.0) * q).round() as usize;
-    sorted[rank.min(sorted.len() - 1)]
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    percentile(&v, 0.5)
-}
-
-/// Resident set size and its high-water mark of `pid`, in MiB.
-fn memory_mib(pid: u32) -> (f64, f64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|kb| kb.parse::<f64>().ok())
-            .map(|kb| kb / 1024.0)
-            .unwrap_or(f64::NAN)
-    };
-    (field("VmRSS:"), field("VmHWM:"))
-}
-
-/// Durable writes of `bytes` per second in `dir`: the same steps as a blob put.
-fn durable_write_rate(dir: &Path, bytes: usize, count: usize) -> f64 {
-    use std::io::Write;
-    std::fs::create_dir_all(dir).unwrap();
-    let data = vec![7u8; bytes];
-    let start = Instant::now();
-    for i in 0..count {
-        let tmp = dir.join(format!("{i}.tmp"));
-        let mut f = std::fs::File::create(&tmp).unwrap();
-        f.write_all(&data).unwrap();
-        f.sync_all().unwrap();
-        std::fs::rename(&tmp, dir.join(format!("{i}.bin"))).unwrap();
-        std::fs::File::open(dir).unwrap().sync_all().unwrap();
-    }
-    let rate = count as f64 / start.elapsed().as_secs_f64();
-    std::fs::remove_dir_all(dir).unwrap();
-    rate
 }
 
 fn tls_client(ca: &[u8]) -> reqwest::Client {
