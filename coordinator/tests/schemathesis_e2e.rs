@@ -66,7 +66,11 @@ fn run(
             "--exclude-checks",
             "positive_data_acceptance",
         ])
-        .args(["--max-examples", "25", "--workers", "2", "--seed", "1"])
+        // One worker: with two, schemathesis 4.32's coverage phase failed about one run
+        // in three, inside hypothesis ("AST constructor recursion depth mismatch": its
+        // lambda descriptions are not thread-safe) or, once, with a TLS EOF on one
+        // request whose cause was not pinned down. Six runs with one worker passed.
+        .args(["--max-examples", "25", "--workers", "1", "--seed", "1"])
         .current_dir(dir)
         .env("NO_COLOR", "1")
         .stdin(Stdio::null())
