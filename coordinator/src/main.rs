@@ -67,7 +67,7 @@ struct SimulateArgs {
     /// TOML file with any of the settings below (same names, e.g. `clients-per-round = 10`).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
-    /// digits | breast-cancer | synthetic:ALPHA,BETA | PATH.csv[.gz] [default: digits]
+    /// digits | breast-cancer | mnist10k | synthetic:ALPHA,BETA | PATH.csv[.gz] [default: digits]
     #[arg(long)]
     dataset: Option<DatasetSpec>,
     /// logreg | mlp | mlp:H1,H2,... [default: mlp (one hidden layer of 64)]
@@ -207,6 +207,25 @@ struct SimulateArgs {
     /// Worker threads for client training [default: all cores]
     #[arg(long, value_name = "N")]
     threads: Option<usize>,
+    /// Train with your own Python code: a module (or a .py file) whose `train(weights,
+    /// task)` (or FUNCTION) trains a client; it may also define `evaluate`,
+    /// `client_data`, `test_data` and `initial_weights` (required). Needs the `cohort`
+    /// Python package (`pip install ./python`); `--dataset` and `--model` then do not
+    /// apply.
+    #[arg(long, value_name = "MODULE[:FUNCTION]")]
+    python: Option<String>,
+    /// The interpreter for `--python`'s workers [default: python3]
+    #[arg(long, value_name = "PATH", requires = "python")]
+    python_exe: Option<PathBuf>,
+    /// Python worker processes for `--python` [default: 2]
+    #[arg(long, value_name = "N", requires = "python")]
+    workers: Option<usize>,
+    /// Pin `--python` workers to devices, round robin: cuda:0,cuda:1 or cpu
+    #[arg(long, value_delimiter = ',', requires = "python")]
+    devices: Option<Vec<String>>,
+    /// Kill a `--python` task that runs longer than this many seconds (it fails)
+    #[arg(long, value_name = "SECONDS", requires = "python")]
+    task_timeout: Option<f64>,
 }
 
 impl SimulateArgs {
@@ -368,6 +387,15 @@ fn run_serve(args: ServeArgs) -> ExitCode {
 
 fn run_simulate(args: SimulateArgs) -> ExitCode {
     let threads = args.threads;
+    let python = args.python.clone().map(|target| {
+        (
+            target,
+            args.python_exe.clone(),
+            args.workers,
+            args.devices.clone().unwrap_or_default(),
+            args.task_timeout,
+        )
+    });
     let (cfg, strategies) = match args.resolve() {
         Ok(resolved) => resolved,
         Err(msg) => {
@@ -430,7 +458,46 @@ fn run_simulate(args: SimulateArgs) -> ExitCode {
             None => eprintln!("round {}/{rounds} {line} {:.3}s", r.round, r.seconds),
         }
     };
-    let outcome = if strategies.len() > 1 {
+    let outcome = if let Some((target, exe, workers, devices, task_timeout)) = python {
+        if strategies.len() > 1 {
+            eprintln!("error: --python runs one strategy at a time");
+            return ExitCode::from(2);
+        }
+        let task_timeout = match task_timeout {
+            Some(t) if !(t.is_finite() && t > 0.0) => {
+                eprintln!("error: --task-timeout must be a positive number of seconds");
+                return ExitCode::from(2);
+            }
+            t => t.map(std::time::Duration::from_secs_f64),
+        };
+        let settings = cohort_coordinator::simulate::python::PythonSettings {
+            python: exe.unwrap_or_else(|| PathBuf::from("python3")),
+            code: cohort_coordinator::simulate::python::PythonCode::Module(target),
+            workers: workers.unwrap_or(2),
+            devices,
+            task_timeout,
+            clients: cfg.clients,
+            hyperparameters: serde_json::Map::new(),
+            env: Vec::new(),
+        };
+        let cancel = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        cohort_coordinator::simulate::python::PythonPopulation::start(settings, cancel)
+            .and_then(|pop| {
+                cohort_coordinator::simulate::simulate_population(&cfg, &pop, |r| {
+                    report("", r)
+                })
+            })
+            .map(|(summary, dir, _)| {
+                format!(
+                    "final test accuracy {:.4} after {} rounds ({} failed tasks, {:.1} client updates/s); results in {}",
+                    summary.final_test_accuracy,
+                    summary.rounds,
+                    summary.total_failed,
+                    summary.updates_per_second,
+                    dir.display()
+                )
+            })
+    } else if strategies.len() > 1 {
         if let Some(bar) = &bar {
             bar.set_length(u64::from(rounds) * strategies.len() as u64);
         }

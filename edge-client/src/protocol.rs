@@ -254,6 +254,14 @@ impl CoordinatorClient {
         format!("{}{path}", self.base)
     }
 
+    /// Asks whether the coordinator is up (`GET /api/v1/health`): a quick first contact,
+    /// so that a wrong address or certificate is reported at once instead of retried.
+    pub async fn health(&self) -> Result<(), ProtocolError> {
+        let r = self.http.get(self.url("/api/v1/health")).send().await?;
+        checked(r).await?;
+        Ok(())
+    }
+
     /// Spends an enrolment token and returns the new credential.
     pub async fn enrol(&self, token: &str) -> Result<Credential, ProtocolError> {
         let r = self

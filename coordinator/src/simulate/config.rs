@@ -20,6 +20,9 @@ pub enum DatasetSpec {
     Digits,
     /// The shipped UCI breast cancer Wisconsin diagnostic set (569 samples, 30 features).
     BreastCancer,
+    /// The shipped 10,000 MNIST images (784 features); its fixed split (the first 8,000
+    /// rows train, the last 2,000 test) replaces `test-fraction`.
+    Mnist10k,
     /// FedProx Synthetic(alpha, beta), naturally split over one device per client.
     Synthetic {
         /// How much the devices' models differ.
@@ -43,6 +46,7 @@ impl FromStr for DatasetSpec {
         let t = text.trim();
         match t.to_ascii_lowercase().as_str() {
             "digits" => return Ok(DatasetSpec::Digits),
+            "mnist10k" => return Ok(DatasetSpec::Mnist10k),
             "breast-cancer" | "breast_cancer" => return Ok(DatasetSpec::BreastCancer),
             _ => {}
         }
@@ -75,6 +79,7 @@ impl fmt::Display for DatasetSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             DatasetSpec::Digits => f.write_str("digits"),
+            DatasetSpec::Mnist10k => f.write_str("mnist10k"),
             DatasetSpec::BreastCancer => f.write_str("breast-cancer"),
             DatasetSpec::Synthetic { alpha, beta } => write!(f, "synthetic:{alpha},{beta}"),
             DatasetSpec::Csv(path) => write!(f, "{}", path.display()),

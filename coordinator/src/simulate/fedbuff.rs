@@ -30,14 +30,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cohort_aggregation::ModelVector;
-use cohort_edge::train::{LocalUpdate, TrainConfig, Trainer};
+use cohort_edge::train::TrainConfig;
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use rayon::prelude::*;
 
 use super::SimulationError;
 use super::config::{ConfigError, SimulationConfig};
-use super::run::{Prepared, RoundRecord, SimulationResult, malicious_clients};
+use super::population::{ClientFailure, ClientTask, Population, TaskResult};
+use super::run::{RoundRecord, SimulationResult, malicious_clients};
 use super::straggler::Stragglers;
 use crate::engine::{ClientId, EngineError, RoundStatus};
 use crate::seeds::{Stream, derive_seed};
@@ -59,7 +59,7 @@ struct Task {
     /// It will never report (the dropout model); it still occupies its slot.
     drops: bool,
     /// Its trained model, once computed.
-    update: Option<LocalUpdate>,
+    update: Option<TaskResult>,
 }
 
 /// A task's finish, ordered by simulated time and then by start order, so that ties
@@ -95,7 +95,7 @@ impl Ord for Finish {
 /// Who trains when: the idle clients, the tasks in flight and their finish events.
 struct Scheduler<'a> {
     cfg: &'a SimulationConfig,
-    prepared: &'a Prepared,
+    pop: &'a dyn Population,
     train: TrainConfig,
     stragglers: Stragglers,
     idle: Vec<ClientId>,
@@ -120,7 +120,7 @@ impl Scheduler<'_> {
         // Drawn for every task, so that the dropout rate does not change who is chosen.
         let drops = self.drop_rng.random::<f64>() < self.cfg.dropout;
         let i = client.0 as usize;
-        let samples = self.prepared.clients()[i].num_samples();
+        let samples = self.pop.num_samples(client);
         let finish = now
             + self
                 .stragglers
@@ -153,24 +153,25 @@ impl Scheduler<'_> {
             .collect();
         pending.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
         pending.truncate(self.chunk);
-        let (cfg, prepared, train, tasks) = (self.cfg, self.prepared, &self.train, &self.tasks);
-        let trained: Vec<(u64, Result<LocalUpdate, SimulationError>)> = pending
-            .par_iter()
+        let batch: Vec<ClientTask<'_>> = pending
+            .iter()
             .map(|&(_, seq)| {
-                let task = &tasks[&seq];
-                let seed = derive_seed(cfg.seed, Stream::AsyncTraining, 0, seq);
-                let update = prepared.clients()[task.client.0 as usize]
-                    .train(&task.model, train, seed)
-                    .map_err(|source| SimulationError::Client {
-                        client: task.client,
-                        round: task.version + 1,
-                        source,
-                    });
-                (seq, update)
+                let task = &self.tasks[&seq];
+                ClientTask {
+                    client: task.client,
+                    round: task.version + 1,
+                    model_version: task.version,
+                    global: &task.model,
+                    train: &self.train,
+                    seed: derive_seed(self.cfg.seed, Stream::AsyncTraining, 0, seq),
+                }
             })
             .collect();
+        let trained = self.pop.train(&batch)?;
+        drop(batch);
+        let trained: Vec<(u64, TaskResult)> =
+            pending.iter().map(|&(_, seq)| seq).zip(trained).collect();
         for (seq, update) in trained {
-            let update = update?;
             if let Some(task) = self.tasks.get_mut(&seq) {
                 task.update = Some(update);
             }
@@ -216,22 +217,18 @@ impl Buffer {
 /// Runs `cfg.rounds` FedBuff server steps on prepared data, calling `on_round` after each.
 pub(super) fn run(
     cfg: &SimulationConfig,
-    prepared: &Prepared,
+    pop: &dyn Population,
     mut on_round: impl FnMut(&RoundRecord) -> Result<(), SimulationError>,
 ) -> Result<SimulationResult, SimulationError> {
     let started = Instant::now();
-    let n = prepared.clients().len();
+    let n = pop.clients();
     let k = cfg.buffer_size();
     let exponent = cfg.staleness_exponent();
     let mut optimizer = cfg
         .strategy
         .server_optimizer(cfg.server_lr.map(|lr| lr as f32))
         .map_err(|e| ConfigError(format!("--strategy {}: {e}", cfg.strategy)))?;
-    let mut global = Arc::new(
-        prepared
-            .spec()
-            .init(derive_seed(cfg.seed, Stream::ModelInit, 0, 0)),
-    );
+    let mut global = Arc::new(pop.initial_model(derive_seed(cfg.seed, Stream::ModelInit, 0, 0))?);
     let mut train = cfg.train_config();
     train.proximal_mu = cfg.strategy.proximal_mu();
     let malicious = malicious_clients(cfg, n);
@@ -242,7 +239,7 @@ pub(super) fn run(
     let update_bytes = global.len().max(1) * std::mem::size_of::<f32>();
     let mut sched = Scheduler {
         cfg,
-        prepared,
+        pop,
         train,
         stragglers: Stragglers::new(cfg.straggler, n, cfg.seed),
         idle: (0..n as u64).map(ClientId).collect(),
@@ -262,6 +259,7 @@ pub(super) fn run(
     let (mut total_updates, mut staleness_sum) = (0usize, 0u64);
     let mut training_seconds = 0.0;
     let mut step_started = Instant::now();
+    let mut failures: Vec<ClientFailure> = Vec::new();
     while version < cfg.rounds {
         let Some(Reverse(Finish { time: now, seq })) = sched.events.pop() else {
             break; // unreachable: a finished task is always replaced
@@ -282,7 +280,11 @@ pub(super) fn run(
         match task.update {
             None if task.drops => buffer.dropped += 1,
             None => unreachable!("the next task to finish is always trained first"),
-            Some(update) => {
+            Some(Err(failure)) => {
+                buffer.dropped += 1;
+                failures.push(failure);
+            }
+            Some(Ok(update)) => {
                 let tau = version - task.version;
                 let samples = update.num_samples as u64;
                 let weight = samples as f64 * staleness_weight(tau, exponent);
@@ -326,7 +328,7 @@ pub(super) fn run(
             version += 1;
             total_updates += buffer.updates;
             training_seconds += busy.elapsed().as_secs_f64();
-            let eval = prepared.evaluate(global.values())?;
+            let eval = pop.evaluate(version, &global)?;
             let record = RoundRecord {
                 round: version,
                 test_accuracy: eval.accuracy,
@@ -355,13 +357,15 @@ pub(super) fn run(
     }
     Ok(SimulationResult {
         rounds: records,
-        data: prepared.facts().clone(),
+        data: pop.facts(),
         total_updates,
         training_seconds,
         wall_seconds: started.elapsed().as_secs_f64(),
         threads,
         stopped: None,
         mean_staleness: Some(staleness_sum as f64 / total_updates.max(1) as f64),
+        failures,
+        final_model: global,
     })
 }
 

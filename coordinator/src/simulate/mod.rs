@@ -11,6 +11,8 @@ mod config;
 mod fedbuff;
 mod output;
 pub mod plot;
+mod population;
+pub mod python;
 mod run;
 mod straggler;
 
@@ -31,6 +33,7 @@ pub use config::{
 pub use fedbuff::staleness_weight;
 pub use output::{MetricsWriter, StagedDir};
 pub use plot::{Series, write_plots};
+pub use population::{ClientFailure, ClientTask, Population, TaskResult};
 pub use run::{DataFacts, Prepared, RoundRecord, SimulationResult, prepare, run_rounds};
 pub use straggler::{SECONDS_PER_SAMPLE_EPOCH, StragglerModel, Stragglers};
 
@@ -67,6 +70,30 @@ pub enum SimulationError {
     /// The round engine refused a step (a bug if it happens in simulation).
     #[error(transparent)]
     Engine(#[from] EngineError),
+    /// The user's evaluation of the global model failed (the run has no test accuracy
+    /// for that round, so it stops).
+    #[error("evaluating the global model after round {round} failed: {reason}")]
+    Evaluation {
+        /// The round.
+        round: u32,
+        /// The exception's message.
+        reason: String,
+    },
+    /// Every client trained in a round failed.
+    #[error("every client trained in round {round} failed ({failed}); client {client}: {reason}")]
+    RoundFailed {
+        /// The round.
+        round: u32,
+        /// How many failed.
+        failed: usize,
+        /// The first failing client.
+        client: u64,
+        /// Its failure.
+        reason: String,
+    },
+    /// The run was interrupted (Ctrl-C); nothing was written.
+    #[error("interrupted")]
+    Interrupted,
     /// Writing results failed.
     #[error("cannot write `{path}`: {message}")]
     Output {
@@ -88,6 +115,9 @@ impl SimulationError {
             | SimulationError::Model(_)
             | SimulationError::Train(_) => 2,
             SimulationError::Client { .. }
+            | SimulationError::Evaluation { .. }
+            | SimulationError::RoundFailed { .. }
+            | SimulationError::Interrupted
             | SimulationError::Engine(_)
             | SimulationError::Output { .. } => 1,
         }
@@ -111,8 +141,13 @@ pub struct Summary {
     pub updates_per_second: f64,
     /// Client updates aggregated in total.
     pub total_updates: usize,
-    /// Selected clients that dropped out, over all rounds.
+    /// Selected clients that dropped out, over all rounds (failed tasks included).
     pub total_dropped: usize,
+    /// Tasks whose training failed (an exception, a bad update, a dead worker), over all
+    /// rounds; each is also a dropout.
+    pub total_failed: usize,
+    /// What trained the clients: `built-in` or `python`.
+    pub trainer: &'static str,
     /// Seconds spent training and aggregating.
     pub training_seconds: f64,
     /// Seconds for the whole run.
@@ -184,7 +219,7 @@ impl TargetReached {
 }
 
 impl Summary {
-    fn new(cfg: &SimulationConfig, result: &SimulationResult) -> Self {
+    fn new(cfg: &SimulationConfig, result: &SimulationResult, trainer: &'static str) -> Self {
         let last = result.rounds.last();
         let best = result.rounds.iter().max_by(|a, b| {
             a.test_accuracy
@@ -201,6 +236,8 @@ impl Summary {
             updates_per_second: result.updates_per_second(),
             total_updates: result.total_updates,
             total_dropped: result.rounds.iter().map(|r| r.dropped).sum(),
+            total_failed: result.failures.len(),
+            trainer,
             training_seconds: result.training_seconds,
             wall_seconds: result.wall_seconds,
             threads: result.threads,
@@ -258,13 +295,13 @@ fn run_into(
     dir: &Path,
     cfg: &SimulationConfig,
     out: &Path,
-    prepared: &Prepared,
+    pop: &dyn Population,
     mut extra: Option<&mut MetricsWriter>,
     mut on_round: impl FnMut(&RoundRecord),
 ) -> Result<(Summary, SimulationResult), SimulationError> {
     let strategy = cfg.strategy.to_string();
     let mut metrics = MetricsWriter::create(dir)?;
-    let result = run_rounds(cfg, prepared, |record| {
+    let result = run_rounds(cfg, pop, |record| {
         metrics.write(record, &strategy)?;
         if let Some(w) = extra.as_deref_mut() {
             w.write(record, &strategy)?;
@@ -275,7 +312,7 @@ fn run_into(
     metrics.finish()?;
     let mut resolved = cfg.clone();
     resolved.out = Some(out.to_path_buf());
-    let summary = Summary::new(&resolved, &result);
+    let summary = Summary::new(&resolved, &result, pop.trainer());
     write_json(&dir.join("summary.json"), &summary)?;
     plot_into(
         dir,
@@ -300,6 +337,24 @@ pub fn simulate(
     let staged = StagedDir::create(&out)?;
     let (summary, _) = run_into(staged.path(), cfg, &out, &prepared, None, on_round)?;
     Ok((summary, staged.commit()?))
+}
+
+/// Runs a whole simulation with clients that `pop` supplies (the Python SDK's worker
+/// pool) and writes the same outputs as [`simulate`] into `cfg.out`. The data settings of
+/// `cfg` (`dataset`, `model`, `partition`, `test-fraction`) are the population's
+/// business and are not read here. Returns the summary, where the outputs are, and the
+/// run's records (the final model is `result.rounds`' last publication, which the
+/// population also saw).
+pub fn simulate_population(
+    cfg: &SimulationConfig,
+    pop: &dyn Population,
+    on_round: impl FnMut(&RoundRecord),
+) -> Result<(Summary, PathBuf, SimulationResult), SimulationError> {
+    cfg.validate()?;
+    let out = cfg.out.clone().unwrap_or_else(default_out);
+    let staged = StagedDir::create(&out)?;
+    let (summary, result) = run_into(staged.path(), cfg, &out, pop, None, on_round)?;
+    Ok((summary, staged.commit()?, result))
 }
 
 /// One strategy's line in a comparison's `summary.json`.

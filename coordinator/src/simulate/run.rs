@@ -14,6 +14,7 @@ use serde::Serialize;
 
 use super::SimulationError;
 use super::config::{ConfigError, DatasetSpec, Mode, SimulationConfig};
+use super::population::{ClientFailure, ClientTask, Population, TaskResult};
 use super::straggler::Stragglers;
 use crate::engine::{
     ClientId, ClientUpdate, EngineConfig, RoundEngine, RoundOutcome, RoundPlan, RoundStatus,
@@ -97,6 +98,11 @@ pub struct SimulationResult {
     /// FedBuff: mean staleness (server steps between a client's download and its
     /// update's use) over the updates aggregated; `None` for synchronous runs.
     pub mean_staleness: Option<f64>,
+    /// Tasks that produced no usable update (each counted as a dropout), in order.
+    pub failures: Vec<ClientFailure>,
+    /// The global model after the last round.
+    #[serde(skip)]
+    pub final_model: std::sync::Arc<cohort_aggregation::ModelVector>,
 }
 
 impl SimulationResult {
@@ -154,6 +160,7 @@ fn load_dataset(cfg: &SimulationConfig) -> Result<Dataset, SimulationError> {
             ..SyntheticConfig::default()
         })?,
         DatasetSpec::Csv(path) => data::load_csv(path)?,
+        DatasetSpec::Mnist10k => data::mnist10k(),
     })
 }
 
@@ -162,11 +169,18 @@ fn load_dataset(cfg: &SimulationConfig) -> Result<Dataset, SimulationError> {
 pub fn prepare(cfg: &SimulationConfig) -> Result<Prepared, SimulationError> {
     cfg.validate()?;
     let dataset = load_dataset(cfg)?;
-    let (mut train, mut test) = data::stratified_split(
-        &dataset,
-        cfg.test_fraction,
-        derive_seed(cfg.seed, Stream::Split, 0, 0),
-    )?;
+    let (mut train, mut test) = if cfg.dataset == DatasetSpec::Mnist10k {
+        // The set's published split, so results compare with other tools' on it.
+        let all: Vec<usize> = (0..dataset.len()).collect();
+        let (head, tail) = all.split_at(data::MNIST10K_TRAIN);
+        (dataset.subset(head), dataset.subset(tail))
+    } else {
+        data::stratified_split(
+            &dataset,
+            cfg.test_fraction,
+            derive_seed(cfg.seed, Stream::Split, 0, 0),
+        )?
+    };
     let scaler = Standardizer::fit(&train.features);
     scaler.transform(&mut train.features)?;
     scaler.transform(&mut test.features)?;
@@ -229,20 +243,73 @@ impl Prepared {
     }
 }
 
+impl Population for Prepared {
+    fn clients(&self) -> usize {
+        self.clients.len()
+    }
+
+    fn num_samples(&self, client: ClientId) -> usize {
+        self.clients
+            .get(client.0 as usize)
+            .map_or(0, |c| c.num_samples())
+    }
+
+    fn max_weight(&self) -> u32 {
+        self.facts.client_samples_max.clamp(1, u32::MAX as usize) as u32
+    }
+
+    fn initial_model(&self, seed: u64) -> Result<cohort_aggregation::ModelVector, SimulationError> {
+        Ok(self.spec.init(seed))
+    }
+
+    /// Trains on the rayon pool. The built-in trainer fails only on a bug or on data it
+    /// should have refused in [`prepare`], so a failure ends the run.
+    fn train(&self, tasks: &[ClientTask<'_>]) -> Result<Vec<TaskResult>, SimulationError> {
+        tasks
+            .par_iter()
+            .map(|t| {
+                self.clients[t.client.0 as usize]
+                    .train(t.global, t.train, t.seed)
+                    .map(Ok)
+                    .map_err(|source| SimulationError::Client {
+                        client: t.client,
+                        round: t.round,
+                        source,
+                    })
+            })
+            .collect()
+    }
+
+    fn evaluate(
+        &self,
+        _round: u32,
+        global: &cohort_aggregation::ModelVector,
+    ) -> Result<Evaluation, SimulationError> {
+        Prepared::evaluate(self, global.values())
+    }
+
+    fn facts(&self) -> DataFacts {
+        self.facts.clone()
+    }
+
+    fn trainer(&self) -> &'static str {
+        "built-in"
+    }
+}
+
 /// Runs every round of a prepared simulation, calling `on_round` after each one (to
 /// stream metrics and show progress). Clients train in parallel on the rayon pool.
 pub fn run_rounds(
     cfg: &SimulationConfig,
-    prepared: &Prepared,
+    pop: &dyn Population,
     mut on_round: impl FnMut(&RoundRecord) -> Result<(), SimulationError>,
 ) -> Result<SimulationResult, SimulationError> {
     if cfg.mode == Mode::Fedbuff {
-        return super::fedbuff::run(cfg, prepared, on_round);
+        return super::fedbuff::run(cfg, pop, on_round);
     }
     let started = Instant::now();
-    let initial = prepared
-        .spec
-        .init(derive_seed(cfg.seed, Stream::ModelInit, 0, 0));
+    let initial = pop.initial_model(derive_seed(cfg.seed, Stream::ModelInit, 0, 0))?;
+    let initial_len = initial.len();
     let mut engine = RoundEngine::new(
         initial,
         EngineConfig {
@@ -257,13 +324,13 @@ pub fn run_rounds(
         .map_err(|e| ConfigError(format!("--reducer {}: {e}", cfg.reducer)))?
         .reducer;
     engine.set_reducer(reducer.clone());
-    let all: Vec<ClientId> = (0..prepared.clients.len() as u64).map(ClientId).collect();
+    let all: Vec<ClientId> = (0..pop.clients() as u64).map(ClientId).collect();
     let malicious = malicious_clients(cfg, all.len());
     let stragglers = Stragglers::new(cfg.straggler, all.len(), cfg.seed);
     // The simulated clock: every round lasts as long as its slowest reporting client.
     let mut clock = 0.0;
     let mut tick = |reporting: &[ClientId]| {
-        clock += round_sim_seconds(cfg, prepared, &stragglers, reporting);
+        clock += round_sim_seconds(cfg, pop, &stragglers, reporting);
         clock
     };
     let threads = rayon::current_num_threads();
@@ -272,7 +339,7 @@ pub fn run_rounds(
     // same whatever the thread timing. Chunks hold up to 64 MiB of updates, and at least
     // four per thread so that uneven client sizes even out within a chunk.
     const CHUNK_BYTES: usize = 64 << 20;
-    let update_bytes = prepared.spec.num_params().max(1) * std::mem::size_of::<f32>();
+    let update_bytes = initial_len.max(1) * std::mem::size_of::<f32>();
     let chunk = (CHUNK_BYTES / update_bytes).max(threads * 4);
     let mut records = Vec::with_capacity(cfg.rounds as usize);
     let mut total_updates = 0;
@@ -288,6 +355,7 @@ pub fn run_rounds(
         None => None,
     };
     let mut stopped = None;
+    let mut failures = Vec::new();
     let (neighbours, threshold) = cfg.secure_graph();
     for _ in 0..cfg.rounds {
         let round_start = Instant::now();
@@ -335,7 +403,7 @@ pub fn run_rounds(
                     };
                     let outcome = secure_round(
                         cfg,
-                        prepared,
+                        pop,
                         &mut engine,
                         &plan,
                         &dropping,
@@ -346,6 +414,7 @@ pub fn run_rounds(
                             threshold: t,
                             noise: Some((noise, cfg.sampling_rate() * all.len() as f64)),
                         },
+                        &mut failures,
                     )?;
                     // A round that could not be unmasked released nothing.
                     let spent = (outcome.status == RoundStatus::Published).then(|| {
@@ -357,12 +426,13 @@ pub fn run_rounds(
                 None => (
                     private_round(
                         cfg,
-                        prepared,
+                        pop,
                         &mut engine,
                         &plan,
                         &reporting,
                         sigma,
                         &mut adaptive_clip,
+                        &mut failures,
                     )?,
                     Some(sigma),
                 ),
@@ -384,7 +454,7 @@ pub fn run_rounds(
             let outcome = if cfg.secure_aggregation {
                 secure_round(
                     cfg,
-                    prepared,
+                    pop,
                     &mut engine,
                     &plan,
                     &dropping,
@@ -395,16 +465,18 @@ pub fn run_rounds(
                         threshold,
                         noise: None,
                     },
+                    &mut failures,
                 )?
             } else {
                 plain_round(
                     cfg,
-                    prepared,
+                    pop,
                     &mut engine,
                     &plan,
                     &reporting,
                     &malicious,
                     chunk,
+                    &mut failures,
                 )?
             };
             (outcome, reporting)
@@ -412,7 +484,7 @@ pub fn run_rounds(
         training_seconds += round_start.elapsed().as_secs_f64();
         total_updates += outcome.participants;
         let sim = tick(&reporting);
-        let mut record = record_round(prepared, &engine, &outcome, round_start, sim)?;
+        let mut record = record_round(pop, &engine, &outcome, round_start, sim)?;
         if cfg.dp_noise_multiplier.is_some() {
             record.epsilon = Some(
                 accountant
@@ -425,13 +497,15 @@ pub fn run_rounds(
     }
     Ok(SimulationResult {
         rounds: records,
-        data: prepared.facts.clone(),
+        data: pop.facts(),
         total_updates,
         training_seconds,
         wall_seconds: started.elapsed().as_secs_f64(),
         threads,
         stopped,
         mean_staleness: None,
+        failures,
+        final_model: engine.global().clone(),
     })
 }
 
@@ -440,12 +514,13 @@ pub fn run_rounds(
 /// round closes with the weighted mean or the robust rule.
 fn plain_round(
     cfg: &SimulationConfig,
-    prepared: &Prepared,
+    pop: &dyn Population,
     engine: &mut RoundEngine,
     plan: &RoundPlan,
     reporting: &[ClientId],
     malicious: &std::collections::BTreeSet<ClientId>,
     chunk: usize,
+    failures: &mut Vec<ClientFailure>,
 ) -> Result<RoundOutcome, SimulationError> {
     let round_no = plan.task.round;
     let task = &plan.task;
@@ -454,10 +529,7 @@ fn plain_round(
     // come.
     let mut kept: Vec<(Vec<f32>, u64, f64)> = Vec::new();
     for batch in reporting.chunks(chunk) {
-        let mut updates: Vec<(ClientId, LocalUpdate)> = batch
-            .par_iter()
-            .map(|&id| train_client(cfg, prepared, task, round_no, id).map(|u| (id, u)))
-            .collect::<Result<_, _>>()?;
+        let mut updates = train_clients(cfg, pop, task, round_no, batch, failures)?;
         for (id, u) in &mut updates {
             if malicious.contains(id) {
                 let attacked: Vec<f32> = u
@@ -518,7 +590,7 @@ pub(super) fn malicious_clients(
 /// next round starts at once).
 fn round_sim_seconds(
     cfg: &SimulationConfig,
-    prepared: &Prepared,
+    pop: &dyn Population,
     stragglers: &Stragglers,
     reporting: &[ClientId],
 ) -> f64 {
@@ -526,28 +598,56 @@ fn round_sim_seconds(
         .iter()
         .map(|id| {
             let i = id.0 as usize;
-            let samples = prepared.clients.get(i).map_or(0, |c| c.num_samples());
+            let samples = pop.num_samples(*id);
             stragglers.task_seconds(i, samples, cfg.local_epochs)
         })
         .fold(0.0, f64::max)
 }
 
-/// Client `id` trains on the round's task, with its own reproducible shuffling seed.
-fn train_client(
+/// Clients `ids` train on the round's task, each with its own reproducible seed. The
+/// updates come back in the order of `ids`; a client whose task failed is left out (a
+/// dropout) and its failure is added to `failures`.
+fn train_clients(
     cfg: &SimulationConfig,
-    prepared: &Prepared,
+    pop: &dyn Population,
     task: &crate::engine::Task,
     round_no: u32,
-    id: ClientId,
-) -> Result<LocalUpdate, SimulationError> {
-    let seed = derive_seed(cfg.seed, Stream::LocalTraining, round_no, id.0);
-    prepared.clients[id.0 as usize]
-        .train(&task.global, &task.train, seed)
-        .map_err(|source| SimulationError::Client {
+    ids: &[ClientId],
+    failures: &mut Vec<ClientFailure>,
+) -> Result<Vec<(ClientId, LocalUpdate)>, SimulationError> {
+    let tasks: Vec<ClientTask<'_>> = ids
+        .iter()
+        .map(|&id| ClientTask {
             client: id,
             round: round_no,
-            source,
+            model_version: round_no - 1,
+            global: &task.global,
+            train: &task.train,
+            seed: derive_seed(cfg.seed, Stream::LocalTraining, round_no, id.0),
         })
+        .collect();
+    let results = pop.train(&tasks)?;
+    let mut updates = Vec::with_capacity(ids.len());
+    let before = failures.len();
+    for (&id, result) in ids.iter().zip(results) {
+        match result {
+            Ok(update) => updates.push((id, update)),
+            Err(failure) => failures.push(failure),
+        }
+    }
+    // One failing client is a dropout; all of them is a bug in the training code, which
+    // no number of further rounds would fix.
+    if updates.is_empty()
+        && let Some(first) = failures.get(before)
+    {
+        return Err(SimulationError::RoundFailed {
+            round: round_no,
+            failed: failures.len() - before,
+            reason: first.reason.clone(),
+            client: first.client,
+        });
+    }
+    Ok(updates)
 }
 
 /// Which of a round's selected clients drop out (the same draws whatever the round's
@@ -607,16 +707,17 @@ fn round_graph(cfg: &SimulationConfig, n: usize) -> Option<(usize, usize)> {
 /// a sample count would raise a client's influence past the clip.
 fn private_round(
     cfg: &SimulationConfig,
-    prepared: &Prepared,
+    pop: &dyn Population,
     engine: &mut RoundEngine,
     plan: &RoundPlan,
     reporting: &[ClientId],
     sigma: f64,
     adaptive_clip: &mut Option<cohort_aggregation::privacy::clip::AdaptiveClip>,
+    failures: &mut Vec<ClientFailure>,
 ) -> Result<RoundOutcome, SimulationError> {
     let round_no = plan.task.round;
     let q = cfg.sampling_rate();
-    let expected = (q * prepared.clients.len() as f64).max(1.0);
+    let expected = (q * pop.clients() as f64).max(1.0);
     // With an adaptive clip, part of the privacy goes to the count that moves it, and the
     // update gets the noise multiplier that is left (see `adaptive_clip_noise`).
     let (clip, update_sigma) = match adaptive_clip {
@@ -625,21 +726,21 @@ fn private_round(
     };
     let task = &plan.task;
     let global = task.global.values();
-    let updates: Vec<(Vec<f32>, u64, f64, bool)> = reporting
-        .par_iter()
-        .map(|&id| {
-            let u = train_client(cfg, prepared, task, round_no, id)?;
-            let mut delta: Vec<f32> = u
-                .params
-                .values()
-                .iter()
-                .zip(global)
-                .map(|(p, g)| p - g)
-                .collect();
-            let norm = cohort_aggregation::privacy::clip::clip_l2(&mut delta, clip);
-            Ok((delta, u.num_samples as u64, u.train_loss, norm <= clip))
-        })
-        .collect::<Result<_, SimulationError>>()?;
+    let updates: Vec<(Vec<f32>, u64, f64, bool)> =
+        train_clients(cfg, pop, task, round_no, reporting, failures)?
+            .into_par_iter()
+            .map(|(_, u)| {
+                let mut delta: Vec<f32> = u
+                    .params
+                    .values()
+                    .iter()
+                    .zip(global)
+                    .map(|(p, g)| p - g)
+                    .collect();
+                let norm = cohort_aggregation::privacy::clip::clip_l2(&mut delta, clip);
+                (delta, u.num_samples as u64, u.train_loss, norm <= clip)
+            })
+            .collect();
     let mut sum = vec![0.0f32; global.len()];
     for (delta, ..) in &updates {
         for (s, d) in sum.iter_mut().zip(delta) {
@@ -714,13 +815,13 @@ fn close_robust(
 }
 
 fn record_round(
-    prepared: &Prepared,
+    pop: &dyn Population,
     engine: &RoundEngine,
     outcome: &RoundOutcome,
     round_start: Instant,
     sim_seconds: f64,
 ) -> Result<RoundRecord, SimulationError> {
-    let eval = evaluate_global(prepared, engine)?;
+    let eval = pop.evaluate(outcome.round, engine.global())?;
     Ok(RoundRecord {
         round: outcome.round,
         test_accuracy: eval.accuracy,
@@ -757,12 +858,13 @@ struct SecureSettings {
 /// `dropping[i - 1]` clients stop at `cfg.dropout_stage`.
 fn secure_round(
     cfg: &SimulationConfig,
-    prepared: &Prepared,
+    pop: &dyn Population,
     engine: &mut RoundEngine,
     plan: &RoundPlan,
     dropping: &[bool],
     round_no: u32,
     settings: SecureSettings,
+    failures: &mut Vec<ClientFailure>,
 ) -> Result<RoundOutcome, SimulationError> {
     let SecureSettings {
         neighbours,
@@ -770,18 +872,48 @@ fn secure_round(
         noise,
         reducer,
     } = settings;
-    let max_weight = cfg.max_weight.unwrap_or(
-        prepared
-            .facts
-            .client_samples_max
-            .clamp(1, u32::MAX as usize) as u32,
-    );
+    let drop_at: std::collections::BTreeMap<u32, Stage> = dropping
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| **d)
+        .map(|(i, _)| (i as u32 + 1, cfg.dropout_stage))
+        .collect();
+    let task = &plan.task;
+    let global = task.global.values();
+    // Every client that gets as far as sending its masked input trains first, through
+    // the population (a Python pool trains them all at once, largest batch first); the
+    // protocol then runs on the finished updates.
+    let trains: Vec<ClientId> = plan
+        .selected
+        .iter()
+        .zip(dropping)
+        .filter(|(_, d)| !**d || cfg.dropout_stage > Stage::Masked)
+        .map(|(id, _)| *id)
+        .collect();
+    let mut inputs = std::collections::HashMap::new();
+    for (id, update) in train_clients(cfg, pop, task, round_no, &trains, failures)? {
+        let values: Vec<f32> = update
+            .params
+            .values()
+            .iter()
+            .zip(global)
+            .map(|(p, g)| p - g)
+            .collect();
+        let loss = if update.train_loss.is_finite() {
+            update.train_loss
+        } else {
+            0.0
+        };
+        inputs.insert(id, (values, update.num_samples as u64, loss));
+    }
+    // Asked after training: a Python population learns its clients' sizes then.
+    let max_weight = cfg.max_weight.unwrap_or_else(|| pop.max_weight());
     let config = secagg::RoundConfig {
         session: derive_seed_bytes(cfg.seed, Stream::SecureAggregation, round_no),
         parties: plan.selected.len() as u32,
         threshold,
         neighbours,
-        dimension: prepared.spec.num_params(),
+        dimension: plan.task.global.len(),
         quantization: secagg::QuantizationParams {
             clip: cfg.clip,
             max_weight,
@@ -792,46 +924,22 @@ fn secure_round(
     config
         .validate()
         .map_err(|e| ConfigError(format!("secure aggregation: {e}")))?;
-    let drop_at: std::collections::BTreeMap<u32, Stage> = dropping
-        .iter()
-        .enumerate()
-        .filter(|(_, d)| **d)
-        .map(|(i, _)| (i as u32 + 1, cfg.dropout_stage))
-        .collect();
-    let task = &plan.task;
-    let global = task.global.values();
-    let failure = std::sync::Mutex::new(None);
     let mut keys = derive_seed_bytes(cfg.seed, Stream::SecureAggregation, round_no);
     keys[0] ^= 1; // the clients' key stream, apart from the public session id
+    let inputs = std::sync::Mutex::new(inputs);
     let round = local::run_round_on(reducer, &config, keys, &drop_at, true, |u| {
         let id = plan.selected[u as usize - 1];
-        match train_client(cfg, prepared, task, round_no, id) {
-            Ok(update) => local::ClientInput::Update {
-                values: update
-                    .params
-                    .values()
-                    .iter()
-                    .zip(global)
-                    .map(|(p, g)| p - g)
-                    .collect(),
-                weight: update.num_samples as u64,
-                loss: if update.train_loss.is_finite() {
-                    update.train_loss
-                } else {
-                    0.0
-                },
+        let input = inputs.lock().expect("no panics while held").remove(&id);
+        match input {
+            Some((values, weight, loss)) => local::ClientInput::Update {
+                values,
+                weight,
+                loss,
             },
-            Err(e) => {
-                let mut f = failure.lock().expect("no panics while held");
-                f.get_or_insert(e);
-                // An empty vector is refused by the client's own checks: it drops out.
-                local::ClientInput::Quantized(Vec::new())
-            }
+            // An empty vector is refused by the client's own checks: it drops out.
+            None => local::ClientInput::Quantized(Vec::new()),
         }
     });
-    if let Some(e) = failure.into_inner().expect("no panics while held") {
-        return Err(e);
-    }
     let result = round.result.ok().map(|unmasked| {
         // Under differential privacy the noisy sum is divided by the expected count, not
         // the survivors', so that the scale reveals nothing either.
@@ -852,15 +960,4 @@ fn secure_round(
         }
     });
     Ok(engine.close_round_secure(result)?)
-}
-
-fn evaluate_global(
-    prepared: &Prepared,
-    engine: &RoundEngine,
-) -> Result<Evaluation, SimulationError> {
-    Ok(prepared.spec.evaluate(
-        engine.global().values(),
-        prepared.test.features.view(),
-        &prepared.test.labels,
-    )?)
 }

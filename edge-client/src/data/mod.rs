@@ -11,7 +11,7 @@ mod synthetic;
 
 pub use self::csv::{LABEL_COLUMN, load_csv, parse_csv};
 pub use error::{DataError, FeatureProblem};
-pub use shipped::{breast_cancer, digits};
+pub use shipped::{MNIST10K_TRAIN, breast_cancer, digits, mnist10k};
 pub use split::{Standardizer, stratified_split};
 pub use synthetic::{MAX_FEATURE_VALUES, MAX_SAMPLES_PER_DEVICE, SyntheticConfig, synthetic};
 

@@ -6,6 +6,9 @@ use super::csv::parse_csv;
 
 const DIGITS_GZ: &[u8] = include_bytes!("../../../data/digits.csv.gz");
 const BREAST_CANCER_GZ: &[u8] = include_bytes!("../../../data/breast_cancer.csv.gz");
+// Referenced only by the coordinator and the Python package: the linker leaves its 2 MB
+// out of the `cohort-edge` binary.
+const MNIST10K_GZ: &[u8] = include_bytes!("../../../data/mnist10k.csv.gz");
 
 /// The UCI optical handwritten digits (as in scikit-learn's `load_digits`): 1797 samples,
 /// 64 features (8x8 pixel intensities `px0`..`px63`, 0..16), 10 classes `"0"`..`"9"`.
@@ -27,6 +30,20 @@ pub fn digits() -> Dataset {
 pub fn breast_cancer() -> Dataset {
     embedded(BREAST_CANCER_GZ, "breast_cancer.csv.gz")
 }
+
+/// 10,000 MNIST images (LeCun, Cortes, Burges), 28x28 grayscale, 784 features
+/// `px0`..`px783` (0..255, row by row), 10 classes `"0"`..`"9"`, rows shuffled once. By
+/// convention the first 8,000 rows train and the last 2,000 test ([`MNIST10K_TRAIN`]).
+///
+/// # Panics
+/// Never in practice: the embedded bytes are fixed at compile time and parsing them is
+/// covered by a test.
+pub fn mnist10k() -> Dataset {
+    embedded(MNIST10K_GZ, "mnist10k.csv.gz")
+}
+
+/// Rows of [`mnist10k`] that train; the rest are its test split.
+pub const MNIST10K_TRAIN: usize = 8_000;
 
 fn embedded(bytes: &'static [u8], name: &str) -> Dataset {
     match parse_csv(flate2::read::GzDecoder::new(bytes), name) {
@@ -51,6 +68,20 @@ mod tests {
         assert!(ds.class_counts().iter().all(|&c| (170..=190).contains(&c)));
         assert!(ds.features.iter().all(|&v| (0.0..=16.0).contains(&v)));
         assert!(ds.groups.is_none());
+    }
+
+    #[test]
+    fn mnist10k_has_expected_shape_and_class_counts() {
+        let ds = mnist10k();
+        assert_eq!(ds.len(), 10_000);
+        assert_eq!(ds.num_features(), 784);
+        assert_eq!(ds.num_classes(), 10);
+        // The counts the data set's README gives.
+        assert_eq!(
+            ds.class_counts(),
+            vec![1001, 1127, 991, 1032, 980, 863, 1014, 1070, 944, 978]
+        );
+        assert!(ds.features.iter().all(|&v| (0.0..=255.0).contains(&v)));
     }
 
     #[test]
