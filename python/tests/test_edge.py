@@ -1,0 +1,178 @@
+"""cohort.EdgeClient against a real ``cohort serve``: the simulation's ``train`` runs
+unchanged in deployment, with everything around it (enrolment, TLS, SecAgg+ masking,
+checks, retries) in Rust. Each site is a separate Python process, as at a hospital."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cohort
+from conftest import clean_env, free_port, start_serve, stop_process
+
+import softmax
+
+HERE = Path(__file__).resolve().parent
+SITE = HERE / "edge_site.py"
+
+
+@pytest.fixture(scope="module")
+def admin(cohort_serve):
+    return cohort.Admin(cohort_serve.url, cohort_serve.token, ca_cert=cohort_serve.ca_cert)
+
+
+def experiment(admin, name, rounds=3, clients=3, secure=False, **fields):
+    uploaded = admin.upload_model(softmax.initial_weights(), name=f"{name} init")
+    spec = {
+        "name": name,
+        "model": "file",
+        "initial_model": uploaded["id"],
+        "rounds": rounds,
+        "clients_per_round": clients,
+        "min_participants": max(1, clients - 1),
+        "collect_deadline_seconds": 60,
+        "train": {"local_epochs": 2, "lr": 0.1, "batch_size": 32},
+    }
+    if secure:
+        spec["secure_aggregation"] = {"advertise_seconds": 20, "share_seconds": 20,
+                                      "unmask_seconds": 20}
+    spec.update(fields)
+    return admin.create_experiment(spec)
+
+
+def start_site(serve, admin, tmp_path, partition, mode="ok", idle_exit=20, token=True):
+    tok = admin.issue_token(label=f"py site {partition}")["token"] if token else ""
+    log = tmp_path / f"site-{partition}.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, str(SITE), serve.url, serve.ca_cert, tok,
+             str(tmp_path / f"state-{partition}"), str(partition), mode, str(idle_exit)],
+            env=clean_env(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+    serve.children.append(process)
+    return process, log
+
+
+def report_of(log: Path) -> dict:
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("REPORT "):
+            return json.loads(line[len("REPORT "):])
+    raise AssertionError(f"no report in {log}:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+def test_the_simulation_train_runs_unchanged_under_secure_aggregation(admin, cohort_serve, tmp_path):
+    exp = experiment(admin, "python sites, secure", rounds=3, clients=3, secure=True)
+    sites = [start_site(cohort_serve, admin, tmp_path, p) for p in range(3)]
+    admin.start(exp["id"])
+    try:
+        seen = [r["round"] for r in admin.watch(exp["id"], poll=0.3, timeout=240)]
+    except BaseException:
+        for _, log in sites:
+            print(log.read_text(errors="replace")[-3000:])
+        print(cohort_serve.log_tail())
+        raise
+    for process, _ in sites:
+        process.wait(timeout=60)
+    assert seen == [1, 2, 3]
+    reports = [report_of(log) for _, log in sites]
+    assert all(r["uploads"] == 3 and r["failed"] == 0 for r in reports), reports
+    model = admin.download_model(exp["id"])
+    x, y, xt, yt = softmax.digits()
+    score = softmax.evaluate(model, cohort.Task(0, 0, None, data=(xt, yt)))
+    assert score.metrics["accuracy"] > 0.85
+
+
+def test_an_exception_in_train_is_reported_and_the_client_carries_on(admin, cohort_serve, tmp_path):
+    # A failed task does not end the collect stage early: a short deadline keeps the
+    # test quick, and the sites wait longer than it without a task.
+    exp = experiment(admin, "python site raises", rounds=2, clients=2, min_participants=1,
+                     collect_deadline_seconds=8)
+    good, _ = start_site(cohort_serve, admin, tmp_path, 0, idle_exit=30)
+    bad, bad_log = start_site(cohort_serve, admin, tmp_path, 1, mode="raise", idle_exit=30)
+    admin.start(exp["id"])
+    seen = [r["round"] for r in admin.watch(exp["id"], poll=0.3, timeout=240)]
+    assert seen == [1, 2]
+    bad.wait(timeout=60)
+    good.wait(timeout=60)
+    report = report_of(bad_log)
+    assert report["failed"] == 2 and report["uploads"] == 0
+    reasons = [f["reason"] for r in admin.rounds(exp["id"]) for f in r["failures"]]
+    assert reasons and all("the PACS export is locked" in r for r in reasons), reasons
+
+
+def test_a_bad_update_is_refused_before_it_leaves_the_site(admin, cohort_serve, tmp_path):
+    exp = experiment(admin, "python site bad shape", rounds=1, clients=2, min_participants=1,
+                     collect_deadline_seconds=8)
+    good, _ = start_site(cohort_serve, admin, tmp_path, 0, idle_exit=30)
+    bad, bad_log = start_site(cohort_serve, admin, tmp_path, 1, mode="bad-shape", idle_exit=30)
+    admin.start(exp["id"])
+    assert [r["round"] for r in admin.watch(exp["id"], poll=0.3, timeout=240)] == [1]
+    bad.wait(timeout=60)
+    good.wait(timeout=60)
+    assert report_of(bad_log)["uploads"] == 0
+    reasons = [f["reason"] for r in admin.rounds(exp["id"]) for f in r["failures"]]
+    assert any("tensor `w` has shape [3, 10]" in r for r in reasons), reasons
+
+
+def test_an_unreachable_coordinator_is_an_unreachable_error_at_once(tmp_path):
+    port = free_port()
+    client = cohort.EdgeClient(f"https://127.0.0.1:{port}", enrol_token="t",
+                               state_dir=str(tmp_path / "state"))
+    started = time.monotonic()
+    with pytest.raises(cohort.UnreachableError):
+        client.run(softmax.train)
+    assert time.monotonic() - started < 15
+    assert not (tmp_path / "state").exists()
+
+
+def test_a_revoked_client_gets_an_api_error_403(admin, cohort_serve, tmp_path):
+    exp = experiment(admin, "python site revoked", rounds=1, clients=1)
+    process, log = start_site(cohort_serve, admin, tmp_path, 0, idle_exit=5)
+    process.wait(timeout=60)  # enrols, finds no running experiment, exits
+    me = [c for c in admin.clients() if c["label"] == "py site 0"][-1]
+    admin.revoke_client(me["id"])
+    client = cohort.EdgeClient(cohort_serve.url, ca_cert=cohort_serve.ca_cert,
+                               state_dir=str(tmp_path / "state-0"), idle_exit=5)
+    with pytest.raises(cohort.ApiError) as err:
+        client.run(softmax.train)
+    assert err.value.status == 403 and err.value.code == "forbidden"
+    admin.stop(exp["id"])
+
+
+def test_ctrl_c_inside_train_stops_the_client_within_a_second(tmp_path):
+    # A coordinator of its own: on the shared one, sites of earlier tests still count
+    # as online for a while and may be selected instead.
+    serve = start_serve(tmp_path / "serve")
+    try:
+        _ctrl_c(serve, tmp_path)
+    finally:
+        for child in serve.children:
+            stop_process(child, grace=5.0)
+        stop_process(serve.process)
+
+
+def _ctrl_c(serve, tmp_path):
+    admin = cohort.Admin(serve.url, serve.token, ca_cert=serve.ca_cert)
+    exp = experiment(admin, "python site ctrl-c", rounds=1, clients=1)
+    process, log = start_site(serve, admin, tmp_path, 0, mode="slow", idle_exit=60)
+    admin.start(exp["id"])
+    deadline = time.monotonic() + 60
+    while b"training" not in log.read_bytes():
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    process.send_signal(signal.SIGINT)
+    started = time.monotonic()
+    process.wait(timeout=10)
+    assert time.monotonic() - started < 1.5
+    assert "KeyboardInterrupt" in log.read_text()
+    # The stored credential is intact: the site is still enrolled.
+    assert json.loads((tmp_path / "state-0" / "credential.json").read_text())["client_id"]
+    admin.stop(exp["id"])
