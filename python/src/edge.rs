@@ -242,6 +242,15 @@ fn serve(
     }
 }
 
+/// What the dispatcher returns: the example count, the metrics, each returned tensor's
+/// `(name, dtype, shape)` (none for an evaluation) and their bytes.
+type HandlerReply<'py> = (
+    u64,
+    std::collections::BTreeMap<String, f64>,
+    Option<Vec<(String, String, Vec<usize>)>>,
+    Bound<'py, PyBytes>,
+);
+
 /// Calls the dispatcher for one job. A Python exception from the user's code comes
 /// back as a failure (its message is reported to the coordinator); only Ctrl-C escapes.
 fn run_job(
@@ -260,12 +269,7 @@ fn run_job(
         Err(e) if e.is_instance_of::<PyKeyboardInterrupt>(py) => return Err(e),
         Err(e) => return Ok(Err(TrainerFailure::new(describe(py, &e)))),
     };
-    let (num_examples, metrics, tensors, body): (
-        u64,
-        std::collections::BTreeMap<String, f64>,
-        Option<Vec<(String, String, Vec<usize>)>>,
-        Bound<'_, PyBytes>,
-    ) = match reply.extract() {
+    let (num_examples, metrics, tensors, body): HandlerReply<'_> = match reply.extract() {
         Ok(r) => r,
         Err(e) => return Ok(Err(TrainerFailure::new(format!("bad handler reply: {e}")))),
     };

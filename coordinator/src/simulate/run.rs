@@ -355,7 +355,11 @@ pub fn run_rounds(
         None => None,
     };
     let mut stopped = None;
-    let mut failures = Vec::new();
+    let mut run = Run {
+        cfg,
+        pop,
+        failures: Vec::new(),
+    };
     let (neighbours, threshold) = cfg.secure_graph();
     for _ in 0..cfg.rounds {
         let round_start = Instant::now();
@@ -402,8 +406,7 @@ pub fn run_rounds(
                         noise_multiplier: sigma,
                     };
                     let outcome = secure_round(
-                        cfg,
-                        pop,
+                        &mut run,
                         &mut engine,
                         &plan,
                         &dropping,
@@ -414,7 +417,6 @@ pub fn run_rounds(
                             threshold: t,
                             noise: Some((noise, cfg.sampling_rate() * all.len() as f64)),
                         },
-                        &mut failures,
                     )?;
                     // A round that could not be unmasked released nothing.
                     let spent = (outcome.status == RoundStatus::Published).then(|| {
@@ -425,14 +427,12 @@ pub fn run_rounds(
                 Some(None) => (engine.close_round_secure(None)?, None),
                 None => (
                     private_round(
-                        cfg,
-                        pop,
+                        &mut run,
                         &mut engine,
                         &plan,
                         &reporting,
                         sigma,
                         &mut adaptive_clip,
-                        &mut failures,
                     )?,
                     Some(sigma),
                 ),
@@ -453,8 +453,7 @@ pub fn run_rounds(
             let reporting = survivors(&plan.selected, &dropping);
             let outcome = if cfg.secure_aggregation {
                 secure_round(
-                    cfg,
-                    pop,
+                    &mut run,
                     &mut engine,
                     &plan,
                     &dropping,
@@ -465,19 +464,9 @@ pub fn run_rounds(
                         threshold,
                         noise: None,
                     },
-                    &mut failures,
                 )?
             } else {
-                plain_round(
-                    cfg,
-                    pop,
-                    &mut engine,
-                    &plan,
-                    &reporting,
-                    &malicious,
-                    chunk,
-                    &mut failures,
-                )?
+                plain_round(&mut run, &mut engine, &plan, &reporting, &malicious, chunk)?
             };
             (outcome, reporting)
         };
@@ -504,24 +493,32 @@ pub fn run_rounds(
         threads,
         stopped,
         mean_staleness: None,
-        failures,
+        failures: run.failures,
         final_model: engine.global().clone(),
     })
+}
+
+/// What every round of a run shares: its settings, its clients, and the tasks that
+/// failed so far.
+struct Run<'a> {
+    cfg: &'a SimulationConfig,
+    pop: &'a dyn Population,
+    failures: Vec<ClientFailure>,
 }
 
 /// A plaintext round: the reporting clients train (a chunk at a time, folded in
 /// selection order), the malicious ones replace their update with the attack, and the
 /// round closes with the weighted mean or the robust rule.
 fn plain_round(
-    cfg: &SimulationConfig,
-    pop: &dyn Population,
+    run: &mut Run<'_>,
     engine: &mut RoundEngine,
     plan: &RoundPlan,
     reporting: &[ClientId],
     malicious: &std::collections::BTreeSet<ClientId>,
     chunk: usize,
-    failures: &mut Vec<ClientFailure>,
 ) -> Result<RoundOutcome, SimulationError> {
+    let (cfg, pop) = (run.cfg, run.pop);
+    let failures = &mut run.failures;
     let round_no = plan.task.round;
     let task = &plan.task;
     let global = task.global.values();
@@ -706,15 +703,15 @@ fn round_graph(cfg: &SimulationConfig, n: usize) -> Option<(usize, usize)> {
 /// number of participants is not revealed through the scale). Clients weigh equally:
 /// a sample count would raise a client's influence past the clip.
 fn private_round(
-    cfg: &SimulationConfig,
-    pop: &dyn Population,
+    run: &mut Run<'_>,
     engine: &mut RoundEngine,
     plan: &RoundPlan,
     reporting: &[ClientId],
     sigma: f64,
     adaptive_clip: &mut Option<cohort_aggregation::privacy::clip::AdaptiveClip>,
-    failures: &mut Vec<ClientFailure>,
 ) -> Result<RoundOutcome, SimulationError> {
+    let (cfg, pop) = (run.cfg, run.pop);
+    let failures = &mut run.failures;
     let round_no = plan.task.round;
     let q = cfg.sampling_rate();
     let expected = (q * pop.clients() as f64).max(1.0);
@@ -857,15 +854,15 @@ struct SecureSettings {
 /// unmasked weighted mean. Client `i` of the protocol is `plan.selected[i - 1]`;
 /// `dropping[i - 1]` clients stop at `cfg.dropout_stage`.
 fn secure_round(
-    cfg: &SimulationConfig,
-    pop: &dyn Population,
+    run: &mut Run<'_>,
     engine: &mut RoundEngine,
     plan: &RoundPlan,
     dropping: &[bool],
     round_no: u32,
     settings: SecureSettings,
-    failures: &mut Vec<ClientFailure>,
 ) -> Result<RoundOutcome, SimulationError> {
+    let (cfg, pop) = (run.cfg, run.pop);
+    let failures = &mut run.failures;
     let SecureSettings {
         neighbours,
         threshold,
