@@ -218,7 +218,7 @@ def main() -> None:
     except BaseException as exc:  # noqa: BLE001 - reported, then the worker exits
         channel.write({"ok": False, "error": _error_text(exc)})
         return
-    channel.write({"ok": True, "pid": os.getpid()})
+    channel.write({"ok": True, "pid": os.getpid(), "evaluate": code.evaluate is not None})
     index = int(os.environ.get("COHORT_WORKER_INDEX", "0"))
     global_weights: Dict[str, np.ndarray] = {}
     while True:

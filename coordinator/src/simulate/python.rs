@@ -145,6 +145,9 @@ pub struct PythonPopulation {
     watchdog: Option<std::thread::JoinHandle<()>>,
     /// Workers started over the run (restarts included).
     started: AtomicUsize,
+    /// Whether the user's code has an `evaluate` (a population without one is not asked,
+    /// so no round waits for a model sent for nothing).
+    has_evaluate: AtomicBool,
 }
 
 impl std::fmt::Debug for PythonPopulation {
@@ -198,6 +201,7 @@ impl PythonPopulation {
             watchdog_stop,
             watchdog: Some(watchdog),
             started: AtomicUsize::new(0),
+            has_evaluate: AtomicBool::new(true),
         };
         let initial = pop.fetch_initial()?;
         pop.layout = initial.layout().clone();
@@ -272,7 +276,12 @@ impl PythonPopulation {
         // The worker says it is ready once it has loaded the user's code; a module that
         // does not import is the user's mistake, not a crash to retry.
         match read_frame(&mut worker.output, 0) {
-            Ok((header, _)) if header["ok"] == json!(true) => Ok(worker),
+            Ok((header, _)) if header["ok"] == json!(true) => {
+                if header["evaluate"] == json!(false) {
+                    self.has_evaluate.store(false, Ordering::Relaxed);
+                }
+                Ok(worker)
+            }
             Ok((header, _)) => {
                 let _ = worker.child.kill();
                 let _ = worker.child.wait();
@@ -330,7 +339,7 @@ impl PythonPopulation {
         version: u32,
         global: &ModelVector,
         request: &Value,
-    ) -> Result<Result<(Value, Vec<u8>), WorkerError>, SimulationError> {
+    ) -> Result<Result<(Value, Body), WorkerError>, SimulationError> {
         let mut slot = self.workers[index].lock().expect("no panics while held");
         if self.interrupted() {
             return Err(SimulationError::Interrupted);
@@ -347,7 +356,7 @@ impl PythonPopulation {
                 timed_out: false,
             };
         }
-        let result = (|| -> std::io::Result<(Value, Vec<u8>)> {
+        let result = (|| -> std::io::Result<(Value, Body)> {
             if worker.version != Some(version) {
                 worker.version = None;
                 let tensors: Vec<Value> = global
@@ -449,7 +458,7 @@ impl PythonPopulation {
                 reply.num_examples
             ));
         }
-        let params = match update_from_tensors(task.global.layout(), &reply.tensors, &body) {
+        let params = match update_from_body(task.global.layout(), &reply.tensors, body) {
             Ok(p) => p,
             Err(reason) => return fail(reason),
         };
@@ -631,6 +640,13 @@ impl Population for PythonPopulation {
     }
 
     fn evaluate(&self, round: u32, global: &ModelVector) -> Result<Evaluation, SimulationError> {
+        if !self.has_evaluate.load(Ordering::Relaxed) {
+            return Ok(Evaluation {
+                loss: f64::NAN,
+                accuracy: f64::NAN,
+                samples: 0,
+            });
+        }
         let request = json!({
             "op": "evaluate",
             "version": round,
@@ -852,6 +868,32 @@ pub fn update_from_tensors(
     ModelVector::new(layout.clone(), values).map_err(|e| e.to_string())
 }
 
+/// [`update_from_tensors`] on a frame's body, without copying it when every tensor is
+/// `float32` and in the model's order (what a worker normally sends).
+fn update_from_body(
+    layout: &Arc<Layout>,
+    tensors: &[ReturnedTensor],
+    body: Body,
+) -> Result<ModelVector, String> {
+    let in_order = tensors.len() == layout.tensors().len()
+        && tensors.iter().zip(layout.tensors()).all(|(t, spec)| {
+            t.name == spec.name && t.shape == spec.shape && float_kind(t) == Ok(Float::F32)
+        })
+        && body.len == layout.len() * 4;
+    if !in_order {
+        return update_from_tensors(layout, tensors, body.bytes());
+    }
+    let values = body
+        .into_f32s()
+        .expect("a whole number of f32s, checked above");
+    if values.iter().any(|v| !v.is_finite()) {
+        // The slow path finds the tensor and its index for the message.
+        let bytes: Vec<u8> = bytemuck::cast_slice(&values).to_vec();
+        return update_from_tensors(layout, tensors, &bytes);
+    }
+    ModelVector::new(layout.clone(), values).map_err(|e| e.to_string())
+}
+
 /// The initial model from the user's tensors, in the order the user gave them.
 pub fn initial_from_tensors(
     tensors: &[ReturnedTensor],
@@ -883,8 +925,36 @@ fn write_frame(w: &mut impl Write, header: &Value, body: &[&[u8]]) -> std::io::R
     w.flush()
 }
 
+/// A frame's body, read into `f32`-aligned storage: an update that is all `float32`
+/// in the model's order becomes the model vector without another copy.
+#[derive(Debug, Default)]
+pub struct Body {
+    words: Vec<f32>,
+    len: usize,
+}
+
+impl Body {
+    /// The body's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
+
+    /// The body as `f32`s, when its length is a whole number of them.
+    fn into_f32s(self) -> Option<Vec<f32>> {
+        (self.len == self.words.len() * 4).then_some(self.words)
+    }
+}
+
+impl std::ops::Deref for Body {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        self.bytes()
+    }
+}
+
 /// Reads one frame; a body over `max_body` (0: no body allowed beyond 1 GiB) is refused.
-fn read_frame(r: &mut impl Read, max_body: usize) -> std::io::Result<(Value, Vec<u8>)> {
+fn read_frame(r: &mut impl Read, max_body: usize) -> std::io::Result<(Value, Body)> {
     let invalid = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
     let mut len = [0u8; 4];
     r.read_exact(&mut len)?;
@@ -903,9 +973,10 @@ fn read_frame(r: &mut impl Read, max_body: usize) -> std::io::Result<(Value, Vec
     if blen > limit as u64 {
         return Err(invalid(format!("a {blen}-byte reply body")));
     }
-    let mut body = vec![0u8; blen as usize];
-    r.read_exact(&mut body)?;
-    Ok((header, body))
+    let len = blen as usize;
+    let mut words = vec![0f32; len.div_ceil(4)];
+    r.read_exact(&mut bytemuck::cast_slice_mut(&mut words)[..len])?;
+    Ok((header, Body { words, len }))
 }
 
 #[cfg(test)]
@@ -993,12 +1064,32 @@ mod tests {
     }
 
     #[test]
+    fn an_update_in_the_models_order_is_taken_as_is_and_still_checked() {
+        let tensors = [t("w", "<f4", &[2, 2]), t("b", "<f4", &[2])];
+        let frame = |values: &[f32]| {
+            let mut buf = Vec::new();
+            write_frame(&mut buf, &json!({}), &[&f32s(values)]).unwrap();
+            read_frame(&mut buf.as_slice(), 1 << 10).unwrap().1
+        };
+        let m =
+            update_from_body(&layout(), &tensors, frame(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0])).unwrap();
+        assert_eq!(m.values(), &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        let err = update_from_body(
+            &layout(),
+            &tensors,
+            frame(&[0.0, 0.0, 0.0, 0.0, 0.0, f32::INFINITY]),
+        )
+        .unwrap_err();
+        assert!(err.contains("tensor `b` holds NaN or infinity"), "{err}");
+    }
+
+    #[test]
     fn frames_round_trip_and_oversized_bodies_are_refused() {
         let mut buf = Vec::new();
         write_frame(&mut buf, &json!({"op": "x"}), &[b"ab", b"cd"]).unwrap();
         let (h, b) = read_frame(&mut buf.as_slice(), 4).unwrap();
         assert_eq!(h["op"], "x");
-        assert_eq!(b, b"abcd");
+        assert_eq!(&*b, b"abcd");
         assert!(read_frame(&mut buf.as_slice(), 3).is_err());
     }
 

@@ -43,6 +43,8 @@ pub fn mnist10k() -> Dataset {
 }
 
 /// Rows of [`mnist10k`] that train; the rest are its test split.
+///
+/// cbindgen:ignore
 pub const MNIST10K_TRAIN: usize = 8_000;
 
 fn embedded(bytes: &'static [u8], name: &str) -> Dataset {
