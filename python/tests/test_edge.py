@@ -29,6 +29,19 @@ def admin(cohort_serve):
     return cohort.Admin(cohort_serve.url, cohort_serve.token, ca_cert=cohort_serve.ca_cert)
 
 
+@pytest.fixture
+def own_serve(tmp_path):
+    """A coordinator of the test's own: on the shared one, sites of earlier tests still
+    count as online for a while and may be selected instead of this test's."""
+    serve = start_serve(tmp_path / "serve")
+    try:
+        yield serve, cohort.Admin(serve.url, serve.token, ca_cert=serve.ca_cert)
+    finally:
+        for child in serve.children:
+            stop_process(child, grace=5.0)
+        stop_process(serve.process)
+
+
 def experiment(admin, name, rounds=3, clients=3, secure=False, **fields):
     uploaded = admin.upload_model(softmax.initial_weights(), name=f"{name} init")
     spec = {
@@ -68,7 +81,8 @@ def report_of(log: Path) -> dict:
     raise AssertionError(f"no report in {log}:\n{log.read_text(errors='replace')[-3000:]}")
 
 
-def test_the_simulation_train_runs_unchanged_under_secure_aggregation(admin, cohort_serve, tmp_path):
+def test_the_simulation_train_runs_unchanged_under_secure_aggregation(own_serve, tmp_path):
+    cohort_serve, admin = own_serve
     exp = experiment(admin, "python sites, secure", rounds=3, clients=3, secure=True)
     sites = [start_site(cohort_serve, admin, tmp_path, p) for p in range(3)]
     admin.start(exp["id"])
@@ -90,7 +104,8 @@ def test_the_simulation_train_runs_unchanged_under_secure_aggregation(admin, coh
     assert score.metrics["accuracy"] > 0.85
 
 
-def test_an_exception_in_train_is_reported_and_the_client_carries_on(admin, cohort_serve, tmp_path):
+def test_an_exception_in_train_is_reported_and_the_client_carries_on(own_serve, tmp_path):
+    cohort_serve, admin = own_serve
     # A failed task does not end the collect stage early: a short deadline keeps the
     # test quick, and the sites wait longer than it without a task.
     exp = experiment(admin, "python site raises", rounds=2, clients=2, min_participants=1,
@@ -108,7 +123,8 @@ def test_an_exception_in_train_is_reported_and_the_client_carries_on(admin, coho
     assert reasons and all("the PACS export is locked" in r for r in reasons), reasons
 
 
-def test_a_bad_update_is_refused_before_it_leaves_the_site(admin, cohort_serve, tmp_path):
+def test_a_bad_update_is_refused_before_it_leaves_the_site(own_serve, tmp_path):
+    cohort_serve, admin = own_serve
     exp = experiment(admin, "python site bad shape", rounds=1, clients=2, min_participants=1,
                      collect_deadline_seconds=8)
     good, _ = start_site(cohort_serve, admin, tmp_path, 0, idle_exit=30)
@@ -147,16 +163,8 @@ def test_a_revoked_client_gets_an_api_error_403(admin, cohort_serve, tmp_path):
     admin.stop(exp["id"])
 
 
-def test_ctrl_c_inside_train_stops_the_client_within_a_second(tmp_path):
-    # A coordinator of its own: on the shared one, sites of earlier tests still count
-    # as online for a while and may be selected instead.
-    serve = start_serve(tmp_path / "serve")
-    try:
-        _ctrl_c(serve, tmp_path)
-    finally:
-        for child in serve.children:
-            stop_process(child, grace=5.0)
-        stop_process(serve.process)
+def test_ctrl_c_inside_train_stops_the_client_within_a_second(own_serve, tmp_path):
+    _ctrl_c(own_serve[0], tmp_path)
 
 
 def _ctrl_c(serve, tmp_path):
