@@ -127,6 +127,25 @@ impl fmt::Debug for WeightedMean {
     }
 }
 
+/// The largest magnitude in `values` when every value is finite, else the index of the
+/// first value that is not. One pass over the magnitude bits, which the compiler turns
+/// into a vector maximum: for non-negative floats the order of the bit patterns is the
+/// order of the numbers, and every NaN or infinity is at or above the bits of infinity.
+/// (An element-wise `is_finite` with an early return does not vectorise, and was a
+/// quarter of a simulation round whose clients do nothing.)
+pub fn max_abs_finite(values: &[f32]) -> Result<f32, usize> {
+    const MAGNITUDE: u32 = 0x7fff_ffff;
+    const INFINITY: u32 = 0x7f80_0000;
+    let max_bits = values
+        .iter()
+        .fold(0u32, |m, v| m.max(v.to_bits() & MAGNITUDE));
+    if max_bits >= INFINITY {
+        Err(values.iter().position(|v| !v.is_finite()).unwrap_or(0))
+    } else {
+        Ok(f32::from_bits(max_bits))
+    }
+}
+
 impl WeightedMean {
     /// An empty accumulator for updates in `layout`, summing on the CPU.
     pub fn new(layout: Arc<Layout>) -> Self {
@@ -180,13 +199,8 @@ impl WeightedMean {
             if !weight.is_finite() || weight <= 0.0 {
                 return Err(AggregationError::InvalidWeight(weight));
             }
-            let mut max_abs = 0.0_f32;
-            for (index, &v) in update.values().iter().enumerate() {
-                if !v.is_finite() {
-                    return Err(AggregationError::NonFinite { index });
-                }
-                max_abs = max_abs.max(v.abs());
-            }
+            let max_abs = max_abs_finite(update.values())
+                .map_err(|index| AggregationError::NonFinite { index })?;
             total_weight += weight;
             abs_bound += weight * f64::from(max_abs);
             if !total_weight.is_finite() || !abs_bound.is_finite() {
@@ -244,6 +258,26 @@ impl WeightedMean {
             .map_err(|e| AggregationError::Reducer(e.to_string()))?;
         let values = sums.iter().map(|&s| (s * inv) as f32).collect();
         Ok(ModelVector::new(self.layout, values).expect("the sums are sized to the layout"))
+    }
+}
+
+#[cfg(test)]
+mod max_abs_tests {
+    use super::max_abs_finite;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The vectorised pass agrees with the plain definition on any bit pattern:
+        /// NaNs, infinities, subnormals and signed zeros included.
+        #[test]
+        fn max_abs_finite_is_the_plain_definition(bits in proptest::collection::vec(any::<u32>(), 0..300)) {
+            let values: Vec<f32> = bits.into_iter().map(f32::from_bits).collect();
+            let plain = match values.iter().position(|v| !v.is_finite()) {
+                Some(i) => Err(i),
+                None => Ok(values.iter().fold(0.0f32, |m, v| m.max(v.abs()))),
+            };
+            prop_assert_eq!(max_abs_finite(&values).map(f32::to_bits), plain.map(f32::to_bits));
+        }
     }
 }
 

@@ -47,12 +47,25 @@ def _watch_parent() -> None:
     threading.Thread(target=watch, name="cohort-parent-watch", daemon=True).start()
 
 
+def _widen_pipe(fd: int) -> None:
+    """Raises the pipe's buffer from 64 KiB to 1 MiB (Linux's default ceiling for
+    unprivileged processes): a 4 MB model then crosses in 4 wake-ups instead of 64."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
+    except (ImportError, OSError):
+        pass  # not a pipe, or not Linux: the default buffer works, only slower
+
+
 class _Channel:
     def __init__(self) -> None:
         # The protocol keeps private copies of fds 0 and 1; the user's code gets
         # /dev/null as input and standard error as output.
         self._in = os.fdopen(os.dup(0), "rb", buffering=1 << 20)
         self._out = os.fdopen(os.dup(1), "wb", buffering=1 << 20)
+        _widen_pipe(self._in.fileno())
+        _widen_pipe(self._out.fileno())
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)

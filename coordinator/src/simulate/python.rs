@@ -886,7 +886,7 @@ fn update_from_body(
     let values = body
         .into_f32s()
         .expect("a whole number of f32s, checked above");
-    if values.iter().any(|v| !v.is_finite()) {
+    if cohort_aggregation::max_abs_finite(&values).is_err() {
         // The slow path finds the tensor and its index for the message.
         let bytes: Vec<u8> = bytemuck::cast_slice(&values).to_vec();
         return update_from_tensors(layout, tensors, &bytes);
