@@ -314,9 +314,18 @@ fn run_into(
     resolved.out = Some(out.to_path_buf());
     let summary = Summary::new(&resolved, &result, pop.trainer());
     write_json(&dir.join("summary.json"), &summary)?;
+    let title = if pop.trainer() == "python" {
+        // The data and the model are the user's: name what Cohort knows of the run.
+        format!(
+            "python trainer · {} parameters · {} clients · {strategy}",
+            result.data.model_parameters, cfg.clients
+        )
+    } else {
+        plot_title(cfg, &strategy)
+    };
     plot_into(
         dir,
-        &plot_title(cfg, &strategy),
+        &title,
         &[Series {
             label: &strategy,
             records: &result.rounds,
