@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from typing import Any, Dict, List, Tuple
@@ -22,9 +23,13 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import cohort
+
+# The model is the example's own (examples/pytorch_cnn/model.py): the benchmark measures
+# the engines on exactly the network the example trains.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "pytorch_cnn"))
+from model import CNN  # noqa: E402
 
 # The run's settings: filled by the script in its own process, read from $CNN_BENCH_CFG
 # in the workers.
@@ -35,23 +40,6 @@ def cfg() -> Dict[str, Any]:
     if not CFG:
         CFG.update(json.loads(os.environ["CNN_BENCH_CFG"]))
     return CFG
-
-
-class CNN(nn.Module):
-    """The CNN of examples/pytorch_cnn/model.py (215,370 parameters)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, kernel_size=5, padding=2)
-        self.conv2 = nn.Conv2d(16, 32, kernel_size=5, padding=2)
-        self.fc1 = nn.Linear(32 * 7 * 7, 128)
-        self.fc2 = nn.Linear(128, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        x = F.relu(self.fc1(torch.flatten(x, 1)))
-        return self.fc2(x)
 
 
 NAMES = ["conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias",

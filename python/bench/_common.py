@@ -258,3 +258,20 @@ def server_context() -> Any:
     from flwr.app import Context, RecordDict
 
     return Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
+
+
+def run_flower_apps(engine: str, client_app: Any, server_app: Any, clients: int, workers: int) -> None:
+    """Runs Flower's apps to the end: with Flower's own simulation engine (``flower-ray``)
+    or through the in-process grid with ``workers`` threads."""
+    if engine == "flower-ray":
+        from flwr.simulation import run_simulation
+
+        run_simulation(
+            server_app=server_app, client_app=client_app, num_supernodes=clients,
+            backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                            "init_args": {"num_cpus": workers, "include_dashboard": False}},
+        )
+    else:
+        grid = local_grid(client_app, clients, workers)
+        server_app(grid, server_context())
+        grid.pool.shutdown()

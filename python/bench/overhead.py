@@ -187,18 +187,7 @@ def make_flower_apps(a: argparse.Namespace, init: np.ndarray, on_round: Any):  #
 
 def run_flower(a: argparse.Namespace, init: np.ndarray, on_round: Any) -> List[float]:
     client_app, server_app = make_flower_apps(a, init, on_round)
-    if a.engine == "flower-ray":
-        from flwr.simulation import run_simulation
-
-        run_simulation(
-            server_app=server_app, client_app=client_app, num_supernodes=a.clients,
-            backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                            "init_args": {"num_cpus": a.workers, "include_dashboard": False}},
-        )
-    else:
-        grid = bench.local_grid(client_app, a.clients, a.workers)
-        server_app(grid, bench.server_context())
-        grid.pool.shutdown()
+    bench.run_flower_apps(a.engine, client_app, server_app, a.clients, a.workers)
     done = sorted(ROUNDS["ends"])
     if len(done) != a.rounds:
         raise RuntimeError(f"Flower finished {len(done)} of {a.rounds} rounds")

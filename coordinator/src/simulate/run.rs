@@ -543,13 +543,7 @@ fn plain_round(
         }
         for (id, u) in updates {
             if cfg.aggregator.is_some() {
-                let delta = u
-                    .params
-                    .values()
-                    .iter()
-                    .zip(global)
-                    .map(|(p, g)| p - g)
-                    .collect();
+                let delta = delta(&u.params, global);
                 kept.push((delta, u.num_samples as u64, u.train_loss));
             } else {
                 engine.submit(
@@ -567,6 +561,16 @@ fn plain_round(
         Some(rule) => close_robust(engine, rule, &kept, global, task),
         None => Ok(engine.close_round()?),
     }
+}
+
+/// An update's difference from the global model it started from.
+fn delta(update: &cohort_aggregation::ModelVector, global: &[f32]) -> Vec<f32> {
+    update
+        .values()
+        .iter()
+        .zip(global)
+        .map(|(p, g)| p - g)
+        .collect()
 }
 
 /// The malicious clients of a run of `clients`, fixed for the run by the seed.
@@ -727,13 +731,7 @@ fn private_round(
         train_clients(cfg, pop, task, round_no, reporting, failures)?
             .into_par_iter()
             .map(|(_, u)| {
-                let mut delta: Vec<f32> = u
-                    .params
-                    .values()
-                    .iter()
-                    .zip(global)
-                    .map(|(p, g)| p - g)
-                    .collect();
+                let mut delta: Vec<f32> = delta(&u.params, global);
                 let norm = cohort_aggregation::privacy::clip::clip_l2(&mut delta, clip);
                 (delta, u.num_samples as u64, u.train_loss, norm <= clip)
             })
@@ -889,13 +887,7 @@ fn secure_round(
         .collect();
     let mut inputs = std::collections::HashMap::new();
     for (id, update) in train_clients(cfg, pop, task, round_no, &trains, failures)? {
-        let values: Vec<f32> = update
-            .params
-            .values()
-            .iter()
-            .zip(global)
-            .map(|(p, g)| p - g)
-            .collect();
+        let values: Vec<f32> = delta(&update.params, global);
         let loss = if update.train_loss.is_finite() {
             update.train_loss
         } else {
