@@ -146,6 +146,32 @@ pub fn max_abs_finite(values: &[f32]) -> Result<f32, usize> {
     }
 }
 
+/// An update's values, checked to be finite, with their largest magnitude: found once,
+/// where the update arrives (on the thread that received it), so that the fold reads the
+/// update only to add it. The only way to make one is [`Finite::check`].
+#[derive(Debug, Clone, Copy)]
+pub struct Finite<'a> {
+    values: &'a [f32],
+    max_abs: f32,
+}
+
+impl<'a> Finite<'a> {
+    /// Checks `values`; the error is the index of the first NaN or infinity.
+    pub fn check(values: &'a [f32]) -> Result<Self, usize> {
+        max_abs_finite(values).map(|max_abs| Self { values, max_abs })
+    }
+
+    /// The values.
+    pub fn values(&self) -> &'a [f32] {
+        self.values
+    }
+
+    /// The largest magnitude among them.
+    pub fn max_abs(&self) -> f32 {
+        self.max_abs
+    }
+}
+
 impl WeightedMean {
     /// An empty accumulator for updates in `layout`, summing on the CPU.
     pub fn new(layout: Arc<Layout>) -> Self {
@@ -192,22 +218,50 @@ impl WeightedMean {
     ///
     /// Validates the whole batch first, so a batch with one bad update changes nothing.
     pub fn fold_batch(&mut self, batch: &[(&ModelVector, f64)]) -> Result<(), AggregationError> {
+        for (update, _) in batch {
+            check_layout(&self.layout, update.layout())?;
+        }
+        let values: Vec<(&[f32], f64)> = batch.iter().map(|(u, w)| (u.values(), *w)).collect();
+        self.fold_values(&values)
+    }
+
+    /// [`fold_batch`](Self::fold_batch) for updates given as bare values already in the
+    /// accumulator's layout (an update that has no [`ModelVector`] of its own, such as
+    /// one read in place from memory shared with the process that trained it). Only the
+    /// length is checked against the layout.
+    pub fn fold_values(&mut self, batch: &[(&[f32], f64)]) -> Result<(), AggregationError> {
+        let mut checked = Vec::with_capacity(batch.len());
+        for &(values, weight) in batch {
+            let finite =
+                Finite::check(values).map_err(|index| AggregationError::NonFinite { index })?;
+            checked.push((finite, weight));
+        }
+        self.fold_finite(&checked)
+    }
+
+    /// [`fold_values`](Self::fold_values) for values already checked where they arrived
+    /// ([`Finite`]): the fold then reads each update once, to add it.
+    pub fn fold_finite(&mut self, batch: &[(Finite<'_>, f64)]) -> Result<(), AggregationError> {
+        let len = self.layout.len();
+        if let Some((finite, _)) = batch.iter().find(|(f, _)| f.values.len() != len) {
+            return Err(AggregationError::LayoutMismatch {
+                expected: len,
+                found: finite.values.len(),
+            });
+        }
         let mut total_weight = self.total_weight;
         let mut abs_bound = self.abs_bound;
-        for &(update, weight) in batch {
-            check_layout(&self.layout, update.layout())?;
+        for &(finite, weight) in batch {
             if !weight.is_finite() || weight <= 0.0 {
                 return Err(AggregationError::InvalidWeight(weight));
             }
-            let max_abs = max_abs_finite(update.values())
-                .map_err(|index| AggregationError::NonFinite { index })?;
             total_weight += weight;
-            abs_bound += weight * f64::from(max_abs);
+            abs_bound += weight * f64::from(finite.max_abs);
             if !total_weight.is_finite() || !abs_bound.is_finite() {
                 return Err(AggregationError::WeightOverflow(weight));
             }
         }
-        let values: Vec<&[f32]> = batch.iter().map(|(u, _)| u.values()).collect();
+        let values: Vec<&[f32]> = batch.iter().map(|(f, _)| f.values).collect();
         let weights: Vec<f64> = batch.iter().map(|(_, w)| *w).collect();
         self.sum
             .add(&values, &weights)

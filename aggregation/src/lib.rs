@@ -30,7 +30,7 @@ mod server_optimizer;
 mod strategy;
 pub mod wire;
 
-pub use fedavg::{AggregationError, WeightedMean, max_abs_finite};
+pub use fedavg::{AggregationError, Finite, WeightedMean, max_abs_finite};
 pub use model_vector::{Layout, LayoutError, ModelVector, TensorSpec};
 pub use server_optimizer::{AdaptiveConfig, AdaptiveKind, ServerOptimizer};
 pub use strategy::{Strategy, StrategyParseError};

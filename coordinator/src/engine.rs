@@ -10,7 +10,9 @@ use std::fmt;
 use std::sync::Arc;
 
 use cohort_aggregation::reduce::Reducer;
-use cohort_aggregation::{AggregationError, ModelVector, ServerOptimizer, Strategy, WeightedMean};
+use cohort_aggregation::{
+    AggregationError, Finite, ModelVector, ServerOptimizer, Strategy, WeightedMean,
+};
 use cohort_edge::train::TrainConfig;
 use rand::Rng;
 use rand::seq::index;
@@ -121,8 +123,9 @@ pub struct RoundPlan {
 /// A client's contribution to a round.
 #[derive(Debug, Clone, Copy)]
 pub struct ClientUpdate<'a> {
-    /// Locally trained parameters.
-    pub params: &'a ModelVector,
+    /// Locally trained parameters, in the global model's layout, checked finite where
+    /// they arrived.
+    pub params: Finite<'a>,
     /// Training samples behind them (the FedAvg weight).
     pub num_samples: u64,
     /// The client's mean training loss, for reporting.
@@ -350,29 +353,66 @@ impl RoundEngine {
         client: ClientId,
         update: ClientUpdate<'_>,
     ) -> Result<(), EngineError> {
+        self.submit_batch(&[(client, update)])
+    }
+
+    /// Folds several clients' updates into the open round in one pass over the sums (the
+    /// same additions, in the same order, as submitting them one by one). Checks them all
+    /// first: a batch with one refused update changes nothing, and the error names that
+    /// client. (Their values are [`Finite`] already, checked where they arrived.)
+    pub fn submit_batch(
+        &mut self,
+        updates: &[(ClientId, ClientUpdate<'_>)],
+    ) -> Result<(), EngineError> {
         let open = self.open.as_mut().ok_or(EngineError::NoOpenRound)?;
-        if !open.selected.contains(&client) {
-            return Err(EngineError::NotSelected {
-                client,
-                round: open.round,
+        let mut in_batch = BTreeSet::new();
+        for (client, update) in updates {
+            let client = *client;
+            if !open.selected.contains(&client) {
+                return Err(EngineError::NotSelected {
+                    client,
+                    round: open.round,
+                });
+            }
+            if open.reported.contains(&client) || !in_batch.insert(client) {
+                return Err(EngineError::DuplicateUpdate {
+                    client,
+                    round: open.round,
+                });
+            }
+            if update.num_samples == 0 {
+                return Err(EngineError::NoSamples { client });
+            }
+        }
+        if let Some((client, update)) = updates
+            .iter()
+            .find(|(_, u)| u.params.values().len() != self.global.len())
+        {
+            return Err(EngineError::BadUpdate {
+                client: *client,
+                source: AggregationError::LayoutMismatch {
+                    expected: self.global.len(),
+                    found: update.params.values().len(),
+                },
             });
         }
-        if open.reported.contains(&client) {
-            return Err(EngineError::DuplicateUpdate {
-                client,
-                round: open.round,
-            });
-        }
-        if update.num_samples == 0 {
-            return Err(EngineError::NoSamples { client });
-        }
+        let batch: Vec<(Finite<'_>, f64)> = updates
+            .iter()
+            .map(|(_, u)| (u.params, u.num_samples as f64))
+            .collect();
+        // What is left to refuse is a weight that would overflow the sums: the batch's.
         open.mean
-            .fold(update.params, update.num_samples as f64)
-            .map_err(|source| EngineError::BadUpdate { client, source })?;
-        open.reported.insert(client);
-        open.samples += update.num_samples;
-        if update.train_loss.is_finite() {
-            open.loss_sum += update.train_loss * update.num_samples as f64;
+            .fold_finite(&batch)
+            .map_err(|source| EngineError::BadUpdate {
+                client: updates[0].0,
+                source,
+            })?;
+        for (client, update) in updates {
+            open.reported.insert(*client);
+            open.samples += update.num_samples;
+            if update.train_loss.is_finite() {
+                open.loss_sum += update.train_loss * update.num_samples as f64;
+            }
         }
         Ok(())
     }
@@ -494,7 +534,7 @@ mod tests {
 
     fn update(p: &ModelVector, n: u64) -> ClientUpdate<'_> {
         ClientUpdate {
-            params: p,
+            params: Finite::check(p.values()).expect("the tests' updates are finite"),
             num_samples: n,
             train_loss: 1.0,
         }
@@ -555,13 +595,8 @@ mod tests {
             e.submit(chosen, update(&ModelVector::from_flat(vec![1.0]), 1)),
             Err(EngineError::BadUpdate { .. })
         ));
-        assert!(matches!(
-            e.submit(
-                chosen,
-                update(&ModelVector::from_flat(vec![f32::NAN, 0.0]), 1)
-            ),
-            Err(EngineError::BadUpdate { .. })
-        ));
+        // A NaN never reaches the engine: an update's values are checked on arrival.
+        assert_eq!(Finite::check(&[0.0, f32::NAN]).map(|_| ()), Err(1));
         assert!(matches!(
             e.submit(chosen, update(&good, 0)),
             Err(EngineError::NoSamples { .. })
@@ -573,6 +608,48 @@ mod tests {
         ));
         e.close_round().unwrap();
         assert_eq!(e.global().values(), &[3.0, 3.0]);
+    }
+
+    #[test]
+    fn a_batch_folds_as_one_by_one_and_a_bad_one_changes_nothing() {
+        let updates = [
+            ModelVector::from_flat(vec![1.0, -2.0]),
+            ModelVector::from_flat(vec![0.5, 3.25]),
+            ModelVector::from_flat(vec![-7.0, 0.125]),
+        ];
+        let mut one = engine(3, 1, Strategy::FedAvg);
+        let plan = one
+            .open_round(&clients(3), &mut ChaCha8Rng::seed_from_u64(1))
+            .unwrap();
+        for (id, u) in plan.selected.iter().zip(&updates) {
+            one.submit(*id, update(u, id.0 + 1)).unwrap();
+        }
+        let mut batch = engine(3, 1, Strategy::FedAvg);
+        let plan = batch
+            .open_round(&clients(3), &mut ChaCha8Rng::seed_from_u64(1))
+            .unwrap();
+        let all: Vec<(ClientId, ClientUpdate<'_>)> = plan
+            .selected
+            .iter()
+            .zip(&updates)
+            .map(|(id, u)| (*id, update(u, id.0 + 1)))
+            .collect();
+        let short = ModelVector::from_flat(vec![0.0]);
+        let mut spoiled = all.clone();
+        spoiled[1].1 = update(&short, 1);
+        assert!(matches!(
+            batch.submit_batch(&spoiled),
+            Err(EngineError::BadUpdate { client, .. }) if client == plan.selected[1]
+        ));
+        let twice = [all[0], all[0]];
+        assert!(matches!(
+            batch.submit_batch(&twice),
+            Err(EngineError::DuplicateUpdate { .. })
+        ));
+        batch.submit_batch(&all).unwrap();
+        let (a, b) = (one.close_round().unwrap(), batch.close_round().unwrap());
+        assert_eq!((a.participants, a.samples), (b.participants, b.samples));
+        assert_eq!(one.global().values(), batch.global().values());
     }
 
     #[test]

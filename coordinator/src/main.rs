@@ -479,6 +479,7 @@ fn run_simulate(args: SimulateArgs) -> ExitCode {
             clients: cfg.clients,
             hyperparameters: serde_json::Map::new(),
             env: Vec::new(),
+            shared_memory: std::env::var("COHORT_WORKER_TRANSPORT").as_deref() != Ok("pipes"),
         };
         let cancel = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         cohort_coordinator::simulate::python::PythonPopulation::start(settings, cancel)

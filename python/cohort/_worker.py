@@ -2,7 +2,10 @@
 
 The Rust round engine starts the workers and talks to each over its standard input and
 output with length-prefixed frames (a little-endian ``u32`` header length, a JSON
-header, a ``u64`` body length, the body). The worker moves those two streams out of the
+header, a ``u64`` body length, the body). On Linux the tensors themselves do not cross
+the pipe: the engine shares memory with the worker (an inherited ``memfd``, its number in
+``COHORT_WORKER_SHM_FD``), writes the worker's model there and names, in each task, the
+slot the worker writes its update to. The worker moves those two streams out of the
 way first, so a ``print`` in the user's code goes to standard error instead of
 corrupting the protocol. It checks nothing of what the user returns beyond turning it
 into bytes: the engine checks names, shapes, dtypes and values.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import mmap
 import os
 import pickle
 import runpy
@@ -102,8 +106,50 @@ class _Channel:
         out.write(h)
         out.write(struct.pack("<Q", sum(memoryview(p).nbytes for p in parts)))
         for p in parts:
-            out.write(memoryview(p).cast("B"))
+            out.write(_raw(p))
         out.flush()
+
+
+class _Shared:
+    """The memory shared with the engine, mapped on first use and again when the engine
+    has grown it. Older mappings stay alive as long as arrays view them."""
+
+    def __init__(self, fd: Optional[int]) -> None:
+        self.fd = fd
+        self.mapping: Optional[mmap.mmap] = None
+        self.size = 0
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        if self.fd is None:
+            raise RuntimeError("the engine named shared memory, but none was inherited")
+        if self.mapping is None or offset + nbytes > self.size:
+            size = os.fstat(self.fd).st_size
+            if offset + nbytes > size:
+                raise RuntimeError(f"shared memory of {size} bytes has no [{offset}, +{nbytes})")
+            self.mapping = mmap.mmap(self.fd, size)
+            self.size = size
+        return memoryview(self.mapping)[offset : offset + nbytes]
+
+
+def _write_slot(slot: memoryview, parts: Tuple[Any, ...]) -> Optional[int]:
+    """Copies the update's bytes into its slot, one after another; ``None`` (nothing
+    written) when they do not fit (float64, say), and the pipe carries them instead."""
+    total = sum(memoryview(p).nbytes for p in parts)
+    if total > slot.nbytes:
+        return None
+    offset = 0
+    for p in parts:
+        raw = _raw(p)
+        slot[offset : offset + raw.nbytes] = raw
+        offset += raw.nbytes
+    return total
+
+
+def _raw(part: Any) -> memoryview:
+    """An array's bytes as a flat byte view (a tensor with a zero in its shape has none,
+    and a view of it cannot be cast)."""
+    view = memoryview(part)
+    return view.cast("B") if view.nbytes else memoryview(b"")
 
 
 class _Code:
@@ -233,6 +279,8 @@ def main() -> None:
         return
     channel.write({"ok": True, "pid": os.getpid(), "evaluate": code.evaluate is not None})
     index = int(os.environ.get("COHORT_WORKER_INDEX", "0"))
+    shm_fd = os.environ.get("COHORT_WORKER_SHM_FD")
+    shared = _Shared(int(shm_fd) if shm_fd else None)
     global_weights: Dict[str, np.ndarray] = {}
     while True:
         frame = channel.read()
@@ -242,6 +290,9 @@ def main() -> None:
         op = header.get("op")
         try:
             if op == "model":
+                where = header.get("shm")
+                if where is not None:
+                    body = shared.view(int(where["offset"]), int(where["bytes"]))
                 global_weights = _views(header["tensors"], body)
                 continue
             if op == "initial":
@@ -262,15 +313,21 @@ def main() -> None:
                 result = _check_result(result, TrainResult, "train")
                 weights = _to_numpy_dict(result.weights, "TrainResult.weights")
                 tensors, parts = _describe(weights)
-                channel.write(
-                    {
-                        "ok": True,
-                        "num_examples": int(result.num_examples),
-                        "metrics": _finite_metrics(result.metrics),
-                        "tensors": tensors,
-                    },
-                    parts,
-                )
+                reply = {
+                    "ok": True,
+                    "num_examples": int(result.num_examples),
+                    "metrics": _finite_metrics(result.metrics),
+                    "tensors": tensors,
+                }
+                slot = header.get("slot")
+                written = None
+                if slot is not None:
+                    written = _write_slot(shared.view(int(slot["offset"]), int(slot["bytes"])), parts)
+                if written is None:
+                    channel.write(reply, parts)
+                else:
+                    reply["slot_bytes"] = written
+                    channel.write(reply)
             elif op == "evaluate":
                 if code.evaluate is None:
                     channel.write({"ok": True, "none": True})
@@ -311,10 +368,11 @@ def _finite_metrics(metrics: Dict[str, Any]) -> Dict[str, float]:
     return out
 
 
-def _views(tensors: list, body: bytearray) -> Dict[str, np.ndarray]:
-    """Read-only NumPy views into the model's bytes: no copy, and a ``train`` that
-    changes its input in place gets an error instead of corrupting the next client's
-    starting point."""
+def _views(tensors: list, body: Any) -> Dict[str, np.ndarray]:
+    """Read-only NumPy views into the model's bytes (the frame's body, or the worker's
+    model area in shared memory): no copy, and a ``train`` that changes its input in
+    place gets an error instead of corrupting the next client's starting point. Views of
+    shared memory show the worker's current model: keep a copy to keep an older one."""
     flat = np.frombuffer(body, dtype="<f4")
     out = {}
     offset = 0

@@ -96,8 +96,9 @@ def simulate(
 
     Args:
         train: ``train(weights, task) -> TrainResult``. ``weights`` is the global model
-            as a dict of read-only float32 NumPy arrays (copy before changing them in
-            place); ``task`` is a :class:`cohort.Task` (round, seed, ``partition_id``,
+            as a dict of read-only float32 NumPy arrays, without copies (on Linux they
+            view memory the worker shares with the engine, where a later round's model
+            is written: copy an array to change it, or to keep it past the call); ``task`` is a :class:`cohort.Task` (round, seed, ``partition_id``,
             training ``config``, ``hyperparameters`` and this client's ``data``). Return
             the new weights (same names and shapes), the number of examples trained on
             and optional metrics. An exception, or weights with a wrong shape, a NaN, a

@@ -134,6 +134,9 @@ fn simulate<'py>(
         clients,
         hyperparameters,
         env: Vec::new(),
+        // `COHORT_WORKER_TRANSPORT=pipes` sends tensors over the workers' pipes (the
+        // fallback where shared memory is unavailable), for tests and troubleshooting.
+        shared_memory: std::env::var("COHORT_WORKER_TRANSPORT").as_deref() != Ok("pipes"),
     };
     settings
         .validate()

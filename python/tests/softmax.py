@@ -107,6 +107,20 @@ def train_in_place(weights, task):
     return cohort.TrainResult(weights, 5)
 
 
+def train_reordered(weights, task):
+    """``train``'s update with its tensors in the other order: as valid, and as exact."""
+    r = train(weights, task)
+    return cohort.TrainResult({"b": r.weights["b"], "w": r.weights["w"]}, r.num_examples, r.metrics)
+
+
+def train_float64(weights, task):
+    """``train``'s update widened to float64: too large for a float32 slot, so it takes
+    the pipe, and narrows back to the same float32 values."""
+    r = train(weights, task)
+    wide = {k: v.astype(np.float64) for k, v in r.weights.items()}
+    return cohort.TrainResult(wide, r.num_examples, r.metrics)
+
+
 def train_identity(weights, task):
     return cohort.TrainResult(weights, 10)
 

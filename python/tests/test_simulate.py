@@ -66,6 +66,25 @@ def test_a_seed_repeats_a_run_exactly(tmp_path):
         np.testing.assert_array_equal(a.weights[name], b.weights[name])
 
 
+def test_an_update_reaches_the_engine_alike_by_shared_memory_or_pipe_in_any_order(
+    tmp_path, monkeypatch
+):
+    """Updates normally land in memory shared with the engine; one in another order
+    is checked from there, a float64 one takes the pipe, and with
+    ``COHORT_WORKER_TRANSPORT=pipes`` everything does. The models must not differ by a
+    bit."""
+    base = run(tmp_path / "base", rounds=2)
+    others = {
+        "reordered": run(tmp_path / "reordered", rounds=2, train=softmax.train_reordered),
+        "float64": run(tmp_path / "float64", rounds=2, train=softmax.train_float64),
+    }
+    monkeypatch.setenv("COHORT_WORKER_TRANSPORT", "pipes")
+    others["pipes"] = run(tmp_path / "pipes", rounds=2)
+    for how, other in others.items():
+        for name in base.weights:
+            np.testing.assert_array_equal(base.weights[name], other.weights[name], err_msg=how)
+
+
 def test_secure_aggregation_and_dp_run_with_python_clients(tmp_path):
     plain = run(tmp_path / "plain", rounds=4)
     secure = run(tmp_path / "secure", rounds=4, secure_aggregation=True)

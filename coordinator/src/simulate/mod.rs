@@ -14,6 +14,7 @@ pub mod plot;
 mod population;
 pub mod python;
 mod run;
+mod shared_memory;
 mod straggler;
 
 use std::path::{Path, PathBuf};

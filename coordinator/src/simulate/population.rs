@@ -9,7 +9,7 @@
 //! error (the built-in trainer refusing its own data, a pool that cannot start) ends the
 //! run.
 
-use cohort_aggregation::ModelVector;
+use cohort_aggregation::{Finite, ModelVector};
 use cohort_edge::model::Evaluation;
 use cohort_edge::train::{LocalUpdate, TrainConfig};
 use serde::Serialize;
@@ -50,6 +50,73 @@ pub struct ClientFailure {
 /// The result of one task: an update, or why there is none.
 pub type TaskResult = Result<LocalUpdate, ClientFailure>;
 
+/// A trained update as the round loop reads it.
+#[derive(Debug, Clone)]
+pub struct Trained<'a> {
+    /// The locally trained parameters, in the global model's layout.
+    pub params: Params<'a>,
+    /// Training samples behind them (the FedAvg weight).
+    pub num_samples: usize,
+    /// Mean training loss over the last local epoch (NaN when not reported).
+    pub train_loss: f64,
+}
+
+/// An update's values: checked and borrowed from where the population keeps them
+/// (memory shared with the process that trained it), so that they are folded where they
+/// lie, or owned and not yet checked.
+#[derive(Debug, Clone)]
+pub enum Params<'a> {
+    /// Checked finite on arrival, in place.
+    Finite(Finite<'a>),
+    /// The population's own copy; the round loop checks it.
+    Owned(Vec<f32>),
+}
+
+impl Params<'_> {
+    /// The values.
+    pub fn values(&self) -> &[f32] {
+        match self {
+            Params::Finite(f) => f.values(),
+            Params::Owned(v) => v,
+        }
+    }
+
+    /// The values, checked finite (again only when owned); the error is the index of
+    /// the first NaN or infinity.
+    pub fn finite(&self) -> Result<Finite<'_>, usize> {
+        match self {
+            Params::Finite(f) => Ok(*f),
+            Params::Owned(v) => Finite::check(v),
+        }
+    }
+
+    /// The values, owned.
+    pub fn into_owned(self) -> Vec<f32> {
+        match self {
+            Params::Finite(f) => f.values().to_vec(),
+            Params::Owned(v) => v,
+        }
+    }
+}
+
+impl From<LocalUpdate> for Trained<'static> {
+    fn from(u: LocalUpdate) -> Self {
+        Self {
+            params: Params::Owned(u.params.into_values()),
+            num_samples: u.num_samples,
+            train_loss: u.train_loss,
+        }
+    }
+}
+
+/// A task's outcome as [`Population::train_in_place`] hands it over.
+pub type TrainedResult<'a> = Result<Trained<'a>, ClientFailure>;
+
+/// What [`Population::train_in_place`] calls with each part of a batch: the index in
+/// `tasks` of the part's first task, and the part's outcomes in task order.
+pub type Consume<'c> =
+    dyn for<'a> FnMut(usize, Vec<TrainedResult<'a>>) -> Result<(), SimulationError> + 'c;
+
 /// The virtual clients of a simulation and the held-out evaluation.
 pub trait Population: Sync {
     /// Number of clients; their ids are `0..clients()`.
@@ -69,6 +136,23 @@ pub trait Population: Sync {
     /// Trains every task of the batch; the results come back in the order of `tasks`.
     /// An `Err` ends the run; a task's own failure is an `Err` inside the vector.
     fn train(&self, tasks: &[ClientTask<'_>]) -> Result<Vec<TaskResult>, SimulationError>;
+
+    /// Trains every task of the batch and hands the outcomes to `consume`, in the order
+    /// of `tasks`, one consecutive part at a time (a population whose updates live in a
+    /// fixed number of shared slots hands over as many as it has slots, and reuses them
+    /// once `consume` returns). The updates may be borrowed: `consume` folds them where
+    /// they lie. An `Err` from training or from `consume` ends the batch.
+    fn train_in_place(
+        &self,
+        tasks: &[ClientTask<'_>],
+        consume: &mut Consume<'_>,
+    ) -> Result<(), SimulationError> {
+        let results = self.train(tasks)?;
+        consume(
+            0,
+            results.into_iter().map(|r| r.map(Trained::from)).collect(),
+        )
+    }
 
     /// Loss and accuracy of `global` on the held-out test data after `round` (0: the
     /// initial model). Either may be NaN when the population has no such measure.

@@ -11,7 +11,10 @@
 //! (the worker moves them out of the user's way first, so a `print` cannot corrupt it):
 //! every frame is a little-endian `u32` header length, a JSON header, a `u64` body length
 //! and the body. Models travel as raw `f32` bytes in the layout's order, and a worker gets
-//! each round's global model once, however many clients it trains in that round.
+//! each round's global model once, however many clients it trains in that round. On
+//! Linux the tensors do not cross the pipe at all: the engine writes a worker's model into
+//! memory it shares with that worker, and the worker writes its update into a slot of the
+//! same memory, where the engine checks and folds it ([`super::shared_memory`]).
 //!
 //! Whatever a worker returns is checked here, not in Python: the tensor names and shapes
 //! of the global model, a floating-point dtype, finite values, a believable example count.
@@ -24,16 +27,20 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cohort_aggregation::{Layout, ModelVector, TensorSpec};
+use cohort_aggregation::{Finite, Layout, ModelVector, TensorSpec};
 use cohort_edge::model::Evaluation;
 use cohort_edge::train::LocalUpdate;
+use rayon::prelude::*;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::SimulationError;
 use super::config::ConfigError;
-use super::population::{ClientFailure, ClientTask, Population, TaskResult};
+use super::population::{
+    ClientFailure, ClientTask, Consume, Params, Population, TaskResult, Trained, TrainedResult,
+};
 use super::run::DataFacts;
+use super::shared_memory::{Area, SharedFile};
 use crate::engine::ClientId;
 
 /// Largest JSON header a worker may send (a traceback fits many times over).
@@ -74,6 +81,9 @@ pub struct PythonSettings {
     pub hyperparameters: serde_json::Map<String, Value>,
     /// Extra environment variables for the workers.
     pub env: Vec<(String, String)>,
+    /// Models and updates go through memory shared with the workers (Linux) instead of
+    /// their pipes. Where it cannot be set up, the pipes carry them.
+    pub shared_memory: bool,
 }
 
 impl PythonSettings {
@@ -148,7 +158,75 @@ pub struct PythonPopulation {
     /// Whether the user's code has an `evaluate` (a population without one is not asked,
     /// so no round waits for a model sent for nothing).
     has_evaluate: AtomicBool,
+    /// The memory shared with the workers, once the model's size is known.
+    shared: Option<Shared>,
+    /// The shared file, from before the first worker starts (workers inherit it).
+    shared_file: Option<SharedFile>,
 }
+
+/// The parts of the shared memory.
+struct Shared {
+    /// Each worker's model area.
+    models: Vec<Mutex<Area>>,
+    /// The update slots, one per task of a part of a batch; held for a whole batch.
+    slots: Mutex<Vec<Area>>,
+}
+
+/// A task's update before it is handed over: checked in its slot (on the thread that
+/// received the reply, so that the fold reads it only to add it), or copied out.
+struct Outcome<'s> {
+    landed: Landed<'s>,
+    num_samples: usize,
+    train_loss: f64,
+    client: u64,
+    round: u32,
+}
+
+/// Where an update landed.
+enum Landed<'s> {
+    /// Checked already (it was copied out of the reply).
+    Checked(Params<'s>),
+    /// In its slot, the model's tensors in order, as `float32`: still to be checked for
+    /// finite values, which is left until the whole part has landed, so that the workers
+    /// never wait on it and the checks run on every core.
+    InSlot {
+        values: &'s [f32],
+        tensors: Vec<ReturnedTensor>,
+    },
+}
+
+impl<'s> Outcome<'s> {
+    /// The update as the round loop reads it, or the task's failure when a value is not
+    /// finite (named by the general check).
+    fn check(self, layout: &Arc<Layout>) -> Result<Trained<'s>, ClientFailure> {
+        let params = match self.landed {
+            Landed::Checked(params) => params,
+            Landed::InSlot { values, tensors } => match Finite::check(values) {
+                Ok(finite) => Params::Finite(finite),
+                Err(_) => {
+                    let reason =
+                        update_from_tensors(layout, &tensors, bytemuck::cast_slice(values))
+                            .err()
+                            .unwrap_or_else(|| "the update holds NaN or infinity".into());
+                    return Err(ClientFailure {
+                        client: self.client,
+                        round: self.round,
+                        reason,
+                    });
+                }
+            },
+        };
+        Ok(Trained {
+            params,
+            num_samples: self.num_samples,
+            train_loss: self.train_loss,
+        })
+    }
+}
+
+/// Update slots hold at most this many bytes together (fewer, larger parts for small
+/// models would only touch more memory), and at least two per worker.
+const SLOT_BYTES: usize = 64 << 20;
 
 impl std::fmt::Debug for PythonPopulation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -190,6 +268,19 @@ impl PythonPopulation {
                 .spawn(move || watch(&running, &stop, &cancel))
                 .map_err(|e| ConfigError(format!("cannot start the worker watchdog: {e}")))?
         };
+        // Created before the first worker, which inherits it; mapped once the initial
+        // weights say how large the model is.
+        let shared_file = if settings.shared_memory {
+            match SharedFile::create() {
+                Ok(f) => Some(f),
+                Err(e) => {
+                    tracing::warn!("no shared memory for the Python workers ({e}): using pipes");
+                    None
+                }
+            }
+        } else {
+            None
+        };
         let mut pop = Self {
             workers: (0..settings.workers).map(|_| Mutex::new(None)).collect(),
             samples: (0..settings.clients).map(|_| AtomicUsize::new(0)).collect(),
@@ -202,11 +293,35 @@ impl PythonPopulation {
             watchdog: Some(watchdog),
             started: AtomicUsize::new(0),
             has_evaluate: AtomicBool::new(true),
+            shared: None,
+            shared_file,
         };
         let initial = pop.fetch_initial()?;
         pop.layout = initial.layout().clone();
         pop.initial = initial;
+        pop.shared = pop.map_shared();
         Ok(pop)
+    }
+
+    /// Maps the shared memory: a model area per worker, then the update slots.
+    fn map_shared(&self) -> Option<Shared> {
+        let file = self.shared_file.as_ref()?;
+        let bytes = self.layout.len().checked_mul(4)?.max(4);
+        let slots = (SLOT_BYTES / bytes).max(2 * self.settings.workers);
+        let sizes: Vec<usize> = std::iter::repeat_n(bytes, self.settings.workers + slots).collect();
+        match file.map(&sizes) {
+            Ok(mut areas) => {
+                let slots = areas.split_off(self.settings.workers);
+                Some(Shared {
+                    models: areas.into_iter().map(Mutex::new).collect(),
+                    slots: Mutex::new(slots),
+                })
+            }
+            Err(e) => {
+                tracing::warn!("no shared memory for the Python workers ({e}): using pipes");
+                None
+            }
+        }
     }
 
     /// The model's layout, as the user's initial weights define it.
@@ -250,6 +365,9 @@ impl PythonPopulation {
             if std::env::var_os(var).is_none() {
                 cmd.env(var, &share);
             }
+        }
+        if let Some(file) = &self.shared_file {
+            cmd.env("COHORT_WORKER_SHM_FD", file.raw_fd().to_string());
         }
         if !s.devices.is_empty() {
             let device = &s.devices[index % s.devices.len()];
@@ -365,11 +483,20 @@ impl PythonPopulation {
                     .iter()
                     .map(|t| json!({"name": t.name, "shape": t.shape}))
                     .collect();
-                write_frame(
-                    &mut worker.input,
-                    &json!({"op": "model", "version": version, "tensors": tensors}),
-                    &[bytemuck::cast_slice(global.values())],
-                )?;
+                let mut header = json!({"op": "model", "version": version, "tensors": tensors});
+                let values = global.values();
+                match self.shared.as_ref() {
+                    Some(shared) => {
+                        // The worker is idle (its lock is held here): its area is ours.
+                        let mut area = shared.models[index].lock().expect("no panics while held");
+                        area.write_f32s(values)?;
+                        header["shm"] = json!({"offset": area.offset(), "bytes": values.len() * 4});
+                        write_frame(&mut worker.input, &header, &[])?;
+                    }
+                    None => {
+                        write_frame(&mut worker.input, &header, &[bytemuck::cast_slice(values)])?
+                    }
+                }
                 worker.version = Some(version);
             }
             write_frame(&mut worker.input, request, &[])?;
@@ -420,11 +547,13 @@ impl PythonPopulation {
         }
     }
 
-    fn train_one(
+    /// Trains one task on `worker`; its update goes to `slot` when there is one.
+    fn train_one<'s>(
         &self,
         worker: usize,
         task: &ClientTask<'_>,
-    ) -> Result<TaskResult, SimulationError> {
+        slot: Option<&'s Area>,
+    ) -> Result<Result<Outcome<'s>, ClientFailure>, SimulationError> {
         let fail = |reason: String| {
             Ok(Err(ClientFailure {
                 client: task.client.0,
@@ -432,7 +561,7 @@ impl PythonPopulation {
                 reason,
             }))
         };
-        let request = json!({
+        let mut request = json!({
             "op": "train",
             "version": task.model_version,
             "client": task.client.0,
@@ -441,6 +570,9 @@ impl PythonPopulation {
             "config": task.train,
             "hyperparameters": self.settings.hyperparameters,
         });
+        if let Some(slot) = slot {
+            request["slot"] = json!({"offset": slot.offset(), "bytes": slot.size()});
+        }
         let (header, body) =
             match self.exchange(worker, task.model_version, task.global, &request)? {
                 Ok(reply) => reply,
@@ -448,6 +580,7 @@ impl PythonPopulation {
                     return fail(reason);
                 }
             };
+        let in_slot = header.get("slot_bytes").and_then(Value::as_u64);
         let reply: TrainReply = match serde_json::from_value(header) {
             Ok(r) => r,
             Err(e) => return fail(format!("the worker's reply is malformed: {e}")),
@@ -458,9 +591,37 @@ impl PythonPopulation {
                 reply.num_examples
             ));
         }
-        let params = match update_from_body(task.global.layout(), &reply.tensors, body) {
-            Ok(p) => p,
-            Err(reason) => return fail(reason),
+        let layout = task.global.layout();
+        let landed = match (in_slot, slot) {
+            (Some(n), Some(slot)) => {
+                let Some(bytes) = usize::try_from(n).ok().and_then(|n| slot.bytes(n)) else {
+                    return fail(format!(
+                        "the worker says it wrote {n} bytes into a {}-byte slot",
+                        slot.size()
+                    ));
+                };
+                let in_order = in_model_order(layout, &reply.tensors, bytes.len())
+                    .then(|| slot.f32s(layout.len()))
+                    .flatten();
+                match in_order {
+                    Some(values) => Landed::InSlot {
+                        values,
+                        tensors: reply.tensors,
+                    },
+                    // Another order, or float64: the general check, and a copy.
+                    None => match update_from_tensors(layout, &reply.tensors, bytes) {
+                        Ok(p) => Landed::Checked(Params::Owned(p.into_values())),
+                        Err(reason) => return fail(reason),
+                    },
+                }
+            }
+            (Some(_), None) => {
+                return fail("the worker wrote to a slot it was not given".into());
+            }
+            (None, _) => match update_from_body(layout, &reply.tensors, body) {
+                Ok(p) => Landed::Checked(Params::Owned(p.into_values())),
+                Err(reason) => return fail(reason),
+            },
         };
         let train_loss = reply
             .metrics
@@ -472,13 +633,77 @@ impl PythonPopulation {
         if let Some(s) = self.samples.get(task.client.0 as usize) {
             s.store(reply.num_examples as usize, Ordering::Relaxed);
         }
-        Ok(Ok(LocalUpdate {
-            params,
+        Ok(Ok(Outcome {
+            landed,
             num_samples: reply.num_examples as usize,
             train_loss,
-            steps: 0,
+            client: task.client.0,
+            round: task.round,
         }))
     }
+
+    /// Runs `tasks` on the workers, largest known client first so that the last task of
+    /// the batch is a short one; task `i` writes its update to `slots[i]` when there are
+    /// slots. The outcomes come back in the order of `tasks`.
+    fn run_tasks<'s>(
+        &self,
+        tasks: &[ClientTask<'_>],
+        slots: Option<&'s [Area]>,
+    ) -> Result<Vec<Result<Outcome<'s>, ClientFailure>>, SimulationError> {
+        let mut order: Vec<usize> = (0..tasks.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(self.num_samples(tasks[i].client)));
+        let next = AtomicUsize::new(0);
+        let results: Vec<Mutex<Option<Result<Outcome<'s>, ClientFailure>>>> =
+            tasks.iter().map(|_| Mutex::new(None)).collect();
+        let workers = self.settings.workers.min(tasks.len());
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..workers)
+                .map(|w| {
+                    let (order, next, results) = (&order, &next, &results);
+                    scope.spawn(move || -> Result<(), SimulationError> {
+                        loop {
+                            let k = next.fetch_add(1, Ordering::Relaxed);
+                            let Some(&i) = order.get(k) else {
+                                return Ok(());
+                            };
+                            let slot = slots.map(|s| &s[i]);
+                            let result = self.train_one(w, &tasks[i], slot)?;
+                            *results[i].lock().expect("no panics while held") = Some(result);
+                        }
+                    })
+                })
+                .collect();
+            let mut first_error = None;
+            for h in handles {
+                match h.join() {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => {
+                        first_error.get_or_insert(e);
+                    }
+                    Err(panic) => std::panic::resume_unwind(panic),
+                }
+            }
+            first_error.map_or(Ok(()), Err)
+        })?;
+        Ok(results
+            .into_iter()
+            .map(|r| {
+                r.into_inner()
+                    .expect("no panics while held")
+                    .expect("every task ran")
+            })
+            .collect())
+    }
+}
+
+/// Whether returned tensors are the model's own, in its order, all `float32`, filling
+/// `bytes`: then their bytes are the model vector as they are.
+fn in_model_order(layout: &Layout, tensors: &[ReturnedTensor], bytes: usize) -> bool {
+    tensors.len() == layout.tensors().len()
+        && tensors.iter().zip(layout.tensors()).all(|(t, spec)| {
+            t.name == spec.name && t.shape == spec.shape && float_kind(t) == Ok(Float::F32)
+        })
+        && bytes == layout.len() * 4
 }
 
 /// The watchdog: kills a worker whose task ran past its deadline, and every worker once
@@ -592,51 +817,57 @@ impl Population for PythonPopulation {
         Ok(self.initial.clone())
     }
 
-    /// Hands the tasks to the workers, largest known client first, so that the last
-    /// task of a round is a short one.
+    /// Trains the batch and returns owned updates (copied out of the shared slots).
     fn train(&self, tasks: &[ClientTask<'_>]) -> Result<Vec<TaskResult>, SimulationError> {
-        let mut order: Vec<usize> = (0..tasks.len()).collect();
-        order.sort_by_key(|&i| std::cmp::Reverse(self.num_samples(tasks[i].client)));
-        let next = AtomicUsize::new(0);
-        let results: Vec<Mutex<Option<TaskResult>>> =
-            tasks.iter().map(|_| Mutex::new(None)).collect();
-        let workers = self.settings.workers.min(tasks.len());
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = (0..workers)
-                .map(|w| {
-                    let (order, next, results) = (&order, &next, &results);
-                    scope.spawn(move || -> Result<(), SimulationError> {
-                        loop {
-                            let k = next.fetch_add(1, Ordering::Relaxed);
-                            let Some(&i) = order.get(k) else {
-                                return Ok(());
-                            };
-                            let result = self.train_one(w, &tasks[i])?;
-                            *results[i].lock().expect("no panics while held") = Some(result);
-                        }
-                    })
-                })
-                .collect();
-            let mut first_error = None;
-            for h in handles {
-                match h.join() {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => {
-                        first_error.get_or_insert(e);
+        let mut out = Vec::with_capacity(tasks.len());
+        self.train_in_place(tasks, &mut |_, part| {
+            for outcome in part {
+                out.push(outcome.map(|t| {
+                    LocalUpdate {
+                        params: ModelVector::new(self.layout.clone(), t.params.into_owned())
+                            .expect("checked against the model's layout"),
+                        num_samples: t.num_samples,
+                        train_loss: t.train_loss,
+                        steps: 0,
                     }
-                    Err(panic) => std::panic::resume_unwind(panic),
-                }
+                }));
             }
-            first_error.map_or(Ok(()), Err)
+            Ok(())
         })?;
-        Ok(results
-            .into_iter()
-            .map(|r| {
-                r.into_inner()
-                    .expect("no panics while held")
-                    .expect("every task ran")
-            })
-            .collect())
+        Ok(out)
+    }
+
+    /// Trains the batch a part at a time, as many tasks as there are shared slots, and
+    /// hands each part's updates over where they lie in the slots.
+    fn train_in_place(
+        &self,
+        tasks: &[ClientTask<'_>],
+        consume: &mut Consume<'_>,
+    ) -> Result<(), SimulationError> {
+        let Some(shared) = &self.shared else {
+            let outcomes = self.run_tasks(tasks, None)?;
+            let layout = &self.layout;
+            return consume(
+                0,
+                outcomes
+                    .into_iter()
+                    .map(|o| o.and_then(|o| o.check(layout)))
+                    .collect(),
+            );
+        };
+        // Held for the whole batch: nobody else may write these slots until `consume`
+        // is done with them.
+        let slots = shared.slots.lock().expect("no panics while held");
+        for (part, chunk) in tasks.chunks(slots.len()).enumerate() {
+            let outcomes = self.run_tasks(chunk, Some(&slots))?;
+            let layout = &self.layout;
+            let handed: Vec<TrainedResult<'_>> = outcomes
+                .into_par_iter()
+                .map(|o| o.and_then(|o| o.check(layout)))
+                .collect();
+            consume(part * slots.len(), handed)?;
+        }
+        Ok(())
     }
 
     fn evaluate(&self, round: u32, global: &ModelVector) -> Result<Evaluation, SimulationError> {
@@ -875,12 +1106,7 @@ fn update_from_body(
     tensors: &[ReturnedTensor],
     body: Body,
 ) -> Result<ModelVector, String> {
-    let in_order = tensors.len() == layout.tensors().len()
-        && tensors.iter().zip(layout.tensors()).all(|(t, spec)| {
-            t.name == spec.name && t.shape == spec.shape && float_kind(t) == Ok(Float::F32)
-        })
-        && body.len == layout.len() * 4;
-    if !in_order {
+    if !in_model_order(layout, tensors, body.len) {
         return update_from_tensors(layout, tensors, body.bytes());
     }
     let values = body

@@ -6,7 +6,7 @@ use std::time::Instant;
 use cohort_edge::data::{self, Dataset, Standardizer, SyntheticConfig};
 use cohort_edge::model::{Evaluation, ModelSpec};
 use cohort_edge::partition::partition;
-use cohort_edge::train::{LocalModel, LocalUpdate, TrainError, Trainer};
+use cohort_edge::train::{LocalModel, TrainError, Trainer};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
@@ -14,11 +14,11 @@ use serde::Serialize;
 
 use super::SimulationError;
 use super::config::{ConfigError, DatasetSpec, Mode, SimulationConfig};
-use super::population::{ClientFailure, ClientTask, Population, TaskResult};
+use super::population::{ClientFailure, ClientTask, Params, Population, TaskResult, Trained};
 use super::straggler::Stragglers;
 use crate::engine::{
-    ClientId, ClientUpdate, EngineConfig, RoundEngine, RoundOutcome, RoundPlan, RoundStatus,
-    SecureMean,
+    ClientId, ClientUpdate, EngineConfig, EngineError, RoundEngine, RoundOutcome, RoundPlan,
+    RoundStatus, SecureMean,
 };
 use crate::seeds::{Stream, derive_seed, derive_seed_bytes};
 use cohort_aggregation::secagg::{self, Stage, local};
@@ -526,36 +526,50 @@ fn plain_round(
     // come.
     let mut kept: Vec<(Vec<f32>, u64, f64)> = Vec::new();
     for batch in reporting.chunks(chunk) {
-        let mut updates = train_clients(cfg, pop, task, round_no, batch, failures)?;
-        for (id, u) in &mut updates {
-            if malicious.contains(id) {
-                let attacked: Vec<f32> = u
-                    .params
-                    .values()
-                    .iter()
-                    .zip(global)
-                    .map(|(p, g)| g + cfg.attack.apply(p - g))
-                    .collect();
-                u.params =
-                    cohort_aggregation::ModelVector::new(task.global.layout().clone(), attacked)
-                        .expect("the model's own layout");
+        train_clients(cfg, pop, task, round_no, batch, failures, |mut updates| {
+            for (id, u) in &mut updates {
+                if malicious.contains(id) {
+                    let attacked: Vec<f32> = u
+                        .params
+                        .values()
+                        .iter()
+                        .zip(global)
+                        .map(|(p, g)| g + cfg.attack.apply(p - g))
+                        .collect();
+                    u.params = Params::Owned(attacked);
+                }
             }
-        }
-        for (id, u) in updates {
             if cfg.aggregator.is_some() {
-                let delta = delta(&u.params, global);
-                kept.push((delta, u.num_samples as u64, u.train_loss));
-            } else {
-                engine.submit(
-                    id,
+                for (_, u) in updates {
+                    kept.push((
+                        delta(u.params.values(), global),
+                        u.num_samples as u64,
+                        u.train_loss,
+                    ));
+                }
+                return Ok(());
+            }
+            // One fold over the part: the sums are read and written once per part, not
+            // once per update.
+            let mut submitted: Vec<(ClientId, ClientUpdate<'_>)> =
+                Vec::with_capacity(updates.len());
+            for (id, u) in &updates {
+                let params = u.params.finite().map_err(|index| EngineError::BadUpdate {
+                    client: *id,
+                    source: cohort_aggregation::AggregationError::NonFinite { index },
+                })?;
+                submitted.push((
+                    *id,
                     ClientUpdate {
-                        params: &u.params,
+                        params,
                         num_samples: u.num_samples as u64,
                         train_loss: u.train_loss,
                     },
-                )?;
+                ));
             }
-        }
+            engine.submit_batch(&submitted)?;
+            Ok(())
+        })?;
     }
     match cfg.aggregator {
         Some(rule) => close_robust(engine, rule, &kept, global, task),
@@ -564,13 +578,8 @@ fn plain_round(
 }
 
 /// An update's difference from the global model it started from.
-fn delta(update: &cohort_aggregation::ModelVector, global: &[f32]) -> Vec<f32> {
-    update
-        .values()
-        .iter()
-        .zip(global)
-        .map(|(p, g)| p - g)
-        .collect()
+fn delta(update: &[f32], global: &[f32]) -> Vec<f32> {
+    update.iter().zip(global).map(|(p, g)| p - g).collect()
 }
 
 /// The malicious clients of a run of `clients`, fixed for the run by the seed.
@@ -615,7 +624,8 @@ fn train_clients(
     round_no: u32,
     ids: &[ClientId],
     failures: &mut Vec<ClientFailure>,
-) -> Result<Vec<(ClientId, LocalUpdate)>, SimulationError> {
+    mut consume: impl for<'a> FnMut(Vec<(ClientId, Trained<'a>)>) -> Result<(), SimulationError>,
+) -> Result<(), SimulationError> {
     let tasks: Vec<ClientTask<'_>> = ids
         .iter()
         .map(|&id| ClientTask {
@@ -627,18 +637,25 @@ fn train_clients(
             seed: derive_seed(cfg.seed, Stream::LocalTraining, round_no, id.0),
         })
         .collect();
-    let results = pop.train(&tasks)?;
-    let mut updates = Vec::with_capacity(ids.len());
     let before = failures.len();
-    for (&id, result) in ids.iter().zip(results) {
-        match result {
-            Ok(update) => updates.push((id, update)),
-            Err(failure) => failures.push(failure),
+    let mut trained = 0;
+    pop.train_in_place(&tasks, &mut |first, outcomes| {
+        let mut updates = Vec::with_capacity(outcomes.len());
+        for (&id, outcome) in ids[first..].iter().zip(outcomes) {
+            match outcome {
+                Ok(update) => updates.push((id, update)),
+                Err(failure) => failures.push(failure),
+            }
         }
-    }
+        trained += updates.len();
+        if updates.is_empty() {
+            return Ok(());
+        }
+        consume(updates)
+    })?;
     // One failing client is a dropout; all of them is a bug in the training code, which
     // no number of further rounds would fix.
-    if updates.is_empty()
+    if trained == 0
         && let Some(first) = failures.get(before)
     {
         return Err(SimulationError::RoundFailed {
@@ -648,7 +665,7 @@ fn train_clients(
             client: first.client,
         });
     }
-    Ok(updates)
+    Ok(())
 }
 
 /// Which of a round's selected clients drop out (the same draws whatever the round's
@@ -727,15 +744,15 @@ fn private_round(
     };
     let task = &plan.task;
     let global = task.global.values();
-    let updates: Vec<(Vec<f32>, u64, f64, bool)> =
-        train_clients(cfg, pop, task, round_no, reporting, failures)?
-            .into_par_iter()
-            .map(|(_, u)| {
-                let mut delta: Vec<f32> = delta(&u.params, global);
-                let norm = cohort_aggregation::privacy::clip::clip_l2(&mut delta, clip);
-                (delta, u.num_samples as u64, u.train_loss, norm <= clip)
-            })
-            .collect();
+    let mut updates: Vec<(Vec<f32>, u64, f64, bool)> = Vec::new();
+    train_clients(cfg, pop, task, round_no, reporting, failures, |part| {
+        updates.par_extend(part.into_par_iter().map(|(_, u)| {
+            let mut delta: Vec<f32> = delta(u.params.values(), global);
+            let norm = cohort_aggregation::privacy::clip::clip_l2(&mut delta, clip);
+            (delta, u.num_samples as u64, u.train_loss, norm <= clip)
+        }));
+        Ok(())
+    })?;
     let mut sum = vec![0.0f32; global.len()];
     for (delta, ..) in &updates {
         for (s, d) in sum.iter_mut().zip(delta) {
@@ -886,15 +903,18 @@ fn secure_round(
         .map(|(id, _)| *id)
         .collect();
     let mut inputs = std::collections::HashMap::new();
-    for (id, update) in train_clients(cfg, pop, task, round_no, &trains, failures)? {
-        let values: Vec<f32> = delta(&update.params, global);
-        let loss = if update.train_loss.is_finite() {
-            update.train_loss
-        } else {
-            0.0
-        };
-        inputs.insert(id, (values, update.num_samples as u64, loss));
-    }
+    train_clients(cfg, pop, task, round_no, &trains, failures, |part| {
+        for (id, update) in part {
+            let values: Vec<f32> = delta(update.params.values(), global);
+            let loss = if update.train_loss.is_finite() {
+                update.train_loss
+            } else {
+                0.0
+            };
+            inputs.insert(id, (values, update.num_samples as u64, loss));
+        }
+        Ok(())
+    })?;
     // Asked after training: a Python population learns its clients' sizes then.
     let max_weight = cfg.max_weight.unwrap_or_else(|| pop.max_weight());
     let config = secagg::RoundConfig {
