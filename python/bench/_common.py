@@ -53,18 +53,13 @@ def env_info() -> Dict[str, Any]:
             info[pkg] = version(pkg)
         except PackageNotFoundError:
             info[pkg] = None
-    # The compiled module's size tells a development build (`maturin develop`: several
-    # hundred MB of debug info, Cohort's crates at opt-level 1) from a release one.
+    # A development build (`maturin develop`, `--profile=dev`) runs Cohort's own crates
+    # at opt-level 1: its figures are not Cohort's.
     try:
-        import glob
-        from importlib.util import find_spec
+        from cohort import _rust
 
-        spec = find_spec("cohort")
-        if spec is not None and spec.origin:
-            ext = glob.glob(os.path.join(os.path.dirname(spec.origin), "_rust*.so"))
-            if ext:
-                info["cohort_extension_mib"] = round(os.path.getsize(ext[0]) / 2**20, 1)
-    except (ImportError, OSError):
+        info["cohort_build"] = getattr(_rust, "BUILD_PROFILE", None)
+    except ImportError:
         pass
     try:
         with open("/proc/loadavg", encoding="ascii") as f:

@@ -75,8 +75,8 @@ time in Python (autograd, the optimiser), so two threads train little faster tha
 and each ``fit_arrays`` call takes longer (``median_train_sum_s`` about doubles); the
 overhead share then understates the cost; ``--workers 1`` gives the reference harness's
 sequential grid. Measure Cohort with a release build of its extension (``pip install
-./python`` or ``maturin develop --release``): ``env.cohort_extension_mib`` of several
-hundred MB means a development build (Cohort's own crates at opt-level 1). Run on a
+./python`` or ``maturin develop --release``): ``env.cohort_build`` says ``dev`` for a
+development build (Cohort's own crates at opt-level 1). Run on a
 quiet machine: ``env.loadavg_1_5_15`` records the load at the start.
 
 Needs ``torch``, ``cohort`` and ``flwr[simulation]==1.42.0``. The Flower engines follow

@@ -27,8 +27,8 @@ from its strategy's ``configure_train`` to the end of ``aggregate_train``
 script reads from its own standard error.
 
 Measure Cohort with a release build of its extension (``pip install ./python`` or
-``maturin develop --release``; ``env.cohort_extension_mib`` of several hundred MB means
-a development build) on a quiet machine (``env.loadavg_1_5_15``).
+``maturin develop --release``; ``env.cohort_build`` says ``dev`` for a development
+build) on a quiet machine (``env.loadavg_1_5_15``).
 
 Engines: ``cohort`` (``cohort.simulate``, ``--workers`` worker processes),
 ``flower-inprocess`` (Flower 1.42's ``ServerApp`` and ``ClientApp`` through an

@@ -5,6 +5,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 __version__: str
+BUILD_PROFILE: str
 
 def simulate(
     config_json: str,

@@ -340,6 +340,15 @@ fn load_model<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyDict>>
 #[pymodule]
 fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // Benchmarks record it: a development build's own crates run at opt-level 1.
+    m.add(
+        "BUILD_PROFILE",
+        if cfg!(debug_assertions) {
+            "dev"
+        } else {
+            "release"
+        },
+    )?;
     m.add_function(wrap_pyfunction!(simulate, m)?)?;
     m.add_function(wrap_pyfunction!(check_config, m)?)?;
     m.add_function(wrap_pyfunction!(partition, m)?)?;

@@ -265,8 +265,10 @@ mod tests {
             let want: Vec<f32> = (0..n).map(|k| (i * 10_000 + k) as f32).collect();
             assert_eq!(a.f32s(n).unwrap(), want.as_slice());
         }
-        assert!(areas[0].f32s(3).is_some());
-        assert!(areas[0].f32s(4).is_none(), "past the area's end");
+        // 10 bytes hold two whole f32s; a third would reach past the area.
+        assert!(areas[0].f32s(2).is_some());
+        assert!(areas[0].f32s(3).is_none(), "past the area's end");
+        assert!(areas[0].bytes(10).is_some() && areas[0].bytes(11).is_none());
         assert!(areas[1].write_f32s(&[0.0; 1025]).is_err());
     }
 
