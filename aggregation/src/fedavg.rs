@@ -218,29 +218,20 @@ impl WeightedMean {
     ///
     /// Validates the whole batch first, so a batch with one bad update changes nothing.
     pub fn fold_batch(&mut self, batch: &[(&ModelVector, f64)]) -> Result<(), AggregationError> {
-        for (update, _) in batch {
-            check_layout(&self.layout, update.layout())?;
-        }
-        let values: Vec<(&[f32], f64)> = batch.iter().map(|(u, w)| (u.values(), *w)).collect();
-        self.fold_values(&values)
-    }
-
-    /// [`fold_batch`](Self::fold_batch) for updates given as bare values already in the
-    /// accumulator's layout (an update that has no [`ModelVector`] of its own, such as
-    /// one read in place from memory shared with the process that trained it). Only the
-    /// length is checked against the layout.
-    pub fn fold_values(&mut self, batch: &[(&[f32], f64)]) -> Result<(), AggregationError> {
         let mut checked = Vec::with_capacity(batch.len());
-        for &(values, weight) in batch {
-            let finite =
-                Finite::check(values).map_err(|index| AggregationError::NonFinite { index })?;
+        for &(update, weight) in batch {
+            check_layout(&self.layout, update.layout())?;
+            let finite = Finite::check(update.values())
+                .map_err(|index| AggregationError::NonFinite { index })?;
             checked.push((finite, weight));
         }
         self.fold_finite(&checked)
     }
 
-    /// [`fold_values`](Self::fold_values) for values already checked where they arrived
-    /// ([`Finite`]): the fold then reads each update once, to add it.
+    /// [`fold_batch`](Self::fold_batch) for bare values in the accumulator's layout, checked
+    /// where they arrived ([`Finite`]; such as an update read in place from memory shared
+    /// with the process that trained it): the fold reads each once, to add it. Only the
+    /// length is checked against the layout.
     pub fn fold_finite(&mut self, batch: &[(Finite<'_>, f64)]) -> Result<(), AggregationError> {
         let len = self.layout.len();
         if let Some((finite, _)) = batch.iter().find(|(f, _)| f.values.len() != len) {

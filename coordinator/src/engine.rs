@@ -383,18 +383,16 @@ impl RoundEngine {
             if update.num_samples == 0 {
                 return Err(EngineError::NoSamples { client });
             }
-        }
-        if let Some((client, update)) = updates
-            .iter()
-            .find(|(_, u)| u.params.values().len() != self.global.len())
-        {
-            return Err(EngineError::BadUpdate {
-                client: *client,
-                source: AggregationError::LayoutMismatch {
-                    expected: self.global.len(),
-                    found: update.params.values().len(),
-                },
-            });
+            let found = update.params.values().len();
+            if found != self.global.len() {
+                return Err(EngineError::BadUpdate {
+                    client,
+                    source: AggregationError::LayoutMismatch {
+                        expected: self.global.len(),
+                        found,
+                    },
+                });
+            }
         }
         let batch: Vec<(Finite<'_>, f64)> = updates
             .iter()

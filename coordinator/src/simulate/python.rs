@@ -172,8 +172,7 @@ struct Shared {
     slots: Mutex<Vec<Area>>,
 }
 
-/// A task's update before it is handed over: checked in its slot (on the thread that
-/// received the reply, so that the fold reads it only to add it), or copied out.
+/// A task's update before it is handed over: in its slot, or copied out of the reply.
 struct Outcome<'s> {
     landed: Landed<'s>,
     num_samples: usize,
@@ -184,8 +183,9 @@ struct Outcome<'s> {
 
 /// Where an update landed.
 enum Landed<'s> {
-    /// Checked already (it was copied out of the reply).
-    Checked(Params<'s>),
+    /// Copied out of the reply (over the pipe, or in another order or dtype) and
+    /// checked on the way.
+    Owned(Vec<f32>),
     /// In its slot, the model's tensors in order, as `float32`: still to be checked for
     /// finite values, which is left until the whole part has landed, so that the workers
     /// never wait on it and the checks run on every core.
@@ -200,7 +200,7 @@ impl<'s> Outcome<'s> {
     /// finite (named by the general check).
     fn check(self, layout: &Arc<Layout>) -> Result<Trained<'s>, ClientFailure> {
         let params = match self.landed {
-            Landed::Checked(params) => params,
+            Landed::Owned(values) => Params::Owned(values),
             Landed::InSlot { values, tensors } => match Finite::check(values) {
                 Ok(finite) => Params::Finite(finite),
                 Err(_) => {
@@ -610,7 +610,7 @@ impl PythonPopulation {
                     },
                     // Another order, or float64: the general check, and a copy.
                     None => match update_from_tensors(layout, &reply.tensors, bytes) {
-                        Ok(p) => Landed::Checked(Params::Owned(p.into_values())),
+                        Ok(p) => Landed::Owned(p.into_values()),
                         Err(reason) => return fail(reason),
                     },
                 }
@@ -619,7 +619,7 @@ impl PythonPopulation {
                 return fail("the worker wrote to a slot it was not given".into());
             }
             (None, _) => match update_from_body(layout, &reply.tensors, body) {
-                Ok(p) => Landed::Checked(Params::Owned(p.into_values())),
+                Ok(p) => Landed::Owned(p.into_values()),
                 Err(reason) => return fail(reason),
             },
         };
