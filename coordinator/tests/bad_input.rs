@@ -523,6 +523,7 @@ on_both_backends!(
     secure_masked_input_of_the_wrong_length_or_with_a_weight_is_422,
     secure_masked_input_from_a_client_that_did_not_share_is_409,
     secure_unmask_with_shares_it_does_not_hold_is_422,
+    secure_unmask_with_a_forged_share_is_422_and_excludes_its_sender,
 );
 
 /// A running secure experiment (SecAgg+, 3 clients, full graph, threshold 2) with all
@@ -919,6 +920,45 @@ async fn secure_unmask_with_shares_it_does_not_hold_is_422(h: &Harness) {
     .await;
     h.accepted(h.secagg(c0, &round.task, "unmask").json(&answers[0]))
         .await;
+}
+
+/// Finding 5 of the security review: a forged share is refused as `forged_share`
+/// naming its sender (not the share's owner), kept as evidence, and its sender is
+/// excluded from the round's unmasking: not even its honest answer is taken after it.
+async fn secure_unmask_with_a_forged_share_is_422_and_excludes_its_sender(h: &Harness) {
+    let mut round = h.secure_round().await;
+    h.mask_all(&mut round).await;
+    let reply = h
+        .secagg_get(&round.clients[0].0, &round.task, "survivors")
+        .await;
+    let request: cohort_aggregation::secagg::UnmaskRequest =
+        serde_json::from_value(reply["request"].clone()).unwrap();
+    let (c0, session) = &mut round.clients[0];
+    let honest = session.unmask(&request).unwrap();
+    let mut forged = honest.clone();
+    let share = &mut forged.seed_shares[0];
+    share.share[20] ^= 0x10;
+    let owner = share.owner;
+    let r = h
+        .secagg(c0, &round.task, "unmask")
+        .json(&forged)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "forged_share", "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains(&format!("of client {owner}'s secret")),
+        "{message}"
+    );
+    h.refused(
+        h.secagg(c0, &round.task, "unmask").json(&honest),
+        StatusCode::CONFLICT,
+        "excluded",
+    )
+    .await;
 }
 
 async fn malformed_json_is_400_and_enrols_nobody(h: &Harness) {

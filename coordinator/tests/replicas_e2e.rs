@@ -80,6 +80,7 @@ async fn two_coordinators_on_one_postgres_never_run_the_same_job() {
             idle_exit: Some(Duration::from_secs(6)),
             seed: i,
             slowdown: std::time::Duration::ZERO,
+            floors: cohort_aggregation::secagg::ClientFloors::default(),
             local_dp: None,
         };
         agents.push(tokio::spawn(cohort_edge::agent::run_agent(config)));

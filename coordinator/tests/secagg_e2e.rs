@@ -446,3 +446,129 @@ async fn secure_round_survives_two_clients_killed_mid_round() {
         }
     }
 }
+
+/// Finding 3 of the security review: an edge client took whatever threshold the
+/// coordinator sent. Three `cohort edge` processes join a secure experiment whose
+/// threshold is 2; one of them was started with `--min-threshold 3`: it refuses the
+/// round before it advertises a key, and says which floor the round fell short of.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edge_client_refuses_a_round_below_its_floors_and_says_why() {
+    cohort_coordinator::server::install_crypto_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let data_dir = dir.path().join("coordinator");
+    let ca = data_dir.join("tls/ca.pem");
+    let port = free_port();
+    let base = format!("https://127.0.0.1:{port}");
+    let mut server = spawn_serve(&data_dir, port, None);
+    let http = wait_healthy(&base, &ca).await;
+    let (csvs, _test) = write_digits_partitions(
+        &dir.path().join("sites"),
+        3,
+        &PartitionScheme::Dirichlet { alpha: 0.5 },
+        0,
+    )
+    .unwrap();
+    let exp = admin(
+        &http,
+        &base,
+        Method::POST,
+        "/experiments",
+        Some(serde_json::json!({
+            "name": "floors", "features": 64, "classes": 10, "model": "logreg",
+            "rounds": 1, "clients_per_round": 3, "min_participants": 2,
+            "collect_deadline_seconds": 10,
+            "secure_aggregation": {"threshold": 2, "neighbours": 2, "advertise_seconds": 5,
+                                   "share_seconds": 5, "unmask_seconds": 5}
+        })),
+    )
+    .await;
+    let id = exp["id"].as_str().unwrap().to_string();
+    let (tx, rx) = mpsc::channel();
+    let mut edges = Vec::new();
+    for (site, csv) in csvs.iter().enumerate() {
+        let issued = admin(
+            &http,
+            &base,
+            Method::POST,
+            "/enrolment-tokens",
+            Some(serde_json::json!({"label": format!("site-{site}")})),
+        )
+        .await;
+        let mut command = common::edge_command(
+            site,
+            &base,
+            &ca,
+            csv,
+            dir.path(),
+            issued["token"].as_str().unwrap(),
+            20,
+        );
+        if site == 2 {
+            command.args(["--min-threshold", "3"]);
+        }
+        let mut child = command.stderr(Stdio::piped()).spawn().unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = tx.send((site, line));
+            }
+        });
+        edges.push(child);
+    }
+    drop(tx);
+    let start = Instant::now();
+    loop {
+        let clients = admin(&http, &base, Method::GET, "/clients", None).await;
+        let seen = clients
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|c| !c["last_seen_at"].is_null())
+            .count();
+        if seen == 3 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "{seen} checked in"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    admin(
+        &http,
+        &base,
+        Method::POST,
+        &format!("/experiments/{id}/start"),
+        None,
+    )
+    .await;
+    let mut refusal = None;
+    let mut advertised_by_2 = false;
+    let start = Instant::now();
+    while refusal.is_none() {
+        let (site, line) = rx
+            .recv_timeout(Duration::from_secs(60).saturating_sub(start.elapsed()))
+            .expect("site 2 refuses the round");
+        if site == 2 && line.contains("secagg advertised keys") {
+            advertised_by_2 = true;
+        }
+        if site == 2 && line.contains("floor") {
+            refusal = Some(line);
+        }
+    }
+    let refusal = refusal.unwrap();
+    assert!(
+        refusal.contains(
+            "the round's threshold is 2, below this client's floor of 3 (--min-threshold)"
+        ),
+        "{refusal}"
+    );
+    assert!(!advertised_by_2, "the refusing client advertised no key");
+    for mut child in edges {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+}

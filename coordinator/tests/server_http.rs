@@ -1730,6 +1730,7 @@ async fn edge_agents_enrol_train_and_upload_until_the_experiment_finishes() {
             idle_exit: Some(Duration::from_secs(3)),
             seed: i,
             slowdown: std::time::Duration::ZERO,
+            floors: cohort_aggregation::secagg::ClientFloors::default(),
             local_dp: None,
         };
         agents.push(tokio::spawn(cohort_edge::agent::run_agent(config)));
@@ -1774,6 +1775,7 @@ async fn edge_agents_enrol_train_and_upload_until_the_experiment_finishes() {
         idle_exit: Some(Duration::from_millis(100)),
         seed: 9,
         slowdown: std::time::Duration::ZERO,
+        floors: cohort_aggregation::secagg::ClientFloors::default(),
         local_dp: None,
     })
     .await

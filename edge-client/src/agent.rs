@@ -44,6 +44,10 @@ pub struct AgentConfig {
     /// Extra time spent on every task after training and before the upload: emulates a
     /// slow device (a straggler) in tests and demonstrations. Zero for real use.
     pub slowdown: Duration,
+    /// The least this client accepts of a secure round's settings (threshold,
+    /// neighbours, party count, noise): a round below them is refused, and the refusal
+    /// says which floor it fell short of.
+    pub floors: cohort_aggregation::secagg::ClientFloors,
 }
 
 /// Why the agent stopped with an error.
@@ -241,16 +245,13 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
                 serve_evaluation(&client, &cred, config.trainer.clone(), &task, round_seed).await
             }
             TaskKind::Train => {
-                serve_task(
-                    &client,
-                    &cred,
-                    config.trainer.clone(),
-                    &task,
-                    round_seed,
-                    config.slowdown,
-                    config.local_dp.as_ref(),
-                )
-                .await
+                let how = HowToServe {
+                    seed: round_seed,
+                    slowdown: config.slowdown,
+                    local_dp: config.local_dp.as_ref(),
+                    floors: &config.floors,
+                };
+                serve_task(&client, &cred, config.trainer.clone(), &task, &how).await
             }
         };
         match outcome {
@@ -432,17 +433,31 @@ async fn serve_evaluation(
     Ok(())
 }
 
+/// This client's settings for one task.
+struct HowToServe<'a> {
+    /// The task's seed ([`task_seed`]).
+    seed: u64,
+    /// Extra time before the upload ([`AgentConfig::slowdown`]).
+    slowdown: Duration,
+    local_dp: Option<&'a crate::local_dp::LocalDp>,
+    floors: &'a cohort_aggregation::secagg::ClientFloors,
+}
+
 async fn serve_task(
     client: &CoordinatorClient,
     cred: &Credential,
     trainer: SharedTrainer,
     task: &Task,
-    seed: u64,
-    slowdown: Duration,
-    local_dp: Option<&crate::local_dp::LocalDp>,
+    how: &HowToServe<'_>,
 ) -> Result<(), AgentError> {
+    let HowToServe {
+        seed,
+        slowdown,
+        local_dp,
+        ..
+    } = *how;
     if let Some(secure) = &task.secure_aggregation {
-        return serve_secure_task(client, cred, trainer, task, secure, seed, local_dp).await;
+        return serve_secure_task(client, cred, trainer, task, secure, how).await;
     }
     let layout = task_layout(task)?;
     let (global, version) =
@@ -516,10 +531,15 @@ async fn serve_secure_task(
     trainer: SharedTrainer,
     task: &Task,
     secure: &crate::protocol::SecureTask,
-    seed: u64,
-    local_dp: Option<&crate::local_dp::LocalDp>,
+    how: &HowToServe<'_>,
 ) -> Result<(), AgentError> {
     use cohort_aggregation::secagg::ClientSession;
+    let HowToServe {
+        seed,
+        local_dp,
+        floors,
+        ..
+    } = *how;
 
     let layout = task_layout(task)?;
     if secure.config.dimension != layout.len() {
@@ -529,8 +549,13 @@ async fn serve_secure_task(
             layout.len()
         )));
     }
-    let (mut session, keys) =
-        ClientSession::new(secure.config.clone(), secure.index, &mut rand::rng())?;
+    // Floors first: a round below them is refused before a key or a model is fetched.
+    let (mut session, keys) = ClientSession::with_floors(
+        secure.config.clone(),
+        secure.index,
+        *floors,
+        &mut rand::rng(),
+    )?;
     with_retries(|| client.advertise_keys(cred, task, &keys)).await?;
     let round = format!(
         "experiment={} round={} attempt={}",

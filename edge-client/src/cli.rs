@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use clap::Args;
 
+use cohort_aggregation::secagg::ClientFloors;
+
 use crate::agent::{AgentConfig, run_agent};
 
 /// Flags of `cohort-edge`.
@@ -79,6 +81,24 @@ pub struct EdgeArgs {
     /// past this (default: no limit; the ledger is kept either way)
     #[arg(long, value_name = "E", requires = "local_dp_noise_multiplier")]
     pub local_dp_epsilon: Option<f64>,
+    /// Secure rounds: refuse a round that selects fewer clients than this, or asks to
+    /// unmask a sum of fewer inputs (a coordinator that cheats could otherwise isolate
+    /// this client's update)
+    #[arg(long, value_name = "N", default_value_t = ClientFloors::default().min_parties)]
+    pub min_parties: u32,
+    /// Secure rounds: refuse a round whose neighbourhood is smaller than this (a smaller
+    /// complete graph is accepted)
+    #[arg(long, value_name = "K", default_value_t = ClientFloors::default().min_neighbours)]
+    pub min_neighbours: usize,
+    /// Secure rounds: refuse a round whose threshold (shares needed to rebuild a secret)
+    /// is below this
+    #[arg(long, value_name = "T", default_value_t = ClientFloors::default().min_threshold)]
+    pub min_threshold: usize,
+    /// Secure rounds: refuse a round whose distributed noise multiplier, as planned or
+    /// for the clients really in the sum, is below this (default 0: rounds without noise
+    /// are accepted)
+    #[arg(long, value_name = "Z", default_value_t = ClientFloors::default().min_noise_multiplier)]
+    pub min_noise_multiplier: f64,
 }
 
 /// Runs the client to the end: exit status 2 for bad input, 1 for a failure, 0 when it
@@ -150,6 +170,16 @@ pub fn run(args: EdgeArgs) -> ExitCode {
         }
         _ => None,
     };
+    let floors = ClientFloors {
+        min_parties: args.min_parties,
+        min_neighbours: args.min_neighbours,
+        min_threshold: args.min_threshold,
+        min_noise_multiplier: args.min_noise_multiplier,
+    };
+    if let Err(e) = floors.validate() {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -171,6 +201,7 @@ pub fn run(args: EdgeArgs) -> ExitCode {
         seed: args.seed,
         slowdown: Duration::from_millis(args.slowdown_ms),
         local_dp,
+        floors,
     };
     match runtime.block_on(run_agent(config)) {
         Ok(report) => {

@@ -446,6 +446,7 @@ pub unsafe extern "C" fn cohort_client_run_pending(
             seed: c.seed,
             local_dp: None,
             slowdown: Duration::ZERO,
+            floors: cohort_aggregation::secagg::ClientFloors::default(),
         };
         let report = client.runtime.block_on(crate::agent::run_agent(config));
         match report {

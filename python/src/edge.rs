@@ -121,6 +121,7 @@ fn run_edge<'py>(
         seed,
         local_dp: None,
         slowdown: Duration::ZERO,
+        floors: cohort_aggregation::secagg::ClientFloors::default(),
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let agent = std::thread::Builder::new()

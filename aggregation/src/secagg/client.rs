@@ -4,7 +4,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::crypto::{self, KEY_BYTES, KeyPair};
+use zeroize::Zeroizing;
+
+use super::crypto::{self, KEY_BYTES, KeyPair, SecretKind};
+use super::floors::ClientFloors;
 use super::graph::NeighbourGraph;
 use super::messages::{
     AdvertiseKeys, EncryptedShare, ForwardedShares, KeyDirectory, RevealedShare, RoundConfig,
@@ -19,11 +22,16 @@ use super::{SecAggError, Stage, check_ascending};
 pub struct ClientSession {
     config: RoundConfig,
     quantizer: Quantizer,
+    floors: ClientFloors,
     me: u32,
     cipher: KeyPair,
     mask: KeyPair,
     state: ClientState,
 }
+
+// Every secret a session holds wipes itself when dropped: the key pairs
+// (x25519-dalek's `zeroize`), the self-mask seed, the pair keys and the shares held.
+impl zeroize::ZeroizeOnDrop for ClientSession {}
 
 impl std::fmt::Debug for ClientSession {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -34,7 +42,8 @@ impl std::fmt::Debug for ClientSession {
     }
 }
 
-/// What this client derived for one neighbour in stage 2.
+/// What this client derived for one neighbour in stage 2. Wiped when dropped.
+#[derive(zeroize::Zeroize, zeroize::ZeroizeOnDrop)]
 struct PairKeys {
     /// Opens the share the neighbour encrypted for this client.
     incoming: [u8; KEY_BYTES],
@@ -50,7 +59,7 @@ enum ClientState {
         /// The neighbours in the graph over `U1`, each with the key that opens its share
         /// for this client and the pair's mask seed (agreed once, used in stage 3).
         neighbours: BTreeMap<u32, PairKeys>,
-        self_seed: [u8; KEY_BYTES],
+        self_seed: Zeroizing<[u8; KEY_BYTES]>,
     },
     /// Masked input sent; holding the neighbours' shares until the unmask request.
     Masked {
@@ -66,12 +75,28 @@ enum ClientState {
 impl ClientSession {
     /// Joins a round as client `me` (in `1..=config.parties`): makes the two key pairs and
     /// returns the stage 1 message.
+    /// The settings must meet [`ClientFloors::default`]; see
+    /// [`with_floors`](Self::with_floors).
     pub fn new<R: rand_core::CryptoRng + ?Sized>(
         config: RoundConfig,
         me: u32,
         rng: &mut R,
     ) -> Result<(Self, AdvertiseKeys), SecAggError> {
+        Self::with_floors(config, me, ClientFloors::default(), rng)
+    }
+
+    /// [`new`](Self::new) for a client with its own floors: a round whose settings fall
+    /// below them is refused here ([`SecAggError::BelowFloor`]), and an unmask request
+    /// whose survivors fall below them is refused in stage 4.
+    pub fn with_floors<R: rand_core::CryptoRng + ?Sized>(
+        config: RoundConfig,
+        me: u32,
+        floors: ClientFloors,
+        rng: &mut R,
+    ) -> Result<(Self, AdvertiseKeys), SecAggError> {
+        floors.validate().map_err(SecAggError::InvalidConfig)?;
         let quantizer = config.validate()?;
+        floors.check(&config)?;
         if me == 0 || me > config.parties {
             return Err(SecAggError::UnknownClient(me));
         }
@@ -85,6 +110,7 @@ impl ClientSession {
             Self {
                 config,
                 quantizer,
+                floors,
                 me,
                 cipher,
                 mask,
@@ -164,8 +190,8 @@ impl ClientSession {
         let mut keys = Vec::with_capacity(neighbours.len());
         let mut pairs = BTreeMap::new();
         for &v in &neighbours {
-            let shared = self.cipher.agree(&directory[&v].cipher_pk)?;
-            let masked = self.mask.agree(&directory[&v].mask_pk)?;
+            let shared = Zeroizing::new(self.cipher.agree(&directory[&v].cipher_pk)?);
+            let masked = Zeroizing::new(self.mask.agree(&directory[&v].mask_pk)?);
             keys.push(crypto::share_key(&shared, session, self.me, v));
             pairs.insert(
                 v,
@@ -175,23 +201,29 @@ impl ClientSession {
                 },
             );
         }
-        let mut self_seed = [0u8; KEY_BYTES];
-        rng.fill_bytes(&mut self_seed);
+        let mut self_seed = Zeroizing::new([0u8; KEY_BYTES]);
+        rng.fill_bytes(self_seed.as_mut());
         let seed_shares = shamir::split(&self_seed, t, &neighbours, rng)?;
-        let key_shares = shamir::split(&self.mask.secret_bytes(), t, &neighbours, rng)?;
+        let mask_secret = Zeroizing::new(self.mask.secret_bytes());
+        let key_shares = shamir::split(&mask_secret, t, &neighbours, rng)?;
         let shares = neighbours
             .iter()
             .zip(&keys)
             .zip(seed_shares.iter().zip(&key_shares))
             .map(|((&v, key), (s, k))| {
-                let mut plain = Vec::with_capacity(SHARE_PLAINTEXT_BYTES);
+                let (s, k) = (Zeroizing::new(s.to_bytes()), Zeroizing::new(k.to_bytes()));
+                let mut plain = Zeroizing::new(Vec::with_capacity(SHARE_PLAINTEXT_BYTES));
                 plain.extend_from_slice(&self.me.to_le_bytes());
                 plain.extend_from_slice(&v.to_le_bytes());
-                plain.extend_from_slice(&s.to_bytes());
-                plain.extend_from_slice(&k.to_bytes());
+                plain.extend_from_slice(s.as_ref());
+                plain.extend_from_slice(k.as_ref());
+                let commit =
+                    |kind, share: &[u8]| crypto::share_commitment(session, self.me, v, kind, share);
                 EncryptedShare {
                     to: v,
-                    ciphertext: crypto::seal(key, &self.config.session, self.me, v, &plain),
+                    ciphertext: crypto::seal(key, session, self.me, v, &plain),
+                    seed_share_commitment: commit(SecretKind::Seed, s.as_ref()),
+                    key_share_commitment: commit(SecretKind::MaskKey, k.as_ref()),
                 }
             })
             .collect();
@@ -285,7 +317,13 @@ impl ClientSession {
                     found: f.ciphertext.len(),
                 });
             }
-            let plain = crypto::open(&pair.incoming, session, f.from, self.me, &f.ciphertext)?;
+            let plain = Zeroizing::new(crypto::open(
+                &pair.incoming,
+                session,
+                f.from,
+                self.me,
+                &f.ciphertext,
+            )?);
             let from = u32::from_le_bytes(plain[..4].try_into().expect("4 bytes"));
             let to = u32::from_le_bytes(plain[4..8].try_into().expect("4 bytes"));
             if from != f.from || to != self.me {
@@ -294,8 +332,22 @@ impl ClientSession {
                     f.from
                 )));
             }
-            let seed_share = Share::from_bytes(&plain[8..8 + SHARE_BYTES])?;
-            let key_share = Share::from_bytes(&plain[8 + SHARE_BYTES..])?;
+            let (seed_bytes, key_bytes) = plain[8..].split_at(SHARE_BYTES);
+            let committed = |kind, share: &[u8], commitment: &[u8; KEY_BYTES]| {
+                crypto::share_commitment(session, f.from, self.me, kind, share) == *commitment
+            };
+            // A share that does not match its commitment could never be revealed: the
+            // server would refuse it, and the sender's secret would be short a share.
+            if !committed(SecretKind::Seed, seed_bytes, &f.seed_share_commitment)
+                || !committed(SecretKind::MaskKey, key_bytes, &f.key_share_commitment)
+            {
+                return Err(SecAggError::BadMessage(format!(
+                    "the shares from client {} do not match their commitments",
+                    f.from
+                )));
+            }
+            let seed_share = Share::from_bytes(seed_bytes)?;
+            let key_share = Share::from_bytes(key_bytes)?;
             if seed_share.holder != self.me || key_share.holder != self.me {
                 return Err(SecAggError::BadMessage(format!(
                     "share from {} is for another holder",
@@ -366,6 +418,17 @@ impl ClientSession {
             return Err(SecAggError::TooFewParticipants {
                 stage: Stage::Masked,
                 have: survivors.len(),
+                need: t,
+            });
+        }
+        self.floors.check_survivors(&self.config, survivors.len())?;
+        // This client's own seed is rebuilt from its surviving neighbours' shares: with
+        // fewer than t of them the round cannot finish, so nothing is revealed for it.
+        let holders = neighbours.iter().filter(|v| survivors.contains(v)).count();
+        if holders < t {
+            return Err(SecAggError::TooFewNeighbours {
+                client: self.me,
+                have: holders,
                 need: t,
             });
         }

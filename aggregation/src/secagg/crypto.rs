@@ -32,6 +32,9 @@ pub struct KeyPair {
     public: [u8; KEY_BYTES],
 }
 
+// x25519-dalek wipes the private key on drop (its `zeroize` feature).
+impl zeroize::ZeroizeOnDrop for KeyPair {}
+
 impl std::fmt::Debug for KeyPair {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KeyPair")
@@ -221,6 +224,43 @@ pub fn seed_commitment(
         .expect("SHA-256 gives 32 bytes")
 }
 
+/// Which of a client's two secrets a share belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SecretKind {
+    /// The self-mask seed, revealed for a client that survived.
+    Seed,
+    /// The pairwise mask key, revealed for a client that dropped.
+    MaskKey,
+}
+
+/// A binding commitment to one share: the share `owner` dealt to `holder` of one of its
+/// secrets. The owner sends it in the clear with the encrypted share, so that the
+/// server can tell a share revealed in stage 4 from a forged one and name the holder
+/// that forged it, instead of failing the round on the owner's secret. It hides the
+/// share: a share is five uniform field limbs (305 random bits), nothing to guess.
+pub fn share_commitment(
+    session: &[u8; KEY_BYTES],
+    owner: u32,
+    holder: u32,
+    kind: SecretKind,
+    share: &[u8],
+) -> [u8; KEY_BYTES] {
+    let mut ctx = digest::Context::new(&digest::SHA256);
+    ctx.update(b"cohort secagg share commitment v1");
+    ctx.update(session);
+    ctx.update(&owner.to_le_bytes());
+    ctx.update(&holder.to_le_bytes());
+    ctx.update(&[match kind {
+        SecretKind::Seed => 1,
+        SecretKind::MaskKey => 2,
+    }]);
+    ctx.update(share);
+    ctx.finish()
+        .as_ref()
+        .try_into()
+        .expect("SHA-256 gives 32 bytes")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -281,5 +321,22 @@ mod tests {
         assert_ne!(c, seed_commitment(&[1; 32], 8, &[2; 32]));
         assert_ne!(c, seed_commitment(&[1; 32], 7, &[3; 32]));
         assert_ne!(c, seed_commitment(&[0; 32], 7, &[2; 32]));
+        let s = share_commitment(&[1; 32], 7, 8, SecretKind::Seed, &[3; 44]);
+        assert_ne!(
+            s,
+            share_commitment(&[1; 32], 7, 8, SecretKind::MaskKey, &[3; 44])
+        );
+        assert_ne!(
+            s,
+            share_commitment(&[1; 32], 8, 7, SecretKind::Seed, &[3; 44])
+        );
+        assert_ne!(
+            s,
+            share_commitment(&[1; 32], 7, 8, SecretKind::Seed, &[4; 44])
+        );
+        assert_ne!(
+            s,
+            share_commitment(&[2; 32], 7, 8, SecretKind::Seed, &[3; 44])
+        );
     }
 }

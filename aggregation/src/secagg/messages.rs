@@ -72,6 +72,13 @@ pub struct EncryptedShare {
     /// ChaCha20-Poly1305 of `from || to || seed share || key share`.
     #[serde(with = "b64_vec")]
     pub ciphertext: Vec<u8>,
+    /// [`share_commitment`](super::crypto::share_commitment) to the seed share inside.
+    #[serde(with = "b64_array")]
+    pub seed_share_commitment: [u8; KEY_BYTES],
+    /// [`share_commitment`](super::crypto::share_commitment) to the mask key share
+    /// inside.
+    #[serde(with = "b64_array")]
+    pub key_share_commitment: [u8; KEY_BYTES],
 }
 
 /// Bytes of an [`EncryptedShare`]'s plaintext.
@@ -79,8 +86,8 @@ pub const SHARE_PLAINTEXT_BYTES: usize = 8 + 2 * SHARE_BYTES;
 /// Bytes of an [`EncryptedShare`]'s ciphertext.
 pub const SHARE_CIPHERTEXT_BYTES: usize = SHARE_PLAINTEXT_BYTES + super::crypto::TAG_BYTES;
 
-/// Stage 2, client to server: one encrypted share pair per neighbour, and a commitment
-/// to the self-mask seed.
+/// Stage 2, client to server: one encrypted share pair per neighbour with commitments
+/// to both shares, and a commitment to the self-mask seed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ShareKeys {
@@ -100,6 +107,14 @@ pub struct ForwardedShare {
     /// The ciphertext as sent.
     #[serde(with = "b64_vec")]
     pub ciphertext: Vec<u8>,
+    /// The sender's commitment to the seed share inside, as sent: the recipient checks
+    /// the share it decrypts against it, so that the share it may reveal later is one
+    /// the server can check too.
+    #[serde(with = "b64_array")]
+    pub seed_share_commitment: [u8; KEY_BYTES],
+    /// The sender's commitment to the mask key share inside, as sent.
+    #[serde(with = "b64_array")]
+    pub key_share_commitment: [u8; KEY_BYTES],
 }
 
 /// Server to one client after stage 2: the shares its neighbours in `U2` (those that

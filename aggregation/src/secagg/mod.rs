@@ -48,13 +48,16 @@
 
 pub mod client;
 pub mod crypto;
+pub mod floors;
 pub mod graph;
+pub mod identity;
 pub mod local;
 pub mod messages;
 pub mod prg;
 pub mod quantize;
 pub mod server;
 pub mod shamir;
+pub mod sizing;
 
 #[cfg(test)]
 mod tests;
@@ -62,6 +65,7 @@ mod tests;
 use std::fmt;
 
 pub use client::ClientSession;
+pub use floors::{BelowFloor, ClientFloors};
 pub use graph::{NeighbourGraph, effective_degree};
 pub use messages::{
     AdvertiseKeys, DirectoryEntry, EncryptedShare, ForwardedShare, ForwardedShares, KeyDirectory,
@@ -201,6 +205,25 @@ pub enum SecAggError {
         /// Whose secret.
         client: u32,
     },
+    /// A share revealed in stage 4 that is not the one its owner dealt (it does not
+    /// match the owner's commitment): the holder forged or corrupted it. The holder's
+    /// answer is refused and the holder excluded from the round's unmasking; the
+    /// secret is rebuilt from the other holders' shares.
+    #[error(
+        "client {holder} revealed a share of client {owner}'s secret that its owner never dealt"
+    )]
+    WrongShare {
+        /// Who revealed it.
+        holder: u32,
+        /// Whose secret it claims to be a share of.
+        owner: u32,
+    },
+    /// A client excluded earlier in the round for a forged share.
+    #[error("client {0} was excluded from this round for revealing a forged share")]
+    Excluded(u32),
+    /// A round setting below the client's floor: the client refuses the round.
+    #[error(transparent)]
+    BelowFloor(#[from] floors::BelowFloor),
     /// The round failed earlier with this error.
     #[error("the round failed: {0}")]
     RoundFailed(Box<SecAggError>),

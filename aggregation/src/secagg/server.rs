@@ -15,7 +15,7 @@ use rayon::prelude::*;
 
 use crate::reduce::Reducer;
 
-use super::crypto::{self, KEY_BYTES, KeyPair};
+use super::crypto::{self, KEY_BYTES, KeyPair, SecretKind};
 use super::graph::{NeighbourGraph, effective_degree};
 use super::messages::{
     AdvertiseKeys, DirectoryEntry, ForwardedShare, ForwardedShares, KeyDirectory, RoundConfig,
@@ -67,6 +67,9 @@ pub struct Unmasked {
     pub survivors: Vec<u32>,
     /// Who dropped where.
     pub dropouts: Dropouts,
+    /// Survivors excluded from unmasking for revealing a forged share (their inputs are
+    /// in the sum; none of their shares was used).
+    pub excluded: Vec<u32>,
     /// Masks the server expanded and removed: one self mask per survivor and one
     /// pairwise mask per (dropped client, surviving neighbour) pair.
     pub masks_removed: usize,
@@ -89,6 +92,8 @@ pub struct ServerSession {
     /// inputs itself and hands the sum to [`ServerSession::finish_with`].
     external_sum: bool,
     revealed: BTreeMap<u32, Revealed>,
+    /// Survivors whose stage 4 answer held a forged share.
+    excluded: BTreeSet<u32>,
     reducer: Arc<dyn Reducer>,
 }
 
@@ -125,6 +130,7 @@ impl ServerSession {
             sum: Vec::new(),
             external_sum: false,
             revealed: BTreeMap::new(),
+            excluded: BTreeSet::new(),
             reducer: crate::reduce::cpu(),
         })
     }
@@ -354,6 +360,8 @@ impl ServerSession {
                 Some(ForwardedShare {
                     from: *from,
                     ciphertext: share.ciphertext.clone(),
+                    seed_share_commitment: share.seed_share_commitment,
+                    key_share_commitment: share.key_share_commitment,
                 })
             })
             .collect();
@@ -435,10 +443,44 @@ impl ServerSession {
     /// Stage 4: accepts client `from`'s revealed shares: seed shares only of surviving
     /// neighbours, key shares only of neighbours that dropped after sharing, each share
     /// held by `from`.
+    ///
+    /// A share that does not match its owner's commitment is the one refusal that
+    /// leaves a mark: the holder is excluded ([`SecAggError::WrongShare`]), any later
+    /// answer from it is refused, and [`Unmasked::excluded`] names it. Its own input stays
+    /// in the sum (its neighbours revealed its seed shares), but none of its shares is
+    /// used, so a forged share can no longer fail the round or blame the share's owner.
     pub fn receive_unmask(&mut self, from: u32, reply: &UnmaskShares) -> Result<(), SecAggError> {
-        let revealed = self.parse_unmask(from, reply)?;
-        self.revealed.insert(from, revealed);
+        match self.parse_unmask(from, reply) {
+            Ok(revealed) => {
+                self.revealed.insert(from, revealed);
+                Ok(())
+            }
+            Err(e @ SecAggError::WrongShare { .. }) => {
+                self.excluded.insert(from);
+                Err(e)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Excludes client `from` from unmasking for a forged share found by
+    /// [`check_unmask`](Self::check_unmask): what [`receive_unmask`](Self::receive_unmask)
+    /// records itself, for a server that keeps the round's state elsewhere.
+    pub fn exclude(&mut self, from: u32) -> Result<(), SecAggError> {
+        self.expect(Stage::Unmask)?;
+        if !self.masked.contains(&from) {
+            return Err(SecAggError::NotInRound(from));
+        }
+        if self.revealed.contains_key(&from) {
+            return Err(SecAggError::Duplicate(from));
+        }
+        self.excluded.insert(from);
         Ok(())
+    }
+
+    /// Clients excluded for forged shares.
+    pub fn excluded(&self) -> impl Iterator<Item = u32> + '_ {
+        self.excluded.iter().copied()
     }
 
     /// The checks of [`receive_unmask`](Self::receive_unmask) without recording
@@ -452,10 +494,14 @@ impl ServerSession {
         if !self.masked.contains(&from) {
             return Err(SecAggError::NotInRound(from));
         }
+        if self.excluded.contains(&from) {
+            return Err(SecAggError::Excluded(from));
+        }
         if self.revealed.contains_key(&from) {
             return Err(SecAggError::Duplicate(from));
         }
         let graph = self.graph();
+        let session = &self.config.session;
         let parse = |owner: u32, bytes: &[u8], survived: bool| -> Result<Share, SecAggError> {
             let in_u2 = self.shared.contains_key(&owner);
             if !graph.are_neighbours(from, owner) || !in_u2 {
@@ -475,6 +521,25 @@ impl ServerSession {
                     "client {from} sent a share held by client {}",
                     share.holder
                 )));
+            }
+            let dealt = &self.shared[&owner].shares;
+            let dealt = dealt
+                .binary_search_by_key(&from, |s| s.to)
+                .map(|i| &dealt[i])
+                .map_err(|_| SecAggError::NotNeighbour {
+                    from: owner,
+                    to: from,
+                })?;
+            let (kind, commitment) = if survived {
+                (SecretKind::Seed, &dealt.seed_share_commitment)
+            } else {
+                (SecretKind::MaskKey, &dealt.key_share_commitment)
+            };
+            if crypto::share_commitment(session, owner, from, kind, bytes) != *commitment {
+                return Err(SecAggError::WrongShare {
+                    holder: from,
+                    owner,
+                });
             }
             Ok(share)
         };
@@ -603,6 +668,7 @@ impl ServerSession {
                     decoded,
                     survivors,
                     dropouts: self.dropouts(),
+                    excluded: self.excluded.iter().copied().collect(),
                     masks_removed,
                     mask_seconds,
                 })
@@ -647,7 +713,8 @@ impl ServerSession {
                 .combine(&shares)
                 .map_err(|_| SecAggError::ReconstructionFailed { client: owner })
         };
-        let mut self_seeds = Vec::with_capacity(self.masked.len());
+        // The rebuilt secrets unmask single inputs: wiped as soon as the masks are off.
+        let mut self_seeds = zeroize::Zeroizing::new(Vec::with_capacity(self.masked.len()));
         for &u in &self.masked {
             let seed = rebuild(u, true)?;
             if crypto::seed_commitment(session, u, &seed) != self.shared[&u].seed_commitment {
@@ -678,12 +745,13 @@ impl ServerSession {
                     .map(move |v| (i as u32, v))
             })
             .collect();
-        let pair_seeds: Vec<([u8; KEY_BYTES], MaskSign)> = pairs
+        let pair_seeds: Vec<(zeroize::Zeroizing<[u8; KEY_BYTES]>, MaskSign)> = pairs
             .par_iter()
             .map(|&(i, v)| {
                 let (u, key) = &dropped_keys[i as usize];
-                let shared = key.agree(&self.keys[&v].mask_pk)?;
-                let seed = crypto::pairwise_mask_seed(&shared, session, *u, v);
+                let shared = zeroize::Zeroizing::new(key.agree(&self.keys[&v].mask_pk)?);
+                let seed =
+                    zeroize::Zeroizing::new(crypto::pairwise_mask_seed(&shared, session, *u, v));
                 // v added +PRG when v < u, -PRG otherwise; undo it.
                 let sign = if v < *u {
                     MaskSign::Subtract

@@ -56,8 +56,8 @@ pub enum ShamirError {
     Inconsistent,
 }
 
-/// One holder's share of one secret.
-#[derive(Clone, PartialEq, Eq)]
+/// One holder's share of one secret. Wiped when dropped: `t` of them are the secret.
+#[derive(Clone, PartialEq, Eq, zeroize::Zeroize, zeroize::ZeroizeOnDrop)]
 pub struct Share {
     /// The holder's non-zero point, its index in the round.
     pub holder: u32,
@@ -197,22 +197,25 @@ pub fn split<R: rand_core::CryptoRng + ?Sized>(
             return Err(ShamirError::BadHolder(h));
         }
     }
-    // coefficients[limb][power], power 0 being the secret's limb.
-    let constant = to_limbs(secret);
-    let coefficients: Vec<Vec<u64>> = constant
-        .iter()
-        .map(|&c| {
-            std::iter::once(c)
-                .chain((1..threshold).map(|_| random_element(rng)))
-                .collect()
-        })
-        .collect();
+    // coefficients[limb][power], power 0 being the secret's limb. Any of them with a
+    // few shares gives the secret away, so they are wiped on every way out.
+    let constant = zeroize::Zeroizing::new(to_limbs(secret));
+    let coefficients: zeroize::Zeroizing<Vec<Vec<u64>>> = zeroize::Zeroizing::new(
+        constant
+            .iter()
+            .map(|&c| {
+                std::iter::once(c)
+                    .chain((1..threshold).map(|_| random_element(rng)))
+                    .collect()
+            })
+            .collect(),
+    );
     Ok(holders
         .iter()
         .map(|&holder| {
             let x = u64::from(holder);
             let mut limbs = [0u64; LIMBS];
-            for (limb, coeffs) in limbs.iter_mut().zip(&coefficients) {
+            for (limb, coeffs) in limbs.iter_mut().zip(coefficients.iter()) {
                 // Horner, from the highest power down.
                 *limb = coeffs.iter().rev().fold(0, |acc, &c| add(mul(acc, x), c));
             }
@@ -290,7 +293,7 @@ impl Interpolator {
         {
             return Err(ShamirError::Malformed("shares do not match the holders"));
         }
-        let mut limbs = [0u64; LIMBS];
+        let mut limbs = zeroize::Zeroizing::new([0u64; LIMBS]);
         for (share, &lambda) in shares.iter().zip(&self.coefficients) {
             for (limb, &y) in limbs.iter_mut().zip(&share.limbs) {
                 *limb = add(*limb, mul(lambda, y));

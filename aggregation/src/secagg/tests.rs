@@ -626,8 +626,12 @@ fn refused_messages_change_nothing() {
     assert_eq!(out.dropouts.masked, vec![8]);
 }
 
+/// Finding 5 of the security review: one forged share used to fail the round and name
+/// the share's owner (`ReconstructionFailed { client: 2 }`). Each share is committed to
+/// by its owner, so the forger is named, excluded, and the round finishes from the
+/// honest holders' shares.
 #[test]
-fn a_wrong_share_is_caught_by_the_commitment_not_turned_into_a_wrong_sum() {
+fn a_forged_share_excludes_its_holder_and_the_round_still_unmasks() {
     let cfg = config(6, 5, 3, 2);
     let mut server = ServerSession::new(cfg.clone()).unwrap();
     let mut rng = ChaCha20Rng::seed_from_u64(8);
@@ -652,17 +656,83 @@ fn a_wrong_share_is_caught_by_the_commitment_not_turned_into_a_wrong_sum() {
     for (&u, c) in clients.iter_mut() {
         let mut reply = c.unmask(&request).unwrap();
         if u == 1 {
-            // Client 1 lies about its share of client 2's seed.
-            for s in reply.seed_shares.iter_mut().filter(|s| s.owner == 2) {
-                s.share[10] ^= 0x40;
-            }
+            // Client 1 lies about its share of client 2's seed: the limb bytes change,
+            // the share still parses.
+            let forged = reply.seed_shares.iter_mut().find(|s| s.owner == 2).unwrap();
+            forged.share[10] ^= 0x40;
+            assert_eq!(
+                server.check_unmask(u, &reply),
+                Err(SecAggError::WrongShare {
+                    holder: 1,
+                    owner: 2
+                })
+            );
+            assert_eq!(
+                server.receive_unmask(u, &reply),
+                Err(SecAggError::WrongShare {
+                    holder: 1,
+                    owner: 2
+                })
+            );
+            // Excluded: not even its honest answer is taken now.
+            let honest = {
+                let mut r = reply.clone();
+                r.seed_shares
+                    .iter_mut()
+                    .find(|s| s.owner == 2)
+                    .unwrap()
+                    .share[10] ^= 0x40;
+                r
+            };
+            assert_eq!(
+                server.receive_unmask(u, &honest),
+                Err(SecAggError::Excluded(1))
+            );
+            continue;
         }
         server.receive_unmask(u, &reply).unwrap();
     }
+    let out = server.finish().unwrap();
+    assert_eq!(out.excluded, vec![1]);
     assert_eq!(
-        server.finish(),
-        Err(SecAggError::ReconstructionFailed { client: 2 })
+        out.survivors,
+        vec![1, 2, 3, 4, 5, 6],
+        "1's input stays in the sum"
     );
+    assert!((f64::from(out.decoded.mean[0]) - 1.0).abs() <= out.decoded.error_bound);
+    assert!((f64::from(out.decoded.mean[1]) + 1.0).abs() <= out.decoded.error_bound);
+}
+
+/// A share that does not match the commitment sent with it is refused by its recipient
+/// in stage 3, before the recipient masks against a neighbour whose secret it could not
+/// help rebuild.
+#[test]
+fn a_share_that_does_not_match_its_commitment_is_refused_on_arrival() {
+    let cfg = config(4, 3, 2, 1);
+    let mut server = ServerSession::new(cfg.clone()).unwrap();
+    let mut rng = ChaCha20Rng::seed_from_u64(9);
+    let mut clients = BTreeMap::new();
+    for u in 1..=4 {
+        let (c, k) = ClientSession::new(cfg.clone(), u, &mut rng).unwrap();
+        server.receive_keys(u, &k).unwrap();
+        clients.insert(u, c);
+    }
+    let dir = server.close_advertise().unwrap();
+    for (&u, c) in clients.iter_mut() {
+        let m = c.share_keys(&dir, &mut rng).unwrap();
+        server.receive_shares(u, &m).unwrap();
+    }
+    server.close_sharing().unwrap();
+    let mut forwarded = server.forwarded_for(1).unwrap();
+    forwarded.shares[0].key_share_commitment[0] ^= 1;
+    let client = clients.get_mut(&1).unwrap();
+    let err = client
+        .mask(&forwarded, &[0.5], 1, 0.0, &mut rng)
+        .unwrap_err();
+    assert!(err.to_string().contains("commitments"), "{err}");
+    // Refused without a change: the true message is still taken.
+    let forwarded = server.forwarded_for(1).unwrap();
+    client.mask(&forwarded, &[0.5], 1, 0.0, &mut rng).unwrap();
 }
 
 /// The default graph keeps rounds alive at the design dropout rate, and the bound that
@@ -1221,4 +1291,23 @@ fn checks_refuse_what_receive_refuses_and_record_nothing() {
         SecAggError::Duplicate(1)
     );
     assert!(live.missing_secrets().is_empty());
+}
+
+/// Finding 12 of the security review: the self-mask seed, pair keys, Shamir coefficients
+/// and revealed shares stayed in freed memory. The types that hold them now wipe
+/// themselves when dropped (this does not compile where one of them does not).
+#[test]
+fn the_types_that_hold_secrets_wipe_them_when_dropped() {
+    fn wiped_on_drop<T: zeroize::ZeroizeOnDrop>() {}
+    wiped_on_drop::<super::shamir::Share>();
+    wiped_on_drop::<super::crypto::KeyPair>();
+    wiped_on_drop::<ClientSession>();
+    // And a dropped share really is zero where it lay.
+    let mut share =
+        super::shamir::split(&[7; 32], 2, &[1, 2, 3], &mut ChaCha20Rng::seed_from_u64(1))
+            .unwrap()
+            .remove(0);
+    assert_ne!(share.to_bytes()[4..], [0; 40]);
+    zeroize::Zeroize::zeroize(&mut share);
+    assert_eq!(share.to_bytes(), [0; super::shamir::SHARE_BYTES]);
 }

@@ -343,10 +343,18 @@ const GROUPS: &[(&str, &[FieldDef])] = &[
             def(
                 "secure_aggregation.neighbours",
                 "Neighbours",
-                "Neighbours per client; empty for the default sized for 10% dropout.",
+                "Neighbours per client; empty for the default sized for 10% dropout and the colluding fraction.",
                 Number,
                 false,
                 false,
+            ),
+            def(
+                "secure_aggregation.colluding_fraction",
+                "Colluding fraction",
+                "Fraction of clients assumed to work with a coordinator that cheats (0 to 0.5); the default neighbourhood and threshold keep every update private against it.",
+                Number,
+                false,
+                true,
             ),
             def(
                 "secure_aggregation.clip",
@@ -534,6 +542,10 @@ fn defaults() -> HashMap<&'static str, String> {
         ("secure_aggregation", String::new()),
         ("secure_aggregation.threshold", String::new()),
         ("secure_aggregation.neighbours", String::new()),
+        (
+            "secure_aggregation.colluding_fraction",
+            secure.colluding_fraction.to_string(),
+        ),
         ("secure_aggregation.clip", secure.clip.to_string()),
         (
             "secure_aggregation.max_weight",
@@ -781,6 +793,9 @@ pub fn parse(fields: &[(String, String)]) -> Parsed {
         Some(SecureAggregationSpec {
             threshold: r.optional("secure_aggregation.threshold").flatten(),
             neighbours: r.optional("secure_aggregation.neighbours").flatten(),
+            colluding_fraction: r
+                .number("secure_aggregation.colluding_fraction")
+                .unwrap_or(s.colluding_fraction),
             clip: clip.unwrap_or(s.clip),
             max_weight: r
                 .whole("secure_aggregation.max_weight")

@@ -328,6 +328,7 @@ impl ExperimentSpec {
                 "unmask_seconds",
                 "neighbours",
                 "threshold",
+                "colluding_fraction",
                 "clip",
                 "max_weight",
             ]
@@ -339,6 +340,7 @@ impl ExperimentSpec {
                 "unmask_seconds" => "secure_aggregation.unmask_seconds",
                 "neighbours" => "secure_aggregation.neighbours",
                 "threshold" => "secure_aggregation.threshold",
+                "colluding_fraction" => "secure_aggregation.colluding_fraction",
                 "clip" => "secure_aggregation.clip",
                 _ => "secure_aggregation.max_weight",
             });

@@ -392,7 +392,14 @@ async fn open(
             let (_, model) = experiment_model(exp)?;
             let mut session = [0u8; 32];
             rand::RngExt::fill(&mut rand::rng(), &mut session);
-            let config = secure.round_config(wanted, k, model.num_params(), session);
+            let config = match secure.round_config(k, model.num_params(), session) {
+                Ok(config) => config,
+                Err(why) => {
+                    // Fewer clients than wanted: try again on a later tick.
+                    tracing::warn!(experiment = %exp.id, round, parties = k, "not opened: {why}");
+                    return Ok(());
+                }
+            };
             let text = serde_json::to_string(&config).expect("settings serialise");
             let deadline = now + (secure.advertise_seconds as i64) * 1000;
             state
@@ -462,11 +469,29 @@ async fn open_private(
     if selected.len() < needed {
         return Ok(());
     }
+    // The round's protocol settings come from the real draw, and are checked before it
+    // is charged: a draw no valid setting fits is drawn again, not charged.
+    let secure_config = match &spec.secure_aggregation {
+        Some(secure) => {
+            let (_, model) = experiment_model(exp)?;
+            let mut session = [0u8; 32];
+            rand::RngExt::fill(&mut rand::rng(), &mut session);
+            match secure.round_config(selected.len(), model.num_params(), session) {
+                Ok(mut config) => {
+                    config.quantization.distributed_noise = Some(privacy.distributed_noise());
+                    Some(config)
+                }
+                Err(why) => {
+                    tracing::warn!(experiment = %exp.id, round, parties = selected.len(),
+                        "not opened: {why}");
+                    return Ok(());
+                }
+            }
+        }
+        None => None,
+    };
     let rounds = state.store.rounds(exp.id).await?;
-    let threshold = spec
-        .secure_aggregation
-        .as_ref()
-        .map(|secure| secure.graph(wanted).1);
+    let threshold = secure_config.as_ref().map(|c| c.threshold);
     let charge =
         super::privacy::charge_round(privacy, &rounds, q, denominator, selected.len(), threshold)
             .map_err(|e| DriverError::Spec(exp.id, format!("differential privacy: {e}")))?;
@@ -485,18 +510,12 @@ async fn open_private(
             Err(e) => Err(e.into()),
         };
     }
-    let (secagg, deadline) = match &spec.secure_aggregation {
-        Some(secure) => {
-            let (_, model) = experiment_model(exp)?;
-            let mut session = [0u8; 32];
-            rand::RngExt::fill(&mut rand::rng(), &mut session);
-            let mut config =
-                secure.round_config(wanted, selected.len(), model.num_params(), session);
-            config.quantization.distributed_noise = Some(privacy.distributed_noise());
+    let (secagg, deadline) = match (&spec.secure_aggregation, secure_config) {
+        (Some(secure), Some(config)) => {
             let text = serde_json::to_string(&config).expect("settings serialise");
             (Some(text), now + (secure.advertise_seconds as i64) * 1000)
         }
-        None => (None, now + (spec.collect_deadline_seconds as i64) * 1000),
+        _ => (None, now + (spec.collect_deadline_seconds as i64) * 1000),
     };
     let opened = state
         .store

@@ -126,7 +126,8 @@ fn protocol_error(e: SecAggError) -> ApiError {
         SecAggError::WrongStage { .. }
         | SecAggError::NotInRound(_)
         | SecAggError::Duplicate(_)
-        | SecAggError::RoundFailed(_) => ApiError::conflict("secagg_conflict", e.to_string()),
+        | SecAggError::RoundFailed(_)
+        | SecAggError::Excluded(_) => ApiError::conflict("secagg_conflict", e.to_string()),
         other => ApiError::unprocessable("invalid_message", other.to_string()),
     }
 }
@@ -312,13 +313,22 @@ async fn record(
 /// stage's message gets the distinct code `already_sent`, so that a retry after a lost
 /// answer knows its message is in.
 fn require_stage(v: &ClientView, stage: RoundStage) -> Result<(), ApiError> {
+    if v.me.secagg_stage.as_deref() == Some("excluded") {
+        return Err(ApiError::conflict(
+            "excluded",
+            format!(
+                "this client was excluded from round {} attempt {} for revealing a forged share",
+                v.round.round, v.round.attempt
+            ),
+        ));
+    }
     let done = match stage {
         RoundStage::Advertising => v.me.secagg_stage.is_some(),
         RoundStage::Sharing => matches!(
             v.me.secagg_stage.as_deref(),
             Some("shared" | "masked" | "unmasked")
         ),
-        _ => v.me.secagg_stage.as_deref() == Some("unmasked"),
+        _ => matches!(v.me.secagg_stage.as_deref(), Some("unmasked" | "excluded")),
     };
     if done {
         return Err(ApiError::conflict(
@@ -528,10 +538,20 @@ async fn unmask(
 ) -> Result<(StatusCode, Json<Accepted>), ApiError> {
     let v = view(&state, client.0.id, &id, round, attempt).await?;
     require_stage(&v, RoundStage::Unmasking)?;
-    closed(&state, &v, RoundStage::Collecting)
+    let checked = closed(&state, &v, RoundStage::Collecting)
         .await?
-        .check_unmask(v.index, &message)
-        .map_err(protocol_error)?;
+        .check_unmask(v.index, &message);
     let body = serde_json::to_string(&message).map_err(ApiError::internal)?;
-    record(&state, &v, &client, SecAggMessageKind::Unmask, body).await
+    match checked {
+        Ok(()) => record(&state, &v, &client, SecAggMessageKind::Unmask, body).await,
+        Err(forged @ SecAggError::WrongShare { .. }) => {
+            // The forged answer is kept as the evidence that excludes its sender; the
+            // secret is rebuilt from the other holders' shares.
+            record(&state, &v, &client, SecAggMessageKind::Forged, body).await?;
+            tracing::warn!(client = %client.0.id, round, attempt, error = %forged,
+                "client excluded from unmasking");
+            Err(ApiError::unprocessable("forged_share", forged.to_string()))
+        }
+        Err(e) => Err(protocol_error(e)),
+    }
 }

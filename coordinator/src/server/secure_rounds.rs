@@ -12,7 +12,7 @@
 
 use cohort_aggregation::secagg::{
     self, AdvertiseKeys, QuantizationParams, RoundConfig, SecAggError, ServerSession, ShareKeys,
-    UnmaskShares, Unmasked, default_neighbours, default_threshold, effective_degree,
+    UnmaskShares, Unmasked, effective_degree, sizing,
 };
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -30,13 +30,21 @@ use crate::store::{
 #[serde(deny_unknown_fields, default)]
 pub struct SecureAggregationSpec {
     /// Shares needed to rebuild a client's secrets (`t`); more than half the
-    /// neighbours. Default: just over half.
+    /// neighbours. Default: the smallest that keeps updates private against the
+    /// colluding fraction (just over half without colluding clients). One set too low for
+    /// a round's real number of clients is raised for that round, never lowered.
     pub threshold: Option<usize>,
     /// Neighbours per client (`k`). Default: `O(log n)` for the `n` clients selected per
     /// round, sized so that 10% dropout fails a round with probability at most 10^-3
     /// (20 for 100 clients, the complete graph for 10); `n - 1` or more is the complete
     /// graph.
     pub neighbours: Option<usize>,
+    /// The fraction of selected clients assumed to collude with a coordinator that
+    /// cheats (Sybil enrolments included), in `[0, 0.5)`. Unset neighbours and thresholds
+    /// are sized so that no client's update is exposed except with probability `2^-40` a
+    /// round (Bell et al. 2020's bound). Default 0: every enrolled client is an honest
+    /// site (checked out of band by its identity fingerprint).
+    pub colluding_fraction: f64,
     /// Each update coordinate is clipped to `[-clip, clip]` before quantisation.
     pub clip: f32,
     /// Sample counts above this count as this in the weighted mean.
@@ -55,6 +63,7 @@ impl Default for SecureAggregationSpec {
         Self {
             threshold: None,
             neighbours: None,
+            colluding_fraction: 0.0,
             clip: q.clip,
             max_weight: q.max_weight,
             advertise_seconds: 30,
@@ -65,33 +74,56 @@ impl Default for SecureAggregationSpec {
 }
 
 impl SecureAggregationSpec {
-    /// `k` and `t` for an experiment that selects up to `wanted` clients per round.
-    pub fn graph(&self, wanted: usize) -> (usize, usize) {
-        let k = self
-            .neighbours
-            .unwrap_or_else(|| default_neighbours(wanted));
-        let t = self
-            .threshold
-            .unwrap_or_else(|| default_threshold(wanted, k));
-        (k, t)
+    /// `k` and `t` for a round of `parties` selected clients (the real count, which
+    /// Poisson sampling for differential privacy makes vary from round to round). Unset
+    /// ones are sized for [`secagg::DESIGN_DROPOUT`] and the colluding fraction
+    /// ([`sizing::size`]); a threshold set too low for this many parties is raised to the
+    /// smallest safe one (never lowered). `Err` says why no threshold works: the round
+    /// must not open.
+    pub fn settings_for(&self, parties: usize) -> Result<(usize, usize), String> {
+        let sized = || {
+            sizing::size(parties, secagg::DESIGN_DROPOUT, self.colluding_fraction)
+                .map_err(|e| e.to_string())
+        };
+        let k = match self.neighbours {
+            Some(k) => k,
+            None => sized()?.neighbours,
+        };
+        let floor = sizing::min_threshold(parties, k, self.colluding_fraction);
+        let t = match (self.threshold, self.neighbours) {
+            (Some(t), _) => t.max(floor),
+            (None, Some(_)) => floor,
+            (None, None) => sized()?.threshold,
+        };
+        let keff = effective_degree(parties, k);
+        if t > keff {
+            return Err(format!(
+                "with {parties} clients and {keff} neighbours each, no threshold keeps updates \
+                 private against a colluding fraction of {} (it would need {t} > {keff} \
+                 shares); raise neighbours or lower threshold",
+                self.colluding_fraction
+            ));
+        }
+        Ok((k, t))
     }
 
-    /// Fewest available clients a round can start with: `t + 1`, so that every
-    /// client has `t` neighbours.
+    /// Fewest available clients a round can start with: `t + 1` for the round of
+    /// `wanted` clients, so that every client has `t` neighbours.
     pub fn min_clients(&self, wanted: usize) -> usize {
-        self.graph(wanted).1 + 1
+        self.settings_for(wanted).map_or(wanted, |(_, t)| t + 1)
     }
 
-    /// The public settings of a round of `parties` selected clients.
+    /// The public settings of a round of `parties` selected clients, checked as the
+    /// clients will check them: `Err` (the round must not open, nor be charged to a
+    /// privacy budget) when no valid setting exists for this many parties.
     pub fn round_config(
         &self,
-        wanted: usize,
         parties: usize,
         dimension: usize,
         session: [u8; 32],
-    ) -> RoundConfig {
-        let (neighbours, threshold) = self.graph(wanted);
-        RoundConfig {
+    ) -> Result<RoundConfig, String> {
+        let (neighbours, threshold) = self.settings_for(parties)?;
+        let config = RoundConfig {
             session,
             parties: parties as u32,
             threshold,
@@ -102,7 +134,9 @@ impl SecureAggregationSpec {
                 max_weight: self.max_weight,
                 ..QuantizationParams::default()
             },
-        }
+        };
+        config.validate().map_err(|e| e.to_string())?;
+        Ok(config)
     }
 
     /// Checks the settings for rounds of up to `wanted` clients and `dimension`
@@ -125,19 +159,23 @@ impl SecureAggregationSpec {
         if self.neighbours == Some(0) {
             return Err("neighbours must be at least 1".into());
         }
-        let (k, t) = self.graph(wanted);
-        let keff = effective_degree(wanted, k);
-        if 2 * t <= keff || t > keff {
+        if !(self.colluding_fraction.is_finite() && (0.0..0.5).contains(&self.colluding_fraction)) {
             return Err(format!(
-                "threshold must be more than half of the {keff} neighbours and at most {keff} \
-                 (between {} and {keff}), got {t}",
-                keff / 2 + 1
+                "colluding_fraction must be in [0, 0.5), got {}",
+                self.colluding_fraction
             ));
         }
-        self.round_config(wanted, wanted, dimension, [0; 32])
-            .validate()
-            .map(|_| ())
-            .map_err(|e| e.to_string())
+        if let (Some(t), Some(k)) = (self.threshold, self.neighbours) {
+            let keff = effective_degree(wanted, k);
+            if 2 * t <= keff || t > keff {
+                return Err(format!(
+                    "threshold must be more than half of the {keff} neighbours and at most \
+                     {keff} (between {} and {keff}), got {t}",
+                    keff / 2 + 1
+                ));
+            }
+        }
+        self.round_config(wanted, dimension, [0; 32]).map(|_| ())
     }
 }
 
@@ -220,6 +258,13 @@ pub async fn rebuild(
             {
                 session
                     .receive_unmask(m.index, &parse::<UnmaskShares>(&m.body, "stored shares")?)?;
+            }
+            // Survivors excluded for a forged share (their stored answer is the evidence).
+            for m in store
+                .secagg_messages(exp, r, a, SecAggMessageKind::Forged)
+                .await?
+            {
+                session.exclude(m.index)?;
             }
         }
     }
@@ -322,7 +367,12 @@ fn restore_masked(
 ) -> Result<(), SecureRoundError> {
     let mut masked: Vec<u32> = participations
         .iter()
-        .filter(|p| matches!(p.secagg_stage.as_deref(), Some("masked" | "unmasked")))
+        .filter(|p| {
+            matches!(
+                p.secagg_stage.as_deref(),
+                Some("masked" | "unmasked" | "excluded")
+            )
+        })
         .filter_map(|p| p.secagg_index.and_then(|i| u32::try_from(i).ok()))
         .collect();
     masked.sort_unstable();
@@ -345,6 +395,8 @@ pub struct SecureProgress {
     pub masked: usize,
     /// Survivors that revealed their shares.
     pub unmasked: usize,
+    /// Survivors excluded from unmasking for revealing a forged share.
+    pub excluded: usize,
 }
 
 /// The progress counts of a round's participations.
@@ -361,10 +413,11 @@ pub fn progress(participations: &[Participation]) -> SecureProgress {
     };
     SecureProgress {
         selected: participations.len(),
-        advertised: reached(&["advertised", "shared", "masked", "unmasked"]),
-        shared: reached(&["shared", "masked", "unmasked"]),
-        masked: reached(&["masked", "unmasked"]),
+        advertised: reached(&["advertised", "shared", "masked", "unmasked", "excluded"]),
+        shared: reached(&["shared", "masked", "unmasked", "excluded"]),
+        masked: reached(&["masked", "unmasked", "excluded"]),
         unmasked: reached(&["unmasked"]),
+        excluded: reached(&["excluded"]),
     }
 }
 
@@ -395,7 +448,7 @@ pub async fn step(
         RoundStage::Advertising => p.advertised >= p.selected,
         RoundStage::Sharing => p.shared >= p.advertised,
         RoundStage::Collecting => p.masked >= p.shared,
-        RoundStage::Unmasking => p.unmasked >= p.masked,
+        RoundStage::Unmasking => p.unmasked + p.excluded >= p.masked,
         _ => return Ok(()),
     };
     let secs = |s: u64| now + (s as i64) * 1000;
@@ -555,5 +608,69 @@ pub async fn fail_aggregation(
     {
         Ok(_) | Err(StoreError::Conflict(_)) => Ok(()),
         Err(e) => Err(e.into()),
+    }
+}
+
+#[cfg(test)]
+mod sizing_tests {
+    use super::*;
+
+    /// Finding 6 of the security review: `k` and `t` came from the planned number of
+    /// clients, so a Poisson draw of 11 for 10 planned gave `t = 5` of 10 neighbours (not
+    /// more than half): a round no client would take, stuck in advertising and already
+    /// charged. Now every count a draw can give gets settings the clients accept.
+    #[test]
+    fn every_party_count_a_poisson_draw_can_give_gets_valid_settings() {
+        let spec = SecureAggregationSpec::default();
+        for parties in 3..=300 {
+            let config = spec
+                .round_config(parties, 8, [0; 32])
+                .unwrap_or_else(|e| panic!("{parties} parties: {e}"));
+            config.validate().unwrap();
+            let floors = secagg::ClientFloors::default();
+            floors.check(&config).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_threshold_set_too_low_for_the_draw_is_raised_and_one_that_cannot_fit_refuses() {
+        let spec = SecureAggregationSpec {
+            neighbours: Some(4),
+            threshold: Some(3),
+            ..SecureAggregationSpec::default()
+        };
+        // Three clients: two neighbours each, a threshold of 3 cannot be met.
+        assert!(spec.round_config(3, 8, [0; 32]).is_err());
+        for parties in 4..=40 {
+            let c = spec.round_config(parties, 8, [0; 32]).unwrap();
+            assert!(c.threshold >= 3 && c.validate().is_ok(), "{parties}");
+        }
+        // The complete graph of 9 (k = 8) needs 5: the 3 asked for is raised, not kept.
+        let complete = SecureAggregationSpec {
+            neighbours: Some(20),
+            threshold: Some(3),
+            ..SecureAggregationSpec::default()
+        };
+        assert_eq!(complete.round_config(9, 8, [0; 32]).unwrap().threshold, 5);
+    }
+
+    #[test]
+    fn colluding_clients_size_the_default_neighbourhood() {
+        let honest = SecureAggregationSpec::default().settings_for(1000).unwrap();
+        let wary = SecureAggregationSpec {
+            colluding_fraction: 0.05,
+            ..SecureAggregationSpec::default()
+        }
+        .settings_for(1000)
+        .unwrap();
+        assert!(
+            wary.0 > honest.0 && wary.1 > honest.1,
+            "{honest:?} {wary:?}"
+        );
+        let too_many = SecureAggregationSpec {
+            colluding_fraction: 0.5,
+            ..SecureAggregationSpec::default()
+        };
+        assert!(too_many.validate(100, 8).is_err());
     }
 }

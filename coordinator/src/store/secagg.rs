@@ -21,6 +21,9 @@ pub enum SecAggMessageKind {
     Share,
     /// Stage 4: revealed shares.
     Unmask,
+    /// Stage 4: revealed shares of which one did not match its owner's commitment. Kept
+    /// as the evidence for which the client is excluded from unmasking.
+    Forged,
 }
 
 impl SecAggMessageKind {
@@ -30,6 +33,7 @@ impl SecAggMessageKind {
             SecAggMessageKind::Advertise => "advertise",
             SecAggMessageKind::Share => "share",
             SecAggMessageKind::Unmask => "unmask",
+            SecAggMessageKind::Forged => "forged",
         }
     }
 
@@ -38,7 +42,7 @@ impl SecAggMessageKind {
         match self {
             SecAggMessageKind::Advertise => RoundStage::Advertising,
             SecAggMessageKind::Share => RoundStage::Sharing,
-            SecAggMessageKind::Unmask => RoundStage::Unmasking,
+            SecAggMessageKind::Unmask | SecAggMessageKind::Forged => RoundStage::Unmasking,
         }
     }
 
@@ -48,6 +52,7 @@ impl SecAggMessageKind {
             SecAggMessageKind::Advertise => (None, "advertised"),
             SecAggMessageKind::Share => (Some("advertised"), "shared"),
             SecAggMessageKind::Unmask => (Some("masked"), "unmasked"),
+            SecAggMessageKind::Forged => (Some("masked"), "excluded"),
         }
     }
 }
