@@ -1,6 +1,7 @@
 //! Exact samplers on the integer lattice: `Bernoulli(exp(-gamma))`, the discrete Laplace
 //! and the discrete Gaussian of Canonne, Kamath and Steinke 2020 ("The Discrete Gaussian
-//! for Differential Privacy", Algorithms 1 to 3), for rational parameters.
+//! for Differential Privacy", Algorithms 1 to 3), and Poisson and Skellam draws, all for
+//! rational parameters.
 //!
 //! Why not floating point: a sampler that computes `sigma * sqrt(-2 ln u) cos(2 pi v)`
 //! and adds it to a value produces only the floats that its arithmetic can reach, and
@@ -16,9 +17,11 @@
 //! up to `2^32`, a Gaussian variance up to `2^62`) that event has probability below
 //! `exp(-2^29)`, far below anything a test or an attacker could see.
 //!
-//! **Cost.** Expected `O(1)` uniform draws per output for every parameter: about ten
-//! 64-bit words for the Laplace, a little over twice that for the Gaussian, plus one
-//! 128-bit division in the Gaussian's acceptance test (see `benches/noise.rs`).
+//! **Cost.** The Laplace and Gaussian samplers take an expected `O(1)` uniform 64-bit
+//! words per output at every scale (about ten for the Laplace, twice that for the
+//! Gaussian); the Poisson sampler's cost grows with its mean, so Skellam noise is only for
+//! small variances. `benches/noise.rs` measures them against the floating-point samplers
+//! they replaced (about 170 ns against 30 to 60 ns per draw).
 
 use rand_core::Rng;
 
@@ -27,6 +30,9 @@ const OUTPUT_LIMIT: u128 = 1 << 62;
 
 /// The largest discrete Laplace scale accepted.
 const MAX_LAPLACE_SCALE: u64 = 1 << 32;
+
+/// The largest Poisson mean accepted: the exact sampler takes `O(1 + mean)` draws.
+pub const MAX_POISSON_MEAN: u64 = 1 << 20;
 
 /// The largest numerator of a discrete Gaussian variance: it keeps `2 N D t^2` (the
 /// acceptance test's denominator) below `2^128`.
@@ -52,6 +58,14 @@ pub enum DiscreteError {
         /// The scale's numerator.
         num: u64,
         /// The scale's denominator.
+        den: u64,
+    },
+    /// A Poisson mean past [`MAX_POISSON_MEAN`] (the exact sampler's cost grows with it).
+    #[error("the Poisson mean {num}/{den} is past the exact sampler's range (at most 2^20)")]
+    PoissonMean {
+        /// The mean's numerator.
+        num: u64,
+        /// The mean's denominator.
         den: u64,
     },
     /// A variance that is not a finite number `>= 0`.
@@ -141,9 +155,20 @@ fn bernoulli_exp_split<R: Rng + ?Sized>(whole: u128, rem: u128, den: u128, rng: 
     bernoulli_exp_unit(rem, den, rng)
 }
 
-/// `Bernoulli(exp(-num / den))` for any `num`, `den >= 1`.
+/// `Bernoulli(exp(-num / den))` for any `num`, `den >= 1`: one draw of `exp(-1)` per
+/// whole unit of the exponent, peeled off by subtraction and stopping at the first
+/// failure, then one of the fraction. Fewer than 1.6 units are peeled on average whatever
+/// the exponent, so no 128-bit division is needed (the Gaussian's acceptance test spent a
+/// quarter of its time in two of them).
 fn bernoulli_exp_raw<R: Rng + ?Sized>(num: u128, den: u128, rng: &mut R) -> bool {
-    bernoulli_exp_split(num / den, num % den, den, rng)
+    let mut rem = num;
+    while rem >= den {
+        if !bernoulli_exp_unit(1, 1, rng) {
+            return false;
+        }
+        rem -= den;
+    }
+    bernoulli_exp_unit(rem, den, rng)
 }
 
 /// One draw of `Bernoulli(exp(-num / den))`: `true` with probability exactly
@@ -254,21 +279,14 @@ impl DiscreteGaussian {
     /// in `f64` and its ceiling too); callers that compute `variance` in floating point
     /// add their own margin for that computation's rounding.
     pub fn at_least(variance: f64) -> Result<Self, DiscreteError> {
-        if !(variance.is_finite() && variance >= 0.0) {
-            return Err(DiscreteError::InvalidVariance(variance));
-        }
-        let mut k = 32;
-        while k > 0 && variance * (1u64 << k) as f64 > FAST_NUMERATOR {
-            k -= 1;
-        }
-        let num = (variance * (1u64 << k) as f64).ceil();
+        let (num, den) = rational_at_least(variance)?;
         if num > MAX_VARIANCE_NUMERATOR as f64 {
             return Err(DiscreteError::VarianceOutOfRange {
                 num: num as u128,
-                den: 1u128 << k,
+                den: u128::from(den),
             });
         }
-        Self::new(num as u64, 1u64 << k)
+        Self::new(num as u64, den)
     }
 
     /// `sigma^2` as `(numerator, denominator)`.
@@ -307,6 +325,104 @@ impl DiscreteGaussian {
         // A proposal far in the tail: the square takes 256 bits.
         let (hi, lo) = mul_wide(distance, distance);
         bernoulli_exp_wide(hi, lo, self.accept_den, rng)
+    }
+}
+
+/// The smallest `N / 2^k >= value` with `k <= 32` as large as keeps `N` below `2^56`, as
+/// `(N as f64, 2^k)`: `value * 2^k` is exact in `f64`, and so is its ceiling, so the
+/// comparison is exact. `N` may exceed `2^56` (and `u64`) when `value` does; callers
+/// check it against their own bound.
+fn rational_at_least(value: f64) -> Result<(f64, u64), DiscreteError> {
+    if !(value.is_finite() && value >= 0.0) {
+        return Err(DiscreteError::InvalidVariance(value));
+    }
+    let mut k = 32;
+    while k > 0 && value * (1u64 << k) as f64 > FAST_NUMERATOR {
+        k -= 1;
+    }
+    Ok(((value * (1u64 << k) as f64).ceil(), 1u64 << k))
+}
+
+/// `Poisson(a / b)` for `a / b <= 1/2`: a proposal `j` geometric with ratio `a / b`
+/// (`P(j)` proportional to `(a / b)^j`) kept with probability `1 / j!`, so that `P(j)` is
+/// proportional to `(a / b)^j / j!`. Over 80% of proposals are kept.
+fn poisson_small<R: Rng + ?Sized>(a: u128, b: u128, rng: &mut R) -> u64 {
+    debug_assert!(2 * a <= b);
+    loop {
+        let mut j: u64 = 0;
+        while bernoulli(a, b, rng) {
+            j += 1;
+        }
+        if (2..=j).all(|i| below_u64(i, rng) == 0) {
+            return j;
+        }
+    }
+}
+
+/// One draw of `Poisson(num / den)`, exactly, as the sum of `ceil(2 num / den)` draws of
+/// mean at most 1/2 (expected `O(1 + num / den)` uniform draws). The mean must be at most
+/// [`MAX_POISSON_MEAN`].
+pub fn poisson<R: Rng + ?Sized>(num: u64, den: u64, rng: &mut R) -> Result<u64, DiscreteError> {
+    if den == 0 {
+        return Err(DiscreteError::ZeroDenominator);
+    }
+    if u128::from(num) > u128::from(den) * u128::from(MAX_POISSON_MEAN) {
+        return Err(DiscreteError::PoissonMean { num, den });
+    }
+    Ok(poisson_raw(num, den, rng))
+}
+
+fn poisson_raw<R: Rng + ?Sized>(num: u64, den: u64, rng: &mut R) -> u64 {
+    let (a, b) = (u128::from(num), u128::from(den));
+    let pieces = (2 * a).div_ceil(b);
+    (0..pieces).map(|_| poisson_small(a, b * pieces, rng)).sum()
+}
+
+/// The Skellam distribution `Pois(mu / 2) - Pois(mu / 2)` (mean 0, variance `mu`) for a
+/// rational `mu / 2`, drawn exactly from two [`poisson`] draws. Their cost grows with
+/// `mu`, so this is for small variances (up to [`MAX_SKELLAM_VARIANCE`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Skellam {
+    /// `mu / 2 = half_num / half_den`.
+    half_num: u64,
+    half_den: u64,
+}
+
+/// The largest Skellam variance accepted.
+pub const MAX_SKELLAM_VARIANCE: f64 = 1024.0;
+
+impl Skellam {
+    /// The Skellam distribution of the smallest variance `mu >= variance` whose half is a
+    /// rational with a power-of-two denominator up to `2^32` (rounded up, as
+    /// [`DiscreteGaussian::at_least`]).
+    pub fn at_least(variance: f64) -> Result<Self, DiscreteError> {
+        if variance > MAX_SKELLAM_VARIANCE {
+            return Err(DiscreteError::VarianceOutOfRange {
+                num: variance.ceil() as u128,
+                den: 1,
+            });
+        }
+        // Halved through the denominator: exact even where variance / 2 would not be.
+        let (num, den) = rational_at_least(variance)?;
+        Ok(Self {
+            half_num: num as u64,
+            half_den: 2 * den,
+        })
+    }
+
+    /// `mu` as the nearest `f64`.
+    pub fn variance_f64(&self) -> f64 {
+        2.0 * self.half_num as f64 / self.half_den as f64
+    }
+
+    /// One draw.
+    pub fn sample<R: Rng + ?Sized>(&self, rng: &mut R) -> i64 {
+        if self.half_num == 0 {
+            return 0;
+        }
+        let a = poisson_raw(self.half_num, self.half_den, rng);
+        let b = poisson_raw(self.half_num, self.half_den, rng);
+        a as i64 - b as i64
     }
 }
 
@@ -406,39 +522,34 @@ mod tests {
         (-reach..=reach).map(|x| (x as f64).powi(2) * pmf(x)).sum()
     }
 
-    /// Pearson's statistic of `draws` against a pmf symmetric about 0 and decreasing in
-    /// `|x|`: one bin per value whose expected count is at least 5, one for the rest.
+    /// Pearson's statistic of `draws` against a pmf: one bin per value in
+    /// `[-reach, reach]` whose expected count is at least 5, one for all the rest.
     /// Returns `(statistic, degrees of freedom)`.
-    fn chi_square(draws: &[i64], pmf: impl Fn(i64) -> f64) -> (f64, f64) {
+    fn chi_square(draws: &[i64], pmf: impl Fn(i64) -> f64, reach: i64) -> (f64, f64) {
         let n = draws.len() as f64;
-        let mut reach = 0;
-        while n * pmf(reach + 1) >= 5.0 {
-            reach += 1;
-        }
-        let mut counts: BTreeMap<i64, f64> = BTreeMap::new();
-        let mut tail_count = 0.0;
+        let binned: Vec<i64> = (-reach..=reach).filter(|&x| n * pmf(x) >= 5.0).collect();
+        let mut counts: BTreeMap<i64, f64> = binned.iter().map(|&x| (x, 0.0)).collect();
+        let mut rest_count = 0.0;
         for &x in draws {
-            if x.abs() <= reach {
-                *counts.entry(x).or_default() += 1.0;
-            } else {
-                tail_count += 1.0;
+            match counts.get_mut(&x) {
+                Some(c) => *c += 1.0,
+                None => rest_count += 1.0,
             }
         }
         let mut statistic = 0.0;
         let mut inside = 0.0;
-        for x in -reach..=reach {
+        for (&x, &observed) in &counts {
             let expected = n * pmf(x);
             inside += pmf(x);
-            let observed = counts.get(&x).copied().unwrap_or(0.0);
             statistic += (observed - expected).powi(2) / expected;
         }
-        let tail_expected = n * (1.0 - inside);
-        let mut bins = (2 * reach + 1) as f64;
-        if tail_expected > 1e-9 {
-            statistic += (tail_count - tail_expected).powi(2) / tail_expected;
+        let rest_expected = n * (1.0 - inside);
+        let mut bins = counts.len() as f64;
+        if rest_expected > 1e-9 {
+            statistic += (rest_count - rest_expected).powi(2) / rest_expected;
             bins += 1.0;
         } else {
-            assert_eq!(tail_count, 0.0, "draws where the pmf has no mass");
+            assert_eq!(rest_count, 0.0, "draws where the pmf has no mass");
         }
         (statistic, bins - 1.0)
     }
@@ -446,7 +557,7 @@ mod tests {
     /// The chi-square statistic has mean `df` and standard deviation `sqrt(2 df)`; a
     /// correct sampler passes six of those above the mean but for a `< 10^-5` chance.
     fn assert_fits(draws: &[i64], pmf: impl Fn(i64) -> f64, what: &str) {
-        let (statistic, df) = chi_square(draws, pmf);
+        let (statistic, df) = chi_square(draws, pmf, 2000);
         assert!(
             statistic < df + 6.0 * (2.0 * df).sqrt(),
             "{what}: chi-square {statistic:.1} on {df} degrees of freedom"
@@ -598,6 +709,76 @@ mod tests {
                 "{s2}: variance {var} vs {exact}"
             );
         }
+    }
+
+    /// `P(k)` of `Poisson(lambda)`.
+    fn poisson_pmf(lambda: f64) -> impl Fn(i64) -> f64 {
+        move |k| {
+            if k < 0 {
+                return 0.0;
+            }
+            let log =
+                -lambda + k as f64 * lambda.ln() - (1..=k).map(|i| (i as f64).ln()).sum::<f64>();
+            log.exp()
+        }
+    }
+
+    /// Protects the exact Poisson sampler against its pmf, mean and variance (both
+    /// `lambda`), with means below, at and above the pieces' 1/2.
+    #[test]
+    fn poisson_matches_its_pmf_mean_and_variance() {
+        let mut r = rng(19);
+        let n = 100_000;
+        for (num, den) in [(1u64, 3u64), (1, 2), (1, 1), (5, 2), (29, 4)] {
+            let draws: Vec<i64> = (0..n)
+                .map(|_| poisson(num, den, &mut r).unwrap() as i64)
+                .collect();
+            let lambda = num as f64 / den as f64;
+            assert_fits(&draws, poisson_pmf(lambda), &format!("poisson {num}/{den}"));
+            let (mean, var) = mean_and_variance(&draws);
+            let se = (lambda / n as f64).sqrt();
+            assert!((mean - lambda).abs() < 5.0 * se, "{num}/{den}: mean {mean}");
+            // The variance's standard error: lambda sqrt((2 + 1 / lambda) / n).
+            let var_se = lambda * ((2.0 + 1.0 / lambda) / n as f64).sqrt();
+            assert!(
+                (var - lambda).abs() < 5.0 * var_se,
+                "{num}/{den}: variance {var}"
+            );
+        }
+        assert_eq!(poisson(0, 1, &mut r).unwrap(), 0);
+    }
+
+    /// Protects the exact Skellam noise of small variances against its pmf (the
+    /// difference of two Poisson pmfs) and its variance `mu`.
+    #[test]
+    fn skellam_matches_its_pmf_and_variance() {
+        let mut r = rng(29);
+        let n = 100_000;
+        for mu in [0.375, 2.0, 15.5] {
+            let sk = Skellam::at_least(mu).unwrap();
+            assert_eq!(sk.variance_f64(), mu, "these are exact binary fractions");
+            let draws: Vec<i64> = (0..n).map(|_| sk.sample(&mut r)).collect();
+            let p: Vec<f64> = (0..400).map(poisson_pmf(mu / 2.0)).collect();
+            let table: Vec<f64> = (0..200)
+                .map(|k| (0..200).map(|j| p[j + k] * p[j]).sum())
+                .collect();
+            let pmf = |k: i64| table.get(k.unsigned_abs() as usize).copied().unwrap_or(0.0);
+            assert_fits(&draws, pmf, &format!("skellam {mu}"));
+            let (mean, var) = mean_and_variance(&draws);
+            assert!(
+                mean.abs() < 5.0 * (mu / n as f64).sqrt(),
+                "{mu}: mean {mean}"
+            );
+            let var_se = mu * ((2.0 + 1.0 / mu) / n as f64).sqrt();
+            assert!((var - mu).abs() < 5.0 * var_se, "{mu}: variance {var}");
+        }
+        assert_eq!(Skellam::at_least(0.0).unwrap().sample(&mut r), 0);
+        assert!(Skellam::at_least(MAX_SKELLAM_VARIANCE * 2.0).is_err());
+        assert!(Skellam::at_least(f64::NAN).is_err());
+        assert_eq!(poisson(1, 0, &mut r), Err(DiscreteError::ZeroDenominator));
+        assert!(poisson(MAX_POISSON_MEAN + 1, 1, &mut r).is_err());
+        poisson(u64::MAX, u64::MAX, &mut r).unwrap();
+        poisson(1, u64::MAX, &mut r).unwrap();
     }
 
     /// Protects the promise callers rely on: the rational is never below the variance
