@@ -484,7 +484,7 @@ async fn serve_task(
                 .zip(base.values())
                 .map(|(p, g)| p - g)
                 .collect();
-            dp.privatize(&mut delta, &mut rand::rng());
+            dp.privatize(&mut delta, &mut rand::rng())?;
             let noised: Vec<f32> = base
                 .values()
                 .iter()
@@ -591,7 +591,7 @@ async fn serve_secure_task(
     let (loss, samples) = match local_dp {
         // Noised before masking; weight 1 and no loss, as on plain rounds.
         Some(dp) => {
-            dp.privatize(&mut delta, &mut rand::rng());
+            dp.privatize(&mut delta, &mut rand::rng())?;
             (0.0, 1)
         }
         None => (output.train_loss.unwrap_or(0.0), output.num_examples),

@@ -13,7 +13,7 @@
 use std::path::{Path, PathBuf};
 
 use cohort_aggregation::privacy::clip::clip_l2;
-use cohort_aggregation::privacy::noise::add_gaussian;
+use cohort_aggregation::privacy::noise::{NoiseError, add_gaussian};
 use cohort_aggregation::privacy::rdp::{PrivacyError, RdpAccountant};
 use serde::{Deserialize, Serialize};
 
@@ -58,6 +58,10 @@ pub enum LocalDpError {
     /// The accountant refused.
     #[error("local differential privacy: {0}")]
     Accountant(#[from] PrivacyError),
+    /// The noise cannot be drawn for this update (too much noise over too many
+    /// coordinates for the lattice it is drawn on).
+    #[error("local differential privacy: {0}")]
+    Noise(#[from] NoiseError),
 }
 
 impl LocalDp {
@@ -88,11 +92,16 @@ impl LocalDp {
     }
 
     /// Clips `delta` (an update's difference from the global model) to the bound and adds
-    /// `N(0, (z C)^2)` to every coordinate, from `rng` (the operating system's CSPRNG in
-    /// the agent).
-    pub fn privatize(&self, delta: &mut [f32], rng: &mut (impl rand::Rng + ?Sized)) {
+    /// Gaussian noise of `z` times the clip to every coordinate, drawn exactly on a lattice
+    /// ([`add_gaussian`]), from `rng` (the operating system's CSPRNG in the agent).
+    pub fn privatize(
+        &self,
+        delta: &mut [f32],
+        rng: &mut (impl rand::Rng + ?Sized),
+    ) -> Result<(), LocalDpError> {
         clip_l2(delta, self.clip);
-        add_gaussian(delta, self.noise_multiplier * f64::from(self.clip), rng);
+        add_gaussian(delta, self.noise_multiplier, self.clip, rng)?;
+        Ok(())
     }
 }
 
@@ -183,7 +192,7 @@ mod tests {
         let d = 40_000;
         let mut delta = vec![0.0f32; d];
         delta[0] = 1000.0; // norm 1000: clipped to 1 before the noise
-        settings().privatize(&mut delta, &mut rng);
+        settings().privatize(&mut delta, &mut rng).unwrap();
         let rest = &delta[1..];
         let n = rest.len() as f64;
         let mean = rest.iter().map(|&v| f64::from(v)).sum::<f64>() / n;

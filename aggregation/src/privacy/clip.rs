@@ -5,6 +5,8 @@
 //! Clipping bounds each client's contribution to the sum (its sensitivity), which is what
 //! the Gaussian noise is calibrated to.
 
+use super::discrete::DiscreteGaussian;
+
 /// Scales `update` down to L2 norm at most `bound`; returns its norm before clipping.
 /// A bound that is not a positive finite number leaves the update as it is.
 pub fn clip_l2(update: &mut [f32], bound: f32) -> f32 {
@@ -89,12 +91,38 @@ impl AdaptiveClip {
 
     /// Moves the bound after a round in which `within` of `clients` updates had norm at
     /// most the bound; `noise` is one standard normal draw (the caller's RNG), scaled
-    /// here by `count_noise_std`. Returns the new bound.
+    /// here by `count_noise_std`. Returns the new bound. Noise meant as differential
+    /// privacy goes through [`update_noised`](Self::update_noised) instead, which draws
+    /// it exactly on the integers.
     pub fn update(&mut self, within: usize, clients: usize, noise: f64) -> f32 {
+        self.step(within as f64 + noise * self.count_noise_std, clients)
+    }
+
+    /// [`update`](Self::update) with the count noised by exact discrete Gaussian noise
+    /// `N_Z(0, count_noise_std^2)` (variance rounded up) from `rng`: the count is an
+    /// integer of sensitivity 1, so the noised count is too, and no float carries the
+    /// noise (see [`super::discrete`]).
+    pub fn update_noised<R: rand_core::Rng + ?Sized>(
+        &mut self,
+        within: usize,
+        clients: usize,
+        rng: &mut R,
+    ) -> Result<f32, ClipError> {
+        let std = self.count_noise_std;
+        // The margin covers the rounding of std * std.
+        let noise = DiscreteGaussian::at_least(std * std * (1.0 + f64::EPSILON * 4.0))
+            .map_err(|e| ClipError::Setting(format!("the count noise: {e}")))?
+            .sample(rng);
+        let count = (within as i64).saturating_add(noise);
+        Ok(self.step(count as f64, clients))
+    }
+
+    /// Moves the bound towards the target quantile given the (noised) count within it.
+    fn step(&mut self, count: f64, clients: usize) -> f32 {
         if clients == 0 {
             return self.bound;
         }
-        let fraction = (within as f64 + noise * self.count_noise_std) / clients as f64;
+        let fraction = count / clients as f64;
         let step = (-self.learning_rate * (fraction - self.target_quantile)).exp();
         let next = (f64::from(self.bound) * step) as f32;
         if next.is_finite() && next > 0.0 {
@@ -137,6 +165,43 @@ mod tests {
             high.update(within, norms.len(), 0.0);
         }
         assert!((high.bound - 90.0).abs() < 3.0, "{}", high.bound);
+    }
+
+    /// Protects the privacy of the count: the noise on it is an integer with the
+    /// configured deviation (within five standard errors), drawn exactly.
+    #[test]
+    fn the_noised_count_is_an_integer_with_the_configured_deviation() {
+        use rand_core::SeedableRng;
+        let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(4);
+        let n = 20_000;
+        let mut counts = Vec::with_capacity(n);
+        for _ in 0..n {
+            let mut rule = AdaptiveClip {
+                learning_rate: 1.0,
+                ..AdaptiveClip::new(1.0, 4.0).unwrap()
+            };
+            let bound = rule.update_noised(50, 100, &mut rng).unwrap();
+            // bound = exp(-(count / 100 - 0.5)): the count comes back to f32 precision.
+            let count = 100.0 * (0.5 - f64::from(bound).ln());
+            assert!((count - count.round()).abs() < 1e-3, "{count}");
+            counts.push(count.round());
+        }
+        let mean = counts.iter().sum::<f64>() / n as f64;
+        let var = counts.iter().map(|c| (c - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+        assert!(
+            (mean - 50.0).abs() < 5.0 * 4.0 / (n as f64).sqrt(),
+            "{mean}"
+        );
+        assert!(
+            (var / 16.0 - 1.0).abs() < 5.0 * (2.0 / n as f64).sqrt(),
+            "{var}"
+        );
+        let mut silent = AdaptiveClip::new(1.0, 0.0).unwrap();
+        let mut twin = silent;
+        assert_eq!(
+            silent.update_noised(30, 100, &mut rng).unwrap(),
+            twin.update(30, 100, 0.0)
+        );
     }
 
     #[test]

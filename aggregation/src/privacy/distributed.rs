@@ -1,30 +1,51 @@
-//! Distributed differential privacy under secure aggregation: the Skellam mechanism
-//! (Agarwal, Kairouz and Liu, NeurIPS 2021) in the integer domain of the masked sum.
+//! Distributed differential privacy under secure aggregation, in the integer domain of
+//! the masked sum: the Skellam mechanism (Agarwal, Kairouz and Liu, NeurIPS 2021) for
+//! small noise shares and the distributed discrete Gaussian mechanism (Kairouz, Liu and
+//! Steinke, ICML 2021) for large ones, both drawn exactly ([`super::discrete`]).
 //!
 //! Every client clips its update to L2 norm `C`, scales it by `gamma`, rounds each
-//! coordinate stochastically (unbiased) to an integer, adds its own noise share — integer
-//! Skellam noise `Sk(mu) = Pois(mu / 2) - Pois(mu / 2)` of variance `mu` per coordinate —
-//! and only then masks the vector. The coordinator unmasks the sum of the survivors'
-//! vectors: the sum of `m` shares is `Sk(m mu)`, so it never sees a sum, let alone an
-//! update, without noise, and no one but the client ever holds its share (it is drawn
-//! from the client's own generator and sent nowhere but inside the masked vector).
+//! coordinate stochastically (unbiased) to an integer, adds its own noise share of
+//! variance `mu` per coordinate, and only then masks the vector. The coordinator unmasks
+//! the sum of the survivors' vectors: it never sees a sum, let alone an update, without
+//! noise, and no one but the client ever holds its share (it is drawn from the client's
+//! own generator and sent nowhere but inside the masked vector).
+//!
+//! **Which noise.** Every client of a round draws from the same distribution (`mu`
+//! depends only on the round's settings and dimension):
+//! - `mu < 16`: Skellam `Sk(mu) = Pois(mu / 2) - Pois(mu / 2)` from the exact Poisson
+//!   sampler, whose cost grows with the mean (a few dozen uniform draws at `mu = 16`).
+//!   The sum of `m` shares is exactly `Sk(m mu)`.
+//! - `mu >= 16`: the discrete Gaussian `N_Z(0, mu)`, whose exact sampler costs `O(1)`
+//!   draws at every `mu`. `mu` reaches `10^15` here, where an exact Poisson sampler for a
+//!   rational mean (Duchon and Duvignau's, or thinning Poisson(1) draws) would take
+//!   `Theta(mu)` draws per coordinate, and the fast Poisson samplers (rand_distr's PTRS,
+//!   used before) decide in floating point. The sum of `m` shares is close to, not
+//!   exactly, `N_Z(0, m mu)` (see Accounting).
 //!
 //! **Calibration.** For a round of `n` selected clients and noise multiplier `z`, each
-//! share has variance `mu = (z * Delta)^2 / n`, where `Delta = gamma * C + sqrt(d)` bounds
-//! the L2 norm of a client's rounded vector (rounding moves each of the `d` coordinates by
-//! less than 1). When all `n` survive, the sum carries noise of standard deviation exactly
-//! `z * Delta`, the Gaussian mechanism's `z` times the sensitivity; when only `m` do, the
+//! share has variance parameter `mu = (z * Delta)^2 / n` (rounded up to a rational),
+//! where `Delta = gamma * C + sqrt(d)` bounds the L2 norm of a client's rounded vector
+//! (rounding moves each of the `d` coordinates by less than 1). When all `n` survive, the
+//! sum carries noise of standard deviation `z * Delta` (the discrete Gaussian's variance
+//! is below `mu` by a relative `10^-6` at most once `mu >= 1`); when only `m` do, the
 //! round's effective multiplier is `z * sqrt(m / n)`, which
 //! [`SkellamScale::effective_noise_multiplier`] reports so that the accountant charges the
 //! noise that was actually there.
 //!
-//! **Accounting.** The Skellam mechanism's Rényi divergence is the Gaussian one plus a
-//! term of order `1 / mu^2` (their Theorem 3.5); with `gamma` chosen as large as the
-//! 32-bit words allow, the sum's variance is above `10^12` for rounds of up to thousands
-//! of clients and that term is below `10^-9` of the Gaussian one (a test checks), so the accountant treats a round as the Poisson-subsampled Gaussian
-//! mechanism with the effective multiplier (the approximation the paper and TensorFlow
-//! Federated's distributed DP use). [`SkellamScale::skellam_excess`] computes the
-//! excess so that a test can check it is negligible.
+//! **Accounting.** The accountant treats a round as the Poisson-subsampled Gaussian
+//! mechanism with the effective multiplier (the approximation both papers and TensorFlow
+//! Federated's distributed DP use), and [`SkellamScale::skellam_excess`] bounds how much
+//! the actual noise's divergence exceeds the Gaussian one, relative to it:
+//! - Skellam: the second term of Agarwal et al.'s Theorem 3.5; with `gamma` as large as
+//!   the 32-bit words allow the sum's variance is large and the excess small (a test
+//!   checks).
+//! - Discrete Gaussian shares: Kairouz, Liu and Steinke's Theorem 1 (Proposition 14)
+//!   makes the sum of `m` shares of `N_Z(0, mu)` `eps^2 / 2`-concentrated DP with
+//!   `eps^2 <= Delta^2 / (m mu) + 2 tau d` (the larger constant of the versions in
+//!   circulation), `tau = 10 sum_{k=1}^{m-1} exp(-2 pi^2 mu k / (k+1))
+//!   <= 10 (m - 1) exp(-pi^2 mu)`. At `mu >= 16` that is below `10^-46` of the Gaussian
+//!   term for every round `SkellamScale::new` accepts (`m <= 2^21`, `d <= 2^28`,
+//!   `z <= 100`).
 //!
 //! **Range.** `gamma` is the largest scale for which the signed sum of `n` clients cannot
 //! leave `(-2^31, 2^31)` unless the noise exceeds 8 standard deviations (probability
@@ -37,9 +58,10 @@
 
 use rand_chacha::ChaCha20Rng;
 use rand_core::{Rng, SeedableRng};
-use rand_distr::{Distribution, Poisson};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
+
+use super::discrete::{DiscreteGaussian, Skellam};
 
 /// Coordinates encoded per parallel task; each task draws from its own ChaCha20 stream of
 /// the client's noise key, so the result does not depend on the number of threads.
@@ -50,6 +72,13 @@ const MAX_SQRT_DIMENSION: f64 = 16_384.0;
 
 /// Standard deviations of headroom left for the noise in the 32-bit sum.
 const TAIL_SIGMAS: f64 = 8.0;
+
+/// Shares of smaller variance are Skellam, larger ones discrete Gaussian (module docs).
+pub const SKELLAM_BELOW: f64 = 16.0;
+
+/// Covers the `f64` rounding in computing a share's variance, so that the rational it is
+/// rounded up to is never below the real one.
+const VARIANCE_MARGIN: f64 = 1.0 + 1.0 / (1u64 << 40) as f64;
 
 /// The largest noise multiplier accepted: beyond it nothing useful is left of the sum.
 pub const MAX_NOISE_MULTIPLIER: f64 = 100.0;
@@ -152,21 +181,43 @@ impl SkellamScale {
         (survivors as f64 * self.share_variance(dimension)).sqrt() / self.gamma
     }
 
-    /// How much the Skellam mechanism's Rényi divergence of order `alpha` exceeds the
-    /// Gaussian one, relative to it, for the sum of `survivors` shares: the second term of
-    /// Agarwal et al.'s Theorem 3.5, `min(((2 alpha - 1) D2^2 + 6 D1) / (16 mu^2),
-    /// 3 D1 / (4 mu))` over `alpha D2^2 / (2 mu)`, with `D1 <= sqrt(d) D2`.
+    /// How much the Rényi divergence of order `alpha` of the sum of `survivors` noise
+    /// shares may exceed the Gaussian mechanism's, relative to it (module docs): for
+    /// Skellam shares the second term of Agarwal et al.'s Theorem 3.5,
+    /// `min(((2 alpha - 1) D2^2 + 6 D1) / (16 mu^2), 3 D1 / (4 mu))` over
+    /// `alpha D2^2 / (2 mu)` with `mu` the sum's variance and `D1 <= sqrt(d) D2`; for
+    /// discrete Gaussian shares `2 tau d / (D2^2 / (m mu))`. Infinite without noise.
     pub fn skellam_excess(&self, alpha: f64, survivors: usize, dimension: usize) -> f64 {
-        let mu = survivors as f64 * self.share_variance(dimension);
+        let share = self.share_variance(dimension);
+        let m = survivors as f64;
+        let mu = m * share;
         if mu <= 0.0 {
             return f64::INFINITY;
         }
         let d2 = self.sensitivity(dimension);
-        let d1 = (dimension as f64).sqrt() * d2;
-        let gaussian = alpha * d2 * d2 / (2.0 * mu);
-        let extra = (((2.0 * alpha - 1.0) * d2 * d2 + 6.0 * d1) / (16.0 * mu * mu))
-            .min(3.0 * d1 / (4.0 * mu));
-        extra / gaussian
+        if share < SKELLAM_BELOW {
+            let d1 = (dimension as f64).sqrt() * d2;
+            let gaussian = alpha * d2 * d2 / (2.0 * mu);
+            let extra = (((2.0 * alpha - 1.0) * d2 * d2 + 6.0 * d1) / (16.0 * mu * mu))
+                .min(3.0 * d1 / (4.0 * mu));
+            return extra / gaussian;
+        }
+        let tau = 10.0 * (m - 1.0) * (-std::f64::consts::PI.powi(2) * share).exp();
+        2.0 * tau * dimension as f64 * mu / (d2 * d2)
+    }
+
+    /// The exact sampler of one client's noise share, variance `mu` rounded up.
+    fn share_sampler(&self, dimension: usize) -> ShareSampler {
+        let mu = self.share_variance(dimension) * VARIANCE_MARGIN;
+        // new() keeps z Delta below 2^28 (the headroom), so mu < 2^56 is in range.
+        if mu < SKELLAM_BELOW {
+            ShareSampler::Skellam(Skellam::at_least(mu).expect("mu < 16 is in range"))
+        } else {
+            ShareSampler::Gaussian(
+                DiscreteGaussian::at_least(mu)
+                    .expect("SkellamScale::new bounds the share variance below 2^56"),
+            )
+        }
     }
 
     /// One client's contribution: `update` clipped to L2 norm `C`, scaled by `gamma`,
@@ -183,9 +234,7 @@ impl SkellamScale {
             .sqrt();
         let c = f64::from(self.noise.l2_clip);
         let factor = self.gamma * if norm > c { c / norm } else { 1.0 };
-        let mu = self.share_variance(update.len());
-        // Two Poisson draws of mean mu / 2; rand_distr refuses a mean of 0.
-        let poisson = (mu > 0.0).then(|| Poisson::new(mu / 2.0).expect("mu is finite and > 0"));
+        let share = self.share_sampler(update.len());
         let mut key = [0u8; 32];
         rng.fill_bytes(&mut key);
         out.par_chunks_mut(CHUNK)
@@ -198,10 +247,7 @@ impl SkellamScale {
                     let s = f64::from(v) * factor;
                     let floor = s.floor();
                     let up = unit(&mut stream) < s - floor;
-                    let mut q = floor as i64 + i64::from(up);
-                    if let Some(p) = &poisson {
-                        q += skellam_pair(p, &mut stream);
-                    }
+                    let q = floor as i64 + i64::from(up) + share.sample(&mut stream);
                     // Reduction mod 2^32: the sum is read back as two's complement.
                     *o = q as u32;
                 }
@@ -218,27 +264,24 @@ impl SkellamScale {
     }
 }
 
+/// One client's noise share per coordinate.
+enum ShareSampler {
+    Skellam(Skellam),
+    Gaussian(DiscreteGaussian),
+}
+
+impl ShareSampler {
+    fn sample(&self, rng: &mut ChaCha20Rng) -> i64 {
+        match self {
+            Self::Skellam(s) => s.sample(rng),
+            Self::Gaussian(g) => g.sample(rng),
+        }
+    }
+}
+
 /// A uniform number in [0, 1) from 53 random bits.
 fn unit(rng: &mut ChaCha20Rng) -> f64 {
     (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-}
-
-fn skellam_pair(poisson: &Poisson<f64>, rng: &mut ChaCha20Rng) -> i64 {
-    let a: f64 = poisson.sample(rng);
-    let b: f64 = poisson.sample(rng);
-    a as i64 - b as i64
-}
-
-/// One draw of the Skellam distribution of variance `mu` (`Pois(mu/2) - Pois(mu/2)`);
-/// 0 when `mu` is 0.
-pub fn skellam<R: Rng + ?Sized>(mu: f64, rng: &mut R) -> i64 {
-    if !(mu.is_finite() && mu > 0.0) {
-        return 0;
-    }
-    let p = Poisson::new(mu / 2.0).expect("mu is finite and > 0");
-    let a: f64 = p.sample(rng);
-    let b: f64 = p.sample(rng);
-    a as i64 - b as i64
 }
 
 #[cfg(test)]
@@ -325,12 +368,19 @@ mod tests {
         }
     }
 
-    /// Protects the accounting shortcut: at the scales the 32-bit words allow, the
-    /// Skellam mechanism's Rényi divergence exceeds the Gaussian one by a negligible
-    /// fraction at every order the accountant uses, so charging the Gaussian is sound.
+    /// Protects the accounting shortcut: at the scales the 32-bit words allow, the noise
+    /// shares' Rényi divergence exceeds the Gaussian one by a negligible fraction at every
+    /// order the accountant uses, so charging the Gaussian is sound; both kinds of share
+    /// are covered (Skellam for a million clients at z = 0.5).
     #[test]
-    fn the_skellam_excess_over_the_gaussian_is_negligible() {
-        for (z, n) in [(0.3, 5), (0.7, 20), (1.0, 100), (5.0, 1000)] {
+    fn the_noise_excess_over_the_gaussian_is_negligible() {
+        for (z, n) in [
+            (0.3, 5),
+            (0.7, 20),
+            (1.0, 100),
+            (5.0, 1000),
+            (0.5, 1_000_000),
+        ] {
             for d in [650usize, 1 << 20] {
                 let s = scale(z, n);
                 for alpha in crate::privacy::rdp::default_orders() {
@@ -339,23 +389,49 @@ mod tests {
                 }
             }
         }
+        assert!(scale(0.5, 1_000_000).share_variance(650) < SKELLAM_BELOW);
+        assert!(scale(1.0, 100).share_variance(650) >= SKELLAM_BELOW);
+        assert_eq!(scale(0.0, 5).skellam_excess(2.0, 5, 10), f64::INFINITY);
     }
 
+    /// Protects the calibration of each share, for both kinds: a zero update encodes to
+    /// its noise share alone, of mean 0 and variance `mu` (the discrete Gaussian's is
+    /// below `mu` by a relative 10^-6 at most).
     #[test]
-    fn skellam_draws_have_the_asked_variance() {
+    fn noise_shares_have_the_asked_variance() {
         let mut rng = ChaCha20Rng::seed_from_u64(9);
-        for mu in [2.0, 1e4, 1e12] {
-            let n = 40_000;
-            let draws: Vec<f64> = (0..n).map(|_| skellam(mu, &mut rng) as f64).collect();
-            let mean = draws.iter().sum::<f64>() / n as f64;
-            let var = draws.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
-            // The sample variance has relative standard error sqrt(2 / n) = 0.7%.
-            assert!((var / mu - 1.0).abs() < 0.04, "mu={mu}: variance {var}");
+        let d = 40_000;
+        for (z, n) in [(0.5, 1_000_000), (1.0, 100), (100.0, 10)] {
+            let s = scale(z, n);
+            let mut out = vec![0u32; d];
+            s.encode(&vec![0.0; d], &mut out, &mut rng);
+            let draws: Vec<f64> = out.iter().map(|&w| f64::from(w as i32)).collect();
+            let mu = s.share_variance(d);
+            let mean = draws.iter().sum::<f64>() / d as f64;
+            let var = draws.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (d - 1) as f64;
+            // The sample variance has relative standard error sqrt(2 / d) = 0.7% (a
+            // little more for Skellam's heavier tails at small mu); five of them.
             assert!(
-                mean.abs() < 5.0 * (mu / n as f64).sqrt(),
-                "mu={mu}: mean {mean}"
+                (var / mu - 1.0).abs() < 0.04,
+                "z={z} n={n}: variance {var} vs {mu}"
+            );
+            assert!(
+                mean.abs() < 5.0 * (mu / d as f64).sqrt(),
+                "z={z} n={n}: mean {mean}"
             );
         }
-        assert_eq!(skellam(0.0, &mut rng), 0);
+    }
+
+    /// Protects the fix for floating-point noise: the shares are integers drawn exactly,
+    /// so a zero update's words are the same for the same key and change with it.
+    #[test]
+    fn noise_shares_depend_only_on_the_clients_key() {
+        let s = scale(1.0, 100);
+        let (mut a, mut b, mut c) = (vec![0u32; 9000], vec![0u32; 9000], vec![0u32; 9000]);
+        s.encode(&[0.0; 9000], &mut a, &mut ChaCha20Rng::seed_from_u64(1));
+        s.encode(&[0.0; 9000], &mut b, &mut ChaCha20Rng::seed_from_u64(1));
+        s.encode(&[0.0; 9000], &mut c, &mut ChaCha20Rng::seed_from_u64(2));
+        assert_eq!(a, b);
+        assert_ne!(a, c);
     }
 }

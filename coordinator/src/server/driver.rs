@@ -878,13 +878,18 @@ async fn aggregate_central(
             let mut noise_rng = rand_chacha::ChaCha20Rng::from_seed(seed);
             cohort_aggregation::privacy::noise::add_gaussian(
                 &mut sum,
-                update_sigma * f64::from(clip),
+                update_sigma,
+                clip,
                 &mut noise_rng,
-            );
-            let next_clip = adaptive.as_mut().map(|rule| {
-                let noise = cohort_aggregation::privacy::noise::standard_normal(&mut noise_rng);
-                f64::from(rule.update(within, denominator.round() as usize, noise))
-            });
+            )
+            .map_err(|e| bad(&e))?;
+            let next_clip = match adaptive.as_mut() {
+                Some(rule) => Some(f64::from(
+                    rule.update_noised(within, denominator.round() as usize, &mut noise_rng)
+                        .map_err(|e| bad(&e))?,
+                )),
+                None => None,
+            };
             let mean: Vec<f32> = global
                 .values()
                 .iter()

@@ -92,6 +92,10 @@ pub enum SimulationError {
         /// Its failure.
         reason: String,
     },
+    /// The privacy noise cannot be drawn for these settings and this model (too much
+    /// noise over too many coordinates for the lattice, or a count noise out of range).
+    #[error("differential privacy noise: {0}")]
+    Noise(String),
     /// The run was interrupted (Ctrl-C); nothing was written.
     #[error("interrupted")]
     Interrupted,
@@ -114,7 +118,8 @@ impl SimulationError {
             | SimulationError::Data(_)
             | SimulationError::Partition(_)
             | SimulationError::Model(_)
-            | SimulationError::Train(_) => 2,
+            | SimulationError::Train(_)
+            | SimulationError::Noise(_) => 2,
             SimulationError::Client { .. }
             | SimulationError::Evaluation { .. }
             | SimulationError::RoundFailed { .. }

@@ -765,16 +765,14 @@ fn private_round(
         round_no,
         0,
     ));
-    cohort_aggregation::privacy::noise::add_gaussian(
-        &mut sum,
-        update_sigma * f64::from(clip),
-        &mut noise_rng,
-    );
+    let noise_error = |e: &dyn std::fmt::Display| SimulationError::Noise(e.to_string());
+    cohort_aggregation::privacy::noise::add_gaussian(&mut sum, update_sigma, clip, &mut noise_rng)
+        .map_err(|e| noise_error(&e))?;
     if let Some(rule) = adaptive_clip {
         let within = updates.iter().filter(|u| u.3).count();
-        let noise = cohort_aggregation::privacy::noise::standard_normal(&mut noise_rng);
         // The fixed denominator again: the fraction is over the expected count.
-        rule.update(within, expected.round() as usize, noise);
+        rule.update_noised(within, expected.round() as usize, &mut noise_rng)
+            .map_err(|e| noise_error(&e))?;
     }
     let mean: Vec<f32> = global
         .iter()
