@@ -395,8 +395,11 @@ async fn enrol(c: &Coordinator, n: usize, concurrency: usize) -> Vec<Arc<Virtual
                 .await;
             let token = issued["token"].as_str().expect("a token");
             let client = CoordinatorClient::new(&c.base, Some(&c.ca)).unwrap();
+            // Registered at enrolment, as a real edge client's is.
+            let identity = cohort_aggregation::secagg::identity::Identity::generate()
+                .expect("randomness for an identity");
             let cred = client
-                .enrol(token)
+                .enrol(token, &identity.public())
                 .await
                 .unwrap_or_else(|e| panic!("enrolment {i}: {e}"));
             let so_far = done.fetch_add(1, Ordering::Relaxed) + 1;

@@ -1783,3 +1783,90 @@ async fn edge_agents_enrol_train_and_upload_until_the_experiment_finishes() {
     assert_eq!(reused.uploads, 0);
     server.shut_down().await.unwrap();
 }
+
+/// Finding 1 of the security review needs identities a coordinator cannot swap
+/// silently: a client registers its Ed25519 public key at enrolment (or once later), the
+/// admin sees its fingerprint, another key is refused until the admin resets it, and a
+/// malformed key enrols nobody.
+#[tokio::test]
+async fn client_identities_are_registered_once_shown_to_the_admin_and_reset_only_by_it() {
+    use base64::Engine;
+    use cohort_aggregation::secagg::identity::{Identity, fingerprint};
+    let b64 = |key: [u8; 32]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(key);
+    let server = start().await;
+    let site = Identity::from_seed(&[7; 32]).unwrap();
+    let impostor = Identity::from_seed(&[8; 32]).unwrap();
+
+    // A malformed identity is refused before the token is spent.
+    let token = server.issue_token("hospital-a").await;
+    let r = server
+        .enrol(serde_json::json!({"token": token, "identity": "AAAA"}))
+        .await;
+    assert_eq!(r.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    let r = server
+        .enrol(serde_json::json!({"token": token, "identity": b64(site.public())}))
+        .await;
+    assert_eq!(r.status(), StatusCode::CREATED, "the token was not spent");
+    let enrolled: serde_json::Value = r.json().await.unwrap();
+    let id = enrolled["client_id"].as_str().unwrap().to_string();
+    let bearer = format!("{id}.{}", enrolled["secret"].as_str().unwrap());
+
+    assert_eq!(
+        identity_listed(&server, &id).await,
+        fingerprint(&site.public()).as_str()
+    );
+
+    let put = |key: [u8; 32]| {
+        server
+            .client
+            .put(server.url("/api/v1/clients/me/identity"))
+            .bearer_auth(&bearer)
+            .json(&serde_json::json!({"identity": b64(key)}))
+            .send()
+    };
+    let same = put(site.public()).await.unwrap();
+    assert_eq!(
+        same.status(),
+        StatusCode::OK,
+        "the same key again is a no-op"
+    );
+    let swapped = put(impostor.public()).await.unwrap();
+    assert_eq!(swapped.status(), StatusCode::CONFLICT);
+    let body: serde_json::Value = swapped.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "identity_conflict");
+    assert_eq!(
+        identity_listed(&server, &id).await,
+        fingerprint(&site.public()).as_str()
+    );
+
+    // Only the admin clears it; then the client registers its new key.
+    let reset = format!("/clients/{id}/identity");
+    assert_eq!(
+        server.admin(Method::DELETE, &reset, None).await.status(),
+        StatusCode::NO_CONTENT
+    );
+    assert_eq!(identity_listed(&server, &id).await, serde_json::Value::Null);
+    assert_eq!(
+        server.admin(Method::DELETE, &reset, None).await.status(),
+        StatusCode::NOT_FOUND
+    );
+    let fresh = put(impostor.public()).await.unwrap();
+    assert_eq!(fresh.status(), StatusCode::CREATED);
+    let body: serde_json::Value = fresh.json().await.unwrap();
+    assert_eq!(
+        body["fingerprint"],
+        fingerprint(&impostor.public()).as_str()
+    );
+    server.shut_down().await.unwrap();
+}
+
+/// The identity fingerprint the admin's client list shows for client `id`.
+async fn identity_listed(server: &TestServer, id: &str) -> serde_json::Value {
+    let clients: Vec<serde_json::Value> = server
+        .admin(Method::GET, "/clients", None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    clients.into_iter().find(|c| c["id"] == id).unwrap()["identity_fingerprint"].clone()
+}

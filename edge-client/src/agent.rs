@@ -77,6 +77,9 @@ pub enum AgentError {
     /// Local differential privacy settings or ledger.
     #[error(transparent)]
     LocalDp(#[from] crate::local_dp::LocalDpError),
+    /// This client's identity could not be loaded or made.
+    #[error(transparent)]
+    Identity(#[from] crate::identity::IdentityFileError),
     /// The trainer could not complete the task (or its output was refused).
     #[error("trainer: {0}")]
     Trainer(TrainerFailure),
@@ -97,6 +100,8 @@ pub struct AgentReport {
     pub failed: usize,
     /// Evaluation tasks completed (metrics reported).
     pub evaluations: usize,
+    /// The fingerprint of this client's identity, as the coordinator's admin sees it.
+    pub identity_fingerprint: Option<String>,
 }
 
 /// Delay before retry number `attempt` (from 0): exponential from 0.5 s, capped at 30 s,
@@ -184,11 +189,21 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
         config.ca_pem.as_deref(),
         config.identity_pem.as_deref(),
     )?;
+    let identity = crate::identity::load_or_create(&config.state_dir)?;
+    let public = identity.public();
+    let fingerprint = cohort_aggregation::secagg::identity::fingerprint(&public);
+    note(&format!("identity fingerprint {fingerprint}"));
     let cred = match load_credential(&config.state_dir)? {
-        Some(cred) => cred,
+        Some(cred) => {
+            // A client enrolled before identities existed registers its own now; for
+            // one that has it, this changes nothing. Another key on file is refused:
+            // the admin must reset it, which is what a swapped identity should need.
+            with_retries(|| client.register_identity(&cred, &public)).await?;
+            cred
+        }
         None => {
             let token = config.enrol_token.as_deref().ok_or(AgentError::NoToken)?;
-            let cred = with_retries(|| client.enrol(token)).await?;
+            let cred = with_retries(|| client.enrol(token, &public)).await?;
             store_credential(&config.state_dir, &cred)?;
             note(&format!("enrolled as {}", cred.client_id));
             cred
@@ -196,6 +211,7 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
     };
     let mut report = AgentReport {
         client_id: Some(cred.client_id),
+        identity_fingerprint: Some(fingerprint),
         ..AgentReport::default()
     };
     let mut ledger = match &config.local_dp {

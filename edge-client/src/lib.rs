@@ -13,6 +13,8 @@
 //!   (`--trainer`), or an app's callback; and the checks on what they return.
 //! - [`ffi`]: the C API (`cdylib`, `staticlib`, header `include/cohort_edge.h`), for
 //!   apps that train inside their own process.
+//! - [`identity`]: this client's long-term Ed25519 identity, kept in the state
+//!   directory and registered with the coordinator.
 //! - [`local_dp`]: optional local differential privacy: clip and noise before upload,
 //!   with the client's own ledger and budget.
 
@@ -20,6 +22,7 @@ pub mod agent;
 pub mod cli;
 pub mod data;
 pub mod ffi;
+pub mod identity;
 pub mod local_dp;
 pub mod model;
 pub mod partition;

@@ -23,6 +23,11 @@ pub struct Credential {
     pub secret: String,
 }
 
+fn b64(bytes: &[u8]) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
+}
+
 impl Credential {
     fn bearer(&self) -> String {
         format!("{}.{}", self.client_id, self.secret)
@@ -263,14 +268,39 @@ impl CoordinatorClient {
     }
 
     /// Spends an enrolment token and returns the new credential.
-    pub async fn enrol(&self, token: &str) -> Result<Credential, ProtocolError> {
+    pub async fn enrol(
+        &self,
+        token: &str,
+        identity: &[u8; 32],
+    ) -> Result<Credential, ProtocolError> {
         let r = self
             .http
             .post(self.url("/api/v1/clients/enrol"))
-            .json(&serde_json::json!({ "token": token }))
+            .json(&serde_json::json!({ "token": token, "identity": b64(identity) }))
             .send()
             .await?;
         Ok(checked(r).await?.json().await?)
+    }
+
+    /// Registers this client's identity (a no-op when the coordinator already has it);
+    /// returns the fingerprint the coordinator shows its admin.
+    pub async fn register_identity(
+        &self,
+        cred: &Credential,
+        identity: &[u8; 32],
+    ) -> Result<String, ProtocolError> {
+        let r = self
+            .http
+            .put(self.url("/api/v1/clients/me/identity"))
+            .bearer_auth(cred.bearer())
+            .json(&serde_json::json!({ "identity": b64(identity) }))
+            .send()
+            .await?;
+        let reply: serde_json::Value = checked(r).await?.json().await?;
+        Ok(reply["fingerprint"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string())
     }
 
     /// Checks in and waits up to `wait_seconds` for a task.

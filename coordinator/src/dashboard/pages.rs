@@ -1045,6 +1045,8 @@ pub struct ClientRow {
     label: String,
     enrolled: String,
     last_seen: String,
+    /// The fingerprint of its registered identity.
+    identity: Option<String>,
     rounds: i64,
     revoked: bool,
 }
@@ -1093,11 +1095,12 @@ async fn clients_page(
     let total = state.store.client_count().await?;
     let pages = ((total + CLIENTS_PER_PAGE - 1) / CLIENTS_PER_PAGE).max(1);
     let page_number = (page_number as i64).clamp(1, pages);
-    let (page, tokens) = tokio::try_join!(
+    let (page, tokens, identities) = tokio::try_join!(
         state
             .store
             .client_page((page_number - 1) * CLIENTS_PER_PAGE, CLIENTS_PER_PAGE),
-        state.store.recent_enrolment_tokens(TOKENS_SHOWN)
+        state.store.recent_enrolment_tokens(TOKENS_SHOWN),
+        state.store.client_identities()
     )?;
     let clients = page
         .clients
@@ -1107,6 +1110,9 @@ async fn clients_page(
             label: c.label.clone(),
             enrolled: when(c.enrolled_at),
             last_seen: ago(c.last_seen_at, now),
+            identity: identities
+                .get(&c.id)
+                .map(cohort_aggregation::secagg::identity::fingerprint),
             rounds: page.rounds_taken.get(&c.id).copied().unwrap_or(0),
             revoked: c.revoked_at.is_some(),
         })

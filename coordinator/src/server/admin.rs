@@ -936,8 +936,46 @@ async fn revoke_token(
 #[utoipa::path(get, path = "/api/v1/admin/clients", tag = "admin",
     security(("admin_token" = [])),
     responses((status = 200, description = "Clients"), (status = 401, body = ErrorBody)))]
-async fn list_clients(State(state): State<AppState>) -> Result<Json<Vec<Client>>, ApiError> {
-    Ok(Json(state.store.clients().await?))
+async fn list_clients(State(state): State<AppState>) -> Result<Json<Vec<ClientListing>>, ApiError> {
+    let identities = state.store.client_identities().await?;
+    let clients = state.store.clients().await?;
+    Ok(Json(
+        clients
+            .into_iter()
+            .map(|client| ClientListing {
+                identity_fingerprint: identities
+                    .get(&client.id)
+                    .map(cohort_aggregation::secagg::identity::fingerprint),
+                client,
+            })
+            .collect(),
+    ))
+}
+
+/// An enrolled client with its identity's fingerprint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ClientListing {
+    /// The client.
+    #[serde(flatten)]
+    pub client: Client,
+    /// The fingerprint of its registered identity (compare it with the one `cohort edge`
+    /// prints at the site), `null` until it registered one.
+    pub identity_fingerprint: Option<String>,
+}
+
+/// Clears a client's identity so that it can register a new one (a site that lost its
+/// key). Audited: a swapped identity is what an impostor needs.
+#[utoipa::path(delete, path = "/api/v1/admin/clients/{id}/identity", tag = "admin",
+    security(("admin_token" = [])), params(("id" = String, Path, description = "Client id")),
+    responses((status = 204, description = "Cleared"), (status = 401, body = ErrorBody),
+              (status = 404, description = "No such client, or no identity", body = ErrorBody)))]
+async fn reset_client_identity(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let id = parse_id(&id, "client")?;
+    state.store.reset_identity(id).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// Revokes a client: its credential is refused from now on.
@@ -1067,6 +1105,10 @@ pub(crate) fn routes() -> Router<AppState> {
         .route("/enrolment-tokens/{id}/revoke", post(revoke_token))
         .route("/clients", get(list_clients))
         .route("/clients/{id}/revoke", post(revoke_client))
+        .route(
+            "/clients/{id}/identity",
+            axum::routing::delete(reset_client_identity),
+        )
 }
 
 /// The handlers above, for the OpenAPI document.
@@ -1088,7 +1130,8 @@ pub(crate) fn routes() -> Router<AppState> {
         list_tokens,
         revoke_token,
         list_clients,
-        revoke_client
+        revoke_client,
+        reset_client_identity
     ),
     components(schemas(
         ExperimentSpec,

@@ -25,6 +25,41 @@ pub const CLIENT_SECURITY_SCHEME: &str = "client_credential";
 pub struct EnrolRequest {
     /// The one-time token an admin issued.
     pub token: String,
+    /// The client's identity: its long-term Ed25519 public key, unpadded base64url (32
+    /// bytes). Registered with the credential; a client enrolled without one registers
+    /// it later with `PUT /api/v1/clients/me/identity`.
+    #[serde(default)]
+    pub identity: Option<String>,
+}
+
+/// A client's identity to register.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct IdentityRequest {
+    /// The long-term Ed25519 public key, unpadded base64url (32 bytes).
+    pub identity: String,
+}
+
+/// A registered identity, as people compare it out of band.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct IdentityRegistered {
+    /// The key's fingerprint: the first 16 bytes of its SHA-256, hex, in groups of four.
+    pub fingerprint: String,
+}
+
+/// Parses an identity as clients send it.
+fn parse_identity(text: &str) -> Result<[u8; crate::store::IDENTITY_BYTES], ApiError> {
+    use base64::Engine;
+    base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(text.trim().as_bytes())
+        .ok()
+        .and_then(|b| b.try_into().ok())
+        .ok_or_else(|| {
+            ApiError::unprocessable(
+                "invalid_identity",
+                "identity must be a 32-byte Ed25519 public key in unpadded base64url",
+            )
+        })
 }
 
 /// A new client's credential. The secret is shown only here; the server keeps its hash.
@@ -107,6 +142,8 @@ async fn enrol(
     Json(req): Json<EnrolRequest>,
 ) -> Result<(StatusCode, Json<Enrolled>), ApiError> {
     state.limits.enrolment(peer)?;
+    // Checked before the token is spent: a malformed identity enrols nobody.
+    let identity = req.identity.as_deref().map(parse_identity).transpose()?;
     let secret = generate_secret().map_err(ApiError::internal)?;
     let client = state
         .store
@@ -116,6 +153,12 @@ async fn enrol(
             now_millis(),
         )
         .await?;
+    if let Some(key) = identity {
+        state
+            .store
+            .register_identity(client.id, &key, now_millis())
+            .await?;
+    }
     Ok((
         StatusCode::CREATED,
         Json(Enrolled {
@@ -142,11 +185,56 @@ async fn me(
     }))
 }
 
+/// Registers the caller's identity (its long-term Ed25519 public key): once, for a
+/// client enrolled without one. The same key again is a no-op; another key is refused
+/// until an admin resets the identity, so that no one (a coordinator that cheats
+/// included) swaps a site's identity without a trace.
+#[utoipa::path(put, path = "/api/v1/clients/me/identity", tag = "client", request_body = IdentityRequest,
+    security(("client_credential" = [])),
+    responses((status = 201, description = "Registered", body = IdentityRegistered),
+              (status = 200, description = "This key was already registered", body = IdentityRegistered),
+              (status = 401, body = ErrorBody),
+              (status = 409, description = "Another identity is registered", body = ErrorBody),
+              (status = 422, body = ErrorBody)))]
+async fn register_identity(
+    State(state): State<AppState>,
+    client: AuthenticatedClient,
+    Json(req): Json<IdentityRequest>,
+) -> Result<(StatusCode, Json<IdentityRegistered>), ApiError> {
+    let key = parse_identity(&req.identity)?;
+    let registered = match state
+        .store
+        .register_identity(client.0.id, &key, now_millis())
+        .await
+    {
+        Ok(r) => r,
+        Err(StoreError::Conflict(m)) => {
+            return Err(ApiError::conflict("identity_conflict", m));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    client.seen(&state).await?;
+    let status = match registered {
+        crate::store::Registered::New => StatusCode::CREATED,
+        crate::store::Registered::Unchanged => StatusCode::OK,
+    };
+    Ok((
+        status,
+        Json(IdentityRegistered {
+            fingerprint: cohort_aggregation::secagg::identity::fingerprint(&key),
+        }),
+    ))
+}
+
 /// The client routes, with absolute paths.
 pub(crate) fn routes() -> Router<AppState> {
     Router::new()
         .route("/api/v1/clients/enrol", post(enrol))
         .route("/api/v1/clients/me", get(me))
+        .route(
+            "/api/v1/clients/me/identity",
+            axum::routing::put(register_identity),
+        )
         .route("/api/v1/clients/checkin", post(checkin))
         .route("/api/v1/clients/experiments/{id}/model", get(model))
         .route(
@@ -158,8 +246,8 @@ pub(crate) fn routes() -> Router<AppState> {
 /// The handlers above, for the OpenAPI document.
 #[derive(utoipa::OpenApi)]
 #[openapi(
-    paths(enrol, me, checkin, model, upload),
-    components(schemas(EnrolRequest, Enrolled, ClientIdentity, CheckIn, Task, TaskKind, SecureTask, CheckInReply)),
+    paths(enrol, me, register_identity, checkin, model, upload),
+    components(schemas(EnrolRequest, IdentityRequest, IdentityRegistered, Enrolled, ClientIdentity, CheckIn, Task, TaskKind, SecureTask, CheckInReply)),
     tags((name = "client", description = "Edge clients (enrolment, then the client credential)"))
 )]
 pub(crate) struct ClientDoc;

@@ -13,6 +13,7 @@
 
 mod dashboard;
 mod fedbuff;
+mod identities;
 mod jobs;
 mod model_files;
 mod rounds;
@@ -32,6 +33,7 @@ use uuid::Uuid;
 
 pub use dashboard::{ClientPage, JobSummary, LatestAccuracy, SESSION_IDLE_MS};
 pub use fedbuff::{BufferRules, Buffered, BufferedUpload, FedBuffDrops, FedBuffTask, StepStats};
+pub use identities::{IDENTITY_BYTES, Registered};
 use jobs::JobRow;
 pub use jobs::{Job, JobKind, JobState};
 pub use model_files::{ClientEvaluation, ModelFile, TaskFailure};
