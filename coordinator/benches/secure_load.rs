@@ -428,9 +428,34 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 /// Counts requests tried again.
 static RETRIES: AtomicU64 = AtomicU64::new(0);
 
+/// Counts rounds a client left because the coordinator went on without it (a 404 or
+/// 409 answer: its unmask message came after the stage had closed, say).
+static LEFT: AtomicU64 = AtomicU64::new(0);
+
+/// Why a protocol step did not complete.
+#[derive(Debug)]
+enum StepError {
+    /// The coordinator answered 404 or 409: the round went on without this client. A
+    /// real edge client counts the task as skipped and checks in for the next round;
+    /// so does a virtual one. (Treating it as fatal is what once stopped two clients
+    /// whose unmask message arrived after the stage had closed: round 2 then waited
+    /// for them until its deadline.)
+    Left(String),
+    /// Anything else: the run fails.
+    Failed(String),
+}
+
+impl From<StepError> for String {
+    fn from(e: StepError) -> String {
+        match e {
+            StepError::Left(m) | StepError::Failed(m) => m,
+        }
+    }
+}
+
 /// `op` until it succeeds or fails for good; a retryable failure is counted and tried
 /// again after a short backoff, up to [`TRIES`] times.
-async fn retried<T, F, Fut>(what: &str, mut op: F) -> Result<T, String>
+async fn retried<T, F, Fut>(what: &str, mut op: F) -> Result<T, StepError>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, ProtocolError>>,
@@ -444,13 +469,18 @@ where
                 attempt += 1;
                 tokio::time::sleep(Duration::from_millis(200 << attempt.min(5))).await;
             }
-            Err(e) => return Err(format!("{what}: {e}")),
+            Err(
+                e @ ProtocolError::Refused {
+                    status: 404 | 409, ..
+                },
+            ) => return Err(StepError::Left(format!("{what}: {e}"))),
+            Err(e) => return Err(StepError::Failed(format!("{what}: {e}"))),
         }
     }
 }
 
 /// Long-polls `fetch` until the stage's message arrives.
-async fn awaited<T, F, Fut>(what: &str, mut fetch: F) -> Result<T, String>
+async fn awaited<T, F, Fut>(what: &str, mut fetch: F) -> Result<T, StepError>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<Option<T>, ProtocolError>>,
@@ -478,13 +508,17 @@ struct Upload {
     round: i64,
     sent_s: f64,
     answered_s: f64,
-    unmasked_ms: i64,
+    /// `None` when the round went on without its unmask message (its input is in the
+    /// sum all the same).
+    unmasked_ms: Option<i64>,
 }
 
 /// The secure round a client is selected for, at or after round `round`.
 async fn next_task(v: &Virtual, experiment: uuid::Uuid, round: i64) -> Result<Task, String> {
     loop {
-        let task = retried("check-in", || v.client.checkin(&v.cred, MAX_WAIT_SECONDS)).await?;
+        let task = retried("check-in", || v.client.checkin(&v.cred, MAX_WAIT_SECONDS))
+            .await
+            .map_err(String::from)?;
         match task {
             Some(t) if t.experiment_id == experiment && t.round >= round => return Ok(t),
             Some(t) => {
@@ -498,7 +532,8 @@ async fn next_task(v: &Virtual, experiment: uuid::Uuid, round: i64) -> Result<Ta
     }
 }
 
-/// One client through `rounds` complete secure rounds.
+/// One client through `rounds` secure rounds: each round it is selected for, to the end
+/// or until the coordinator goes on without it.
 async fn client_rounds(
     v: Arc<Virtual>,
     experiment: uuid::Uuid,
@@ -506,72 +541,105 @@ async fn client_rounds(
     pool: Arc<Semaphore>,
     t0: Instant,
 ) -> Result<Vec<Upload>, String> {
-    let c = &v.client;
-    let cred = &v.cred;
     let mut uploads = Vec::with_capacity(rounds as usize);
     let mut round = 1;
     while round <= rounds as i64 {
         let task = next_task(&v, experiment, round).await?;
-        let secure = task
-            .secure_aggregation
-            .clone()
-            .ok_or("a plain task in a secure experiment")?;
-        let (session, keys) =
-            ClientSession::new(secure.config.clone(), secure.index, &mut rand::rng())
-                .map_err(|e| e.to_string())?;
-        retried("advertise", || c.advertise_keys(cred, &task, &keys)).await?;
-        let directory = awaited("key directory", || {
-            c.key_directory(cred, &task, MAX_WAIT_SECONDS)
-        })
-        .await?;
-        let (mut session, shares) = on_pool(&pool, move || {
-            let mut session = session;
-            let shares = session.share_keys(&directory, &mut rand::rng());
-            (session, shares)
-        })
-        .await;
-        let shares = shares.map_err(|e| e.to_string())?;
-        retried("send shares", || c.send_shares(cred, &task, &shares)).await?;
-        let forwarded = awaited("forwarded shares", || {
-            c.forwarded_shares(cred, &task, MAX_WAIT_SECONDS)
-        })
-        .await?;
-        let d = secure.config.dimension;
-        let (session, masked) = on_pool(&pool, move || {
-            let mut rng = rand::rng();
-            // A synthetic update: small differences from the global model.
-            let update: Vec<f32> = (0..d).map(|_| rng.random_range(-0.05..0.05)).collect();
-            let masked = session.mask(&forwarded, &update, 10, 0.5, &mut rng);
-            (session, masked)
-        })
-        .await;
-        let masked = masked.map_err(|e| e.to_string())?;
-        let upload_id = uuid::Uuid::new_v4();
-        let sent_s = t0.elapsed().as_secs_f64();
-        retried("masked upload", || {
-            c.upload_masked(cred, &task, &masked, upload_id)
-        })
-        .await?;
-        let answered_s = t0.elapsed().as_secs_f64();
-        drop(masked);
-        let request = awaited("survivors", || c.survivors(cred, &task, MAX_WAIT_SECONDS)).await?;
-        let (_, reveal) = on_pool(&pool, move || {
+        match one_round(&v, &task, &pool, t0).await {
+            Ok(upload) => uploads.push(upload),
+            Err(StepError::Left(why)) => {
+                LEFT.fetch_add(1, Ordering::Relaxed);
+                eprintln!("  a client left round {}: {why}", task.round);
+            }
+            Err(StepError::Failed(e)) => return Err(e),
+        }
+        round = task.round + 1;
+    }
+    Ok(uploads)
+}
+
+/// One client's secure round, from its task to its unmask message.
+async fn one_round(
+    v: &Virtual,
+    task: &Task,
+    pool: &Arc<Semaphore>,
+    t0: Instant,
+) -> Result<Upload, StepError> {
+    let c = &v.client;
+    let cred = &v.cred;
+    let failed = |e: cohort_aggregation::secagg::SecAggError| StepError::Failed(e.to_string());
+    let secure = task
+        .secure_aggregation
+        .clone()
+        .ok_or_else(|| StepError::Failed("a plain task in a secure experiment".into()))?;
+    let (session, keys) = ClientSession::new(secure.config.clone(), secure.index, &mut rand::rng())
+        .map_err(failed)?;
+    retried("advertise", || c.advertise_keys(cred, task, &keys)).await?;
+    let directory = awaited("key directory", || {
+        c.key_directory(cred, task, MAX_WAIT_SECONDS)
+    })
+    .await?;
+    let (mut session, shares) = on_pool(pool, move || {
+        let mut session = session;
+        let shares = session.share_keys(&directory, &mut rand::rng());
+        (session, shares)
+    })
+    .await;
+    let shares = shares.map_err(failed)?;
+    retried("send shares", || c.send_shares(cred, task, &shares)).await?;
+    let forwarded = awaited("forwarded shares", || {
+        c.forwarded_shares(cred, task, MAX_WAIT_SECONDS)
+    })
+    .await?;
+    let d = secure.config.dimension;
+    let (session, masked) = on_pool(pool, move || {
+        let mut rng = rand::rng();
+        // A synthetic update: small differences from the global model.
+        let update: Vec<f32> = (0..d).map(|_| rng.random_range(-0.05..0.05)).collect();
+        let masked = session.mask(&forwarded, &update, 10, 0.5, &mut rng);
+        (session, masked)
+    })
+    .await;
+    let masked = masked.map_err(failed)?;
+    let upload_id = uuid::Uuid::new_v4();
+    let sent_s = t0.elapsed().as_secs_f64();
+    retried("masked upload", || {
+        c.upload_masked(cred, task, &masked, upload_id)
+    })
+    .await?;
+    let answered_s = t0.elapsed().as_secs_f64();
+    drop(masked);
+    let mut upload = Upload {
+        round: task.round,
+        sent_s,
+        answered_s,
+        unmasked_ms: None,
+    };
+    // From here the input is in the sum: a round that goes on without this client's
+    // shares is still this client's upload.
+    let unmasked = async {
+        let request = awaited("survivors", || c.survivors(cred, task, MAX_WAIT_SECONDS)).await?;
+        let (_, reveal) = on_pool(pool, move || {
             let mut session = session;
             let reveal = session.unmask(&request);
             (session, reveal)
         })
         .await;
-        let reveal = reveal.map_err(|e| e.to_string())?;
-        retried("unmask", || c.send_unmask(cred, &task, &reveal)).await?;
-        uploads.push(Upload {
-            round: task.round,
-            sent_s,
-            answered_s,
-            unmasked_ms: unix_ms(),
-        });
-        round = task.round + 1;
+        let reveal = reveal.map_err(failed)?;
+        retried("unmask", || c.send_unmask(cred, task, &reveal)).await
+    };
+    match unmasked.await {
+        Ok(()) => upload.unmasked_ms = Some(unix_ms()),
+        Err(StepError::Left(why)) => {
+            LEFT.fetch_add(1, Ordering::Relaxed);
+            eprintln!(
+                "  a client's unmask message came late in round {}: {why}",
+                task.round
+            );
+        }
+        Err(e) => return Err(e),
     }
-    Ok(uploads)
+    Ok(upload)
 }
 
 /// The stages of a secure round, in order.
@@ -698,6 +766,7 @@ async fn secure_run(args: &Args, probe: &Baseline) -> Value {
         .for_each_concurrent(64, |v| async move {
             retried("check-in", || v.client.checkin(&v.cred, 0))
                 .await
+                .map_err(String::from)
                 .unwrap();
         })
         .await;
@@ -809,6 +878,7 @@ async fn secure_run(args: &Args, probe: &Baseline) -> Value {
 
     // Per round: the collection window and the stages.
     let mut per_round = Vec::new();
+    let mut at_deadline = Vec::new();
     for r in 1..=args.rounds as i64 {
         let mine: Vec<&Upload> = uploads.iter().filter(|u| u.round == r).collect();
         let first = mine.iter().map(|u| u.sent_s).fold(f64::INFINITY, f64::min);
@@ -820,9 +890,16 @@ async fn secure_run(args: &Args, probe: &Baseline) -> Value {
             .find(|x| x["round"] == r && x["stage"] == "published")
             .unwrap();
         let stages = stage_seconds(&seen, round);
+        // Honest clients answer every stage long before its deadline: a stage that lasted
+        // as long as its deadline waited on someone who never came.
+        for (name, secs) in &stages {
+            if *secs >= (stage as f64) * 0.9 && name != "published" {
+                at_deadline.push(format!("round {r} {name}: {secs:.1} s of {stage} s"));
+            }
+        }
         // From the clients' side: the last unmask message answered to the model published
         // (the unmask stage closing, the aggregation job, the publish).
-        let last_unmask = mine.iter().map(|u| u.unmasked_ms).max().unwrap_or(0);
+        let last_unmask = mine.iter().filter_map(|u| u.unmasked_ms).max().unwrap_or(0);
         let unmasked_to_published =
             (round["finished_at"].as_i64().unwrap_or(0) - last_unmask) as f64 / 1e3;
         let total = (round["finished_at"].as_i64().unwrap_or(0)
@@ -888,6 +965,8 @@ async fn secure_run(args: &Args, probe: &Baseline) -> Value {
         "stages_median_s": stages_median,
         "per_round": per_round,
         "retries": RETRIES.load(Ordering::Relaxed),
+        "rounds_left": LEFT.load(Ordering::Relaxed),
+        "stages_at_deadline": at_deadline,
         "enrol_s": enrol_s,
         "rounds_wall_s": wall_s,
         "started_at_ms": started_ms,
@@ -937,8 +1016,10 @@ async fn secure_run(args: &Args, probe: &Baseline) -> Value {
     }
     eprintln!(
         "coordinator memory: idle {rss_idle:.1} MiB, peak sampled {rss_peak_sampled:.1} MiB, \
-         VmHWM {hwm:.1} MiB, end {rss_end:.1} MiB; peak descriptors {fds_peak}; retries {}",
-        RETRIES.load(Ordering::Relaxed)
+         VmHWM {hwm:.1} MiB, end {rss_end:.1} MiB; peak descriptors {fds_peak}; retries {}; \
+         rounds a client left {}",
+        RETRIES.load(Ordering::Relaxed),
+        LEFT.load(Ordering::Relaxed)
     );
     eprintln!(
         "uploads/s (median of rounds) {uploads_per_s:.1}, {:.3} of the {:.0} durable {masked_bytes}-byte writes/s",
@@ -1189,6 +1270,17 @@ fn main() {
             || summary["held_at_once"] != args.hold_polls)
     {
         eprintln!("checkin_polls: not every poll was held to its end without error");
+        std::process::exit(1);
+    }
+    if args.hold_polls == 0
+        && summary["stages_at_deadline"]
+            .as_array()
+            .is_some_and(|a| !a.is_empty())
+    {
+        eprintln!(
+            "secure_load: a stage waited on its deadline: {}",
+            summary["stages_at_deadline"]
+        );
         std::process::exit(1);
     }
 }
