@@ -217,6 +217,34 @@ mod tests {
         }
     }
 
+    /// The table in the README's threat model.
+    #[test]
+    fn the_readme_table_of_neighbourhoods_holds() {
+        let table = [
+            (100, 0.0, 20, 11),
+            (1000, 0.0, 24, 13),
+            (10_000, 0.0, 30, 16),
+            (100, 0.01, 42, 27),
+            (100, 0.05, 78, 52),
+            (100, 0.1, 99, 70),
+            (1000, 0.01, 50, 32),
+            (1000, 0.05, 92, 61),
+            (1000, 0.1, 180, 119),
+            (10_000, 0.01, 58, 37),
+            (10_000, 0.05, 104, 68),
+        ];
+        for (n, colluding, k, t) in table {
+            assert_eq!(
+                size(n, 0.1, colluding).unwrap(),
+                Neighbourhood {
+                    neighbours: k,
+                    threshold: t
+                },
+                "n = {n}, colluding {colluding}"
+            );
+        }
+    }
+
     #[test]
     fn the_log_space_tail_matches_the_direct_sum() {
         let direct = |k: usize, p: f64, c: usize| -> f64 {
