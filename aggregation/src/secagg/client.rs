@@ -157,20 +157,46 @@ impl ClientSession {
         if !matches!(self.state, ClientState::Advertised) {
             return Err(self.wrong_stage(Stage::Share));
         }
+        check_ascending(&directory.members, self.config.parties)?;
         let indices: Vec<u32> = directory.entries.iter().map(|e| e.index).collect();
         check_ascending(&indices, self.config.parties)?;
+        if directory.members.binary_search(&self.me).is_err() {
+            return Err(SecAggError::NotInRound(self.me));
+        }
+        if let Some(&v) = indices
+            .iter()
+            .find(|v| directory.members.binary_search(v).is_err())
+        {
+            return Err(SecAggError::BadMessage(format!(
+                "the directory has keys for client {v}, who is not a member"
+            )));
+        }
         let mine = directory
             .entries
             .iter()
             .find(|e| e.index == self.me)
-            .ok_or(SecAggError::NotInRound(self.me))?;
+            .ok_or_else(|| {
+                SecAggError::BadMessage("the directory does not hold this client's keys".into())
+            })?;
         if mine.keys.cipher_pk != self.cipher.public() || mine.keys.mask_pk != self.mask.public() {
             return Err(SecAggError::BadMessage(
                 "the directory does not hold this client's own keys".into(),
             ));
         }
-        let graph = NeighbourGraph::new(&indices, &self.config.session, self.config.neighbours)?;
+        let graph = NeighbourGraph::new(
+            &directory.members,
+            &self.config.session,
+            self.config.neighbours,
+        )?;
         let neighbours = graph.neighbours(self.me).expect("a member");
+        if let Some(&v) = neighbours
+            .iter()
+            .find(|v| indices.binary_search(v).is_err())
+        {
+            return Err(SecAggError::BadMessage(format!(
+                "the directory lacks the keys of neighbour {v}"
+            )));
+        }
         let t = self.config.threshold;
         if neighbours.len() < t {
             return Err(SecAggError::TooFewNeighbours {

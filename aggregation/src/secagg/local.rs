@@ -9,7 +9,7 @@ use rand_chacha::ChaCha20Rng;
 use rand_core::SeedableRng;
 use rayon::prelude::*;
 
-use super::messages::{KeyDirectory, RoundConfig, UnmaskRequest};
+use super::messages::{RoundConfig, UnmaskRequest};
 use super::{ClientSession, SecAggError, ServerSession, Stage, Unmasked};
 
 /// What one client contributes when it reaches stage 3.
@@ -165,14 +165,18 @@ where
     }
     let (directory, secs) = timed(|| server.close_advertise());
     timings.server_advertise = server_time + secs;
-    let directory: KeyDirectory = match directory {
-        Ok(d) => d,
-        Err(e) => return finish(Err(e), timings, bytes, aborted),
-    };
+    if let Err(e) = directory {
+        return finish(Err(e), timings, bytes, aborted);
+    }
+    let server_ref = &server;
 
     // Stage 2.
     clients.retain(|&u, _| present(u, Stage::Share));
     let share = |(&u, (session, rng)): (&u32, &mut (ClientSession, ChaCha20Rng))| {
+        // Each client gets its own neighbourhood's keys, as over HTTP.
+        let directory = server_ref
+            .directory_for(u)
+            .expect("every member of U1 has a directory");
         let (r, secs) = timed(|| session.share_keys(&directory, rng));
         (u, r, secs)
     };

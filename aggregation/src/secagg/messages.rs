@@ -54,12 +54,17 @@ pub struct DirectoryEntry {
     pub keys: AdvertiseKeys,
 }
 
-/// Server to every client after stage 1: the keys of every client that advertised
-/// (the set `U1`), in ascending index order.
+/// Server to a client after stage 1: who advertised keys (the set `U1`, from which every
+/// party derives the same neighbour graph) and the keys the client needs: its own and its
+/// neighbours'. A client's directory grows with `n` by 4 bytes a member, not by a member's
+/// keys, so a round's directories cost `O(n (4 + k * 88))` bytes, not `O(88 n^2)`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KeyDirectory {
-    /// One entry per client of `U1`.
+    /// `U1`, in ascending order.
+    pub members: Vec<u32>,
+    /// The keys of the recipient and its neighbours, in ascending index order (a
+    /// directory with more entries, every member's, is accepted too).
     pub entries: Vec<DirectoryEntry>,
 }
 
@@ -239,6 +244,7 @@ mod tests {
         let extra = serde_json::json!({"cipher_pk": "AQ", "mask_pk": "AQ", "x": 1});
         assert!(serde_json::from_value::<AdvertiseKeys>(extra).is_err());
         let dir = KeyDirectory {
+            members: vec![3],
             entries: vec![DirectoryEntry { index: 3, keys }],
         };
         let json = serde_json::to_value(&dir).unwrap();

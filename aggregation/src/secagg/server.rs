@@ -257,16 +257,36 @@ impl ServerSession {
         Ok(self.directory().expect("just built"))
     }
 
-    /// The key directory (`U1`), once stage 1 has closed.
+    /// The whole key directory (`U1` with every member's keys), once stage 1 has closed.
     pub fn directory(&self) -> Option<KeyDirectory> {
         self.graph.as_ref()?;
         Some(KeyDirectory {
+            members: self.keys.keys().copied().collect(),
             entries: self
                 .keys
                 .iter()
                 .map(|(&index, keys)| DirectoryEntry {
                     index,
                     keys: keys.clone(),
+                })
+                .collect(),
+        })
+    }
+
+    /// Client `u`'s directory, once stage 1 has closed: `U1`, and the keys of `u` and its
+    /// neighbours only. `None` before, or for a client not in `U1`.
+    pub fn directory_for(&self, u: u32) -> Option<KeyDirectory> {
+        let graph = self.graph.as_ref()?;
+        let mut wanted = graph.neighbours(u)?;
+        wanted.push(u);
+        wanted.sort_unstable();
+        Some(KeyDirectory {
+            members: self.keys.keys().copied().collect(),
+            entries: wanted
+                .into_iter()
+                .map(|index| DirectoryEntry {
+                    index,
+                    keys: self.keys[&index].clone(),
                 })
                 .collect(),
         })

@@ -512,12 +512,26 @@ fn refused_messages_change_nothing() {
     assert_eq!(dir.entries.len(), 8);
     // A client refuses a directory without its own keys, or unsorted, or with a bad index.
     let mut without_me = dir.clone();
+    without_me.members.retain(|&u| u != 2);
     without_me.entries.retain(|e| e.index != 2);
     let c2 = clients.get_mut(&2).unwrap();
     assert_eq!(
         c2.share_keys(&without_me, &mut rng),
         Err(SecAggError::NotInRound(2))
     );
+    let mut without_my_keys = dir.clone();
+    without_my_keys.entries.retain(|e| e.index != 2);
+    assert!(matches!(
+        c2.share_keys(&without_my_keys, &mut rng),
+        Err(SecAggError::BadMessage(_))
+    ));
+    let mut without_a_neighbour = server.directory_for(2).unwrap();
+    let gone = server.neighbours(2).unwrap()[0];
+    without_a_neighbour.entries.retain(|e| e.index != gone);
+    assert!(matches!(
+        c2.share_keys(&without_a_neighbour, &mut rng),
+        Err(SecAggError::BadMessage(_))
+    ));
     let mut unsorted = dir.clone();
     unsorted.entries.swap(0, 1);
     assert_eq!(
@@ -1310,4 +1324,48 @@ fn the_types_that_hold_secrets_wipe_them_when_dropped() {
     assert_ne!(share.to_bytes()[4..], [0; 40]);
     zeroize::Zeroize::zeroize(&mut share);
     assert_eq!(share.to_bytes(), [0; super::shamir::SHARE_BYTES]);
+}
+
+/// Finding 10 of the security review: every client fetched the whole key directory,
+/// `O(n)` keys each and `O(n^2)` bytes a round. A client's directory now holds the
+/// member list and only its own and its neighbours' keys, and the round works with it.
+#[test]
+fn each_client_gets_only_its_neighbourhood_keys_and_the_round_unmasks() {
+    let cfg = config(60, 8, 5, 3);
+    let mut server = ServerSession::new(cfg.clone()).unwrap();
+    let mut rng = ChaCha20Rng::seed_from_u64(21);
+    let mut clients = BTreeMap::new();
+    for u in 1..=60 {
+        let (c, k) = ClientSession::new(cfg.clone(), u, &mut rng).unwrap();
+        server.receive_keys(u, &k).unwrap();
+        clients.insert(u, c);
+    }
+    let full = server.close_advertise().unwrap();
+    let full_bytes = serde_json::to_vec(&full).unwrap().len();
+    for (&u, c) in clients.iter_mut() {
+        let mine = server.directory_for(u).unwrap();
+        assert_eq!(mine.members.len(), 60);
+        assert_eq!(mine.entries.len(), 8 + 1, "its 8 neighbours and itself");
+        let bytes = serde_json::to_vec(&mine).unwrap().len();
+        assert!(bytes * 4 < full_bytes, "{bytes} of {full_bytes}");
+        let m = c.share_keys(&mine, &mut rng).unwrap();
+        server.receive_shares(u, &m).unwrap();
+    }
+    assert_eq!(server.directory_for(61), None);
+    server.close_sharing().unwrap();
+    for (&u, c) in clients.iter_mut() {
+        let f = server.forwarded_for(u).unwrap();
+        let m = c.mask(&f, &[0.25, -0.5, 1.0], 3, 0.0, &mut rng).unwrap();
+        server.receive_masked(u, &m).unwrap();
+    }
+    let request = server.close_collection().unwrap();
+    for (&u, c) in clients.iter_mut() {
+        server
+            .receive_unmask(u, &c.unmask(&request).unwrap())
+            .unwrap();
+    }
+    let out = server.finish().unwrap();
+    for (got, want) in out.decoded.mean.iter().zip([0.25f32, -0.5, 1.0]) {
+        assert!((f64::from(*got) - f64::from(want)).abs() <= out.decoded.error_bound);
+    }
 }

@@ -406,9 +406,10 @@ async fn directory(
             if v.me.secagg_stage.is_none() {
                 return Err(not_in_round(&v.round, "did not advertise keys in time"));
             }
+            // Only the caller's neighbourhood: O(k) keys, not O(n).
             closed(state, &v, RoundStage::Advertising)
                 .await?
-                .directory()
+                .directory_for(v.index)
                 .ok_or_else(|| ApiError::internal("advertising closed without a key directory"))
         },
     )
