@@ -533,6 +533,64 @@ async fn sign_in_gives_a_strict_http_only_cookie_and_sign_out_ends_the_session()
     server.shut_down().await;
 }
 
+/// `?next=` survives sign-in only as a path on this site: the tricks that make a
+/// browser leave it (a tab or newline it drops, a backslash it reads as `/`, either one
+/// percent-escaped, a second `/`, a scheme) all land on the default page instead, both in
+/// the form the sign-in page renders and in the redirect after signing in.
+#[tokio::test]
+async fn sign_in_never_redirects_to_another_site() {
+    let server = start().await;
+    let page = server.get("/sign-in", None).await;
+    let form_cookie = cookie_pair(&page, "cohort_sign_in").unwrap();
+    let form_token = hidden(&page.text().await.unwrap(), "csrf");
+    for bad in [
+        "/%09/evil.example",
+        "/\t/evil.example",
+        "/\r\n/evil.example",
+        "/\\evil.example",
+        "/%5C/evil.example",
+        "//evil.example",
+        "/%2F/evil.example",
+        "https://evil.example",
+    ] {
+        let query = encode(&[("next", bad)]);
+        let html = server
+            .get(&format!("/sign-in?{query}"), None)
+            .await
+            .text()
+            .await
+            .unwrap();
+        assert_eq!(hidden(&html, "next"), "/experiments", "form for {bad:?}");
+        let r = server
+            .post(
+                "/sign-in",
+                Some(&form_cookie),
+                &[
+                    ("csrf", &form_token),
+                    ("token", &server.token),
+                    ("next", bad),
+                ],
+            )
+            .await;
+        assert_eq!(r.status(), StatusCode::SEE_OTHER, "{bad:?}");
+        assert_eq!(r.headers()[LOCATION], "/experiments", "after {bad:?}");
+    }
+    // A path on the site is where the browser goes back to.
+    let r = server
+        .post(
+            "/sign-in",
+            Some(&form_cookie),
+            &[
+                ("csrf", &form_token),
+                ("token", &server.token),
+                ("next", "/clients?page=2"),
+            ],
+        )
+        .await;
+    assert_eq!(r.headers()[LOCATION], "/clients?page=2");
+    server.shut_down().await;
+}
+
 #[tokio::test]
 async fn the_form_shows_each_problem_next_to_its_field_and_pages_render() {
     let server = start().await;
