@@ -1781,3 +1781,186 @@ async fn edge_agents_enrol_train_and_upload_until_the_experiment_finishes() {
     assert_eq!(reused.uploads, 0);
     server.shut_down().await.unwrap();
 }
+
+/// The experiment's published model after it finished, as floats.
+async fn final_model(server: &TestServer, id: &str) -> Vec<f32> {
+    for _ in 0..200 {
+        let exp: serde_json::Value = server
+            .admin(Method::GET, &format!("/experiments/{id}"), None)
+            .await
+            .json()
+            .await
+            .unwrap();
+        if exp["state"] == "finished" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let bytes = server
+        .admin(Method::GET, &format!("/experiments/{id}/model"), None)
+        .await
+        .bytes()
+        .await
+        .unwrap();
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// A client may fetch an experiment's model and report evaluations of it only when it
+/// takes part in that experiment (it was selected for one of its rounds). Anyone else
+/// gets the same 404 as for an experiment that does not exist.
+#[tokio::test]
+async fn a_client_reaches_only_the_models_of_experiments_it_is_in() {
+    let server = start().await;
+    let b = enrolled(&server, "b").await;
+    server.checkin(&b, 0).await;
+    // Experiment B, a file model that takes client evaluations, starts while only `b` is
+    // available: `b` alone is selected, and its round stays open.
+    let layout = std::sync::Arc::new(
+        cohort_aggregation::Layout::new(vec![cohort_aggregation::TensorSpec::new("w", [2])])
+            .unwrap(),
+    );
+    let model = cohort_aggregation::ModelVector::new(layout, vec![0.5; 2]).unwrap();
+    let file: serde_json::Value = server
+        .client
+        .post(server.url("/api/v1/admin/models?name=m"))
+        .bearer_auth(&server.token)
+        .header("content-type", "application/octet-stream")
+        .body(cohort_aggregation::model_file::encode(
+            &model,
+            Default::default(),
+        ))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let spec = serde_json::json!({
+        "name": "b", "model": "file", "initial_model": file["id"], "rounds": 3,
+        "clients_per_round": 1, "min_participants": 1, "collect_deadline_seconds": 600
+    });
+    let created = server.admin(Method::POST, "/experiments", Some(spec)).await;
+    assert_eq!(created.status(), StatusCode::CREATED);
+    let exp_b = created.json::<serde_json::Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    server
+        .admin(Method::POST, &format!("/experiments/{exp_b}/start"), None)
+        .await;
+    assert_eq!(task_of(&server, &b).await["experiment_id"], exp_b.as_str());
+    // Experiment A selects both clients.
+    let a = enrolled(&server, "a").await;
+    server.checkin(&a, 0).await;
+    let exp_a = tiny_experiment(&server, 1, 1).await;
+    assert_eq!(task_of(&server, &a).await["experiment_id"], exp_a.as_str());
+
+    let model_of = |credential: &str, exp: &str| {
+        server
+            .client
+            .get(server.url(&format!("/api/v1/clients/experiments/{exp}/model")))
+            .bearer_auth(credential)
+            .send()
+    };
+    let evaluate = |credential: &str, exp: &str| {
+        server
+            .client
+            .post(server.url(&format!("/api/v1/clients/experiments/{exp}/evaluations")))
+            .bearer_auth(credential)
+            .json(&serde_json::json!({
+                "model_version": 0, "num_examples": 5, "metrics": {"accuracy": 0.5}
+            }))
+            .send()
+    };
+    let missing = uuid::Uuid::new_v4().to_string();
+    for exp in [exp_b.as_str(), missing.as_str()] {
+        for r in [
+            model_of(&a, exp).await.unwrap(),
+            evaluate(&a, exp).await.unwrap(),
+        ] {
+            assert_eq!(r.status(), StatusCode::NOT_FOUND, "{}", r.url());
+            let body = error_body(r).await;
+            assert_eq!(body.error.code, "not_found");
+            // The same words whether the experiment exists or not.
+            assert_eq!(body.error.message, format!("experiment {exp}"));
+        }
+    }
+    assert_eq!(model_of(&a, &exp_a).await.unwrap().status(), StatusCode::OK);
+    assert_eq!(model_of(&b, &exp_b).await.unwrap().status(), StatusCode::OK);
+    assert_eq!(
+        evaluate(&b, &exp_b).await.unwrap().status(),
+        StatusCode::CREATED
+    );
+    let evaluations: Vec<serde_json::Value> = server
+        .admin(
+            Method::GET,
+            &format!("/experiments/{exp_b}/evaluations"),
+            None,
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(evaluations.len(), 1);
+    assert_eq!(evaluations[0]["clients"], 1, "only b's report counts");
+    server.shut_down().await.unwrap();
+}
+
+/// When an experiment finishes, its clients are asked to evaluate the final model; a
+/// client that never took part is not asked (it could not fetch the model anyway).
+#[tokio::test]
+async fn the_final_evaluation_task_goes_only_to_the_experiments_clients() {
+    let server = start().await;
+    let a = enrolled(&server, "a").await;
+    server.checkin(&a, 0).await;
+    let layout = std::sync::Arc::new(
+        cohort_aggregation::Layout::new(vec![cohort_aggregation::TensorSpec::new("w", [2])])
+            .unwrap(),
+    );
+    let model = cohort_aggregation::ModelVector::new(layout, vec![0.5; 2]).unwrap();
+    let file: serde_json::Value = server
+        .client
+        .post(server.url("/api/v1/admin/models?name=m"))
+        .bearer_auth(&server.token)
+        .header("content-type", "application/octet-stream")
+        .body(cohort_aggregation::model_file::encode(
+            &model,
+            Default::default(),
+        ))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let spec = serde_json::json!({
+        "name": "one round", "model": "file", "initial_model": file["id"], "rounds": 1,
+        "clients_per_round": 1, "min_participants": 1, "collect_deadline_seconds": 60
+    });
+    let created = server.admin(Method::POST, "/experiments", Some(spec)).await;
+    let id = created.json::<serde_json::Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    server
+        .admin(Method::POST, &format!("/experiments/{id}/start"), None)
+        .await;
+    let task = task_of(&server, &a).await;
+    let r = server.upload(&a, &task, floats(&[1.0, 2.0]), 3).await;
+    assert_eq!(r.status(), StatusCode::CREATED);
+    assert_eq!(final_model(&server, &id).await, vec![1.0, 2.0]);
+    let outsider = enrolled(&server, "outsider").await;
+    assert!(
+        server.checkin(&outsider, 1).await["task"].is_null(),
+        "no evaluation task for a client that was never in the experiment"
+    );
+    let task = task_of(&server, &a).await;
+    assert_eq!(
+        (task["kind"].as_str(), task["experiment_id"].as_str()),
+        (Some("evaluate"), Some(id.as_str()))
+    );
+    server.shut_down().await.unwrap();
+}

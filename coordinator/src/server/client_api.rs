@@ -314,7 +314,7 @@ async fn task_for(state: &AppState, client: Uuid) -> Result<Option<Task>, ApiErr
 pub const FINAL_EVALUATION_WINDOW_MS: i64 = 24 * 3600 * 1000;
 
 /// A task to evaluate the final model of a recently finished experiment with a file
-/// model, which this client has not evaluated yet: the rounds' own reports cover every
+/// model that this client took part in and has not evaluated yet: the rounds' own reports cover every
 /// model version but the last, since each client evaluates the model it receives.
 async fn evaluation_task(state: &AppState, client: Uuid) -> Result<Option<Task>, ApiError> {
     let since = now_millis() - FINAL_EVALUATION_WINDOW_MS;
@@ -366,17 +366,38 @@ async fn checkin(
     }
 }
 
+/// Refuses a client that takes no part in `experiment` (see
+/// [`Store::takes_part`](crate::store::Store::takes_part)).
+///
+/// The answer is a 404 worded exactly as for an experiment that does not exist, not a
+/// 403: a client must not learn from it which other experiments there are.
+pub(super) async fn require_participant(
+    state: &AppState,
+    experiment: Uuid,
+    client: Uuid,
+) -> Result<(), ApiError> {
+    if state.store.takes_part(experiment, client).await? {
+        Ok(())
+    } else {
+        Err(ApiError::NotFound(format!("experiment {experiment}")))
+    }
+}
+
 /// The experiment's current global model as little-endian `f32`; the round that
-/// produced it is in the `x-cohort-round` header.
+/// produced it is in the `x-cohort-round` header. Only for a client that takes part in
+/// the experiment; to any other, the experiment does not exist.
 #[utoipa::path(get, path = "/api/v1/clients/experiments/{id}/model", tag = "client",
     security(("client_credential" = [])), params(("id" = String, Path, description = "Experiment id")),
     responses((status = 200, description = "The model", content_type = "application/octet-stream"),
-              (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)))]
+              (status = 401, body = ErrorBody),
+              (status = 404, description = "No such experiment, or the client takes no part in it", body = ErrorBody)))]
 async fn model(
     State(state): State<AppState>,
     client: AuthenticatedClient,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<axum::response::Response, ApiError> {
+    let experiment = super::admin::parse_id(&id, "experiment")?;
+    require_participant(&state, experiment, client.0.id).await?;
     let (exp, round, bytes) = super::admin::current_model(&state, &id).await?;
     client.seen(&state).await?;
     super::fedbuff::note_download(&state, &exp, client.0.id, round).await;

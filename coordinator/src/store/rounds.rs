@@ -582,6 +582,25 @@ impl Store {
         })
     }
 
+    /// Whether `client` takes part in experiment `experiment_id`: it was selected for
+    /// one of its rounds (or, under FedBuff, handed one of its tasks), whatever became
+    /// of that. Only such a client may fetch the experiment's model or report on it:
+    /// nothing else ties a client to an experiment (any available client may be
+    /// selected), so this is the whole of eligibility.
+    pub async fn takes_part(&self, experiment_id: Uuid, client: Uuid) -> Result<bool, StoreError> {
+        with_pool!(self, p => {
+            let row: Option<(String,)> = sqlx::query_as(
+                "SELECT client_id FROM participations WHERE client_id = $1 \
+                 AND experiment_id = $2 LIMIT 1",
+            )
+            .bind(client.to_string())
+            .bind(experiment_id.to_string())
+            .fetch_optional(p)
+            .await?;
+            Ok(row.is_some())
+        })
+    }
+
     /// Records a durable upload. Refused, with nothing changed, unless the round attempt
     /// is collecting, its deadline has not passed, and the client is selected and has not
     /// uploaded yet (a replay is a conflict).
