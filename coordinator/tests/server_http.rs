@@ -1964,3 +1964,132 @@ async fn the_final_evaluation_task_goes_only_to_the_experiments_clients() {
     );
     server.shut_down().await.unwrap();
 }
+
+/// One round of a tiny plain experiment (`extra` merged into its spec) in which an
+/// honest client uploads ones with `honest` samples and another uploads fives claiming
+/// `claimed` samples; the published model.
+async fn mean_with_a_claim(
+    server: &TestServer,
+    extra: serde_json::Value,
+    honest: i64,
+    claimed: i64,
+) -> Vec<f32> {
+    let a = enrolled(server, "honest").await;
+    let b = enrolled(server, "boastful").await;
+    server.checkin(&a, 0).await;
+    server.checkin(&b, 0).await;
+    let mut spec = serde_json::json!({
+        "name": "capped", "features": 4, "classes": 2, "model": "logreg", "rounds": 1,
+        "clients_per_round": 2, "min_participants": 2, "collect_deadline_seconds": 60
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        spec[k] = v.clone();
+    }
+    let created = server.admin(Method::POST, "/experiments", Some(spec)).await;
+    assert_eq!(created.status(), StatusCode::CREATED);
+    let id = created.json::<serde_json::Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let r = server
+        .admin(Method::POST, &format!("/experiments/{id}/start"), None)
+        .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let ta = task_of(server, &a).await;
+    let tb = task_of(server, &b).await;
+    let r = server.upload(&a, &ta, floats(&[1.0; 10]), honest).await;
+    assert_eq!(r.status(), StatusCode::CREATED);
+    let r = server.upload(&b, &tb, floats(&[5.0; 10]), claimed).await;
+    assert_eq!(r.status(), StatusCode::CREATED);
+    final_model(server, &id).await
+}
+
+/// A client's sample count is its own claim: in a plain round, one client claiming
+/// 10^12 samples would otherwise be the whole mean. The weight counted is at most the
+/// experiment's `max_weight` (by default the secure rounds' default, 1000), and the
+/// clamp is in the audit log with what was claimed.
+#[tokio::test]
+async fn one_client_claiming_huge_num_samples_counts_at_most_max_weight() {
+    let server = start().await;
+    // Default cap: 10^12 counts as 1000, as much as the honest client's 1000.
+    let mean = mean_with_a_claim(&server, serde_json::json!({}), 1000, 1_000_000_000_000).await;
+    assert_eq!(mean, vec![3.0; 10], "(1000 * 1 + 1000 * 5) / 2000");
+    let log: Vec<serde_json::Value> = server
+        .get("/api/v1/admin/audit?limit=1000", Some(&server.token))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let capped: Vec<&serde_json::Value> = log
+        .iter()
+        .filter(|e| e["action"] == "upload.weight_capped")
+        .collect();
+    assert_eq!(capped.len(), 1, "{log:?}");
+    let detail = capped[0]["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("1000000000000") && detail.contains("1000"),
+        "{detail}"
+    );
+    server.shut_down().await.unwrap();
+
+    // An experiment's own cap: the honest client's 10 samples weigh as much as a claim
+    // of 10^12.
+    let server = start().await;
+    let mean = mean_with_a_claim(
+        &server,
+        serde_json::json!({"max_weight": 10}),
+        10,
+        1_000_000_000_000,
+    )
+    .await;
+    assert_eq!(mean, vec![3.0; 10], "(10 * 1 + 10 * 5) / 20");
+    let exp: Vec<serde_json::Value> = server
+        .admin(Method::GET, "/experiments", None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(exp[0]["spec"]["max_weight"], 10);
+    server.shut_down().await.unwrap();
+}
+
+/// `max_weight` is checked like every other field: at least 1, and only where plain
+/// sample weights exist (secure aggregation has its own `secure_aggregation.max_weight`,
+/// differential privacy weighs every client equally). Nothing is created when refused.
+#[tokio::test]
+async fn max_weight_is_refused_where_it_would_mean_nothing() {
+    let server = start().await;
+    for (extra, field) in [
+        (serde_json::json!({"max_weight": 0}), "max_weight"),
+        (
+            serde_json::json!({"max_weight": 10, "clients_per_round": 3, "secure_aggregation": {}}),
+            "secure_aggregation.max_weight",
+        ),
+        (
+            serde_json::json!({"max_weight": 10, "privacy": {
+                "noise_multiplier": 1.0, "clip": 1.0, "delta": 1e-5, "epsilon_budget": 8.0
+            }}),
+            "equally",
+        ),
+    ] {
+        let mut spec = serde_json::json!({
+            "name": "x", "features": 4, "classes": 2, "model": "logreg", "rounds": 1,
+            "clients_per_round": 2, "min_participants": 2
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            spec[k] = v.clone();
+        }
+        let r = server.admin(Method::POST, "/experiments", Some(spec)).await;
+        assert_eq!(r.status(), StatusCode::UNPROCESSABLE_ENTITY, "{extra}");
+        let body = error_body(r).await;
+        assert!(body.error.message.contains(field), "{extra}: {body:?}");
+    }
+    let list: Vec<serde_json::Value> = server
+        .admin(Method::GET, "/experiments", None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert!(list.is_empty());
+    server.shut_down().await.unwrap();
+}

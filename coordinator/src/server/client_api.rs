@@ -408,8 +408,9 @@ async fn model(
 #[derive(Debug, Clone, PartialEq, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
 pub struct UploadQuery {
-    /// Samples behind the update (the FedAvg weight), at least 1. Required for a plain
-    /// round; refused for a secure one, whose weight travels inside the masked vector.
+    /// Samples behind the update (the FedAvg weight), at least 1; counted as at most the
+    /// experiment's `max_weight`. Required for a plain round; refused for a secure one,
+    /// whose weight travels inside the masked vector.
     #[serde(default)]
     pub num_samples: Option<i64>,
     /// The client's mean training loss.
@@ -513,13 +514,21 @@ async fn upload(
     );
     let info = receive_update(&state, &headers, body, expected, &path).await?;
     let path = info.path.clone();
+    // A secure upload's weight is masked; the row records none. A plain one's is the
+    // client's own claim, counted up to the experiment's cap.
+    let claimed = query.num_samples.unwrap_or(0);
+    let num_samples = if secure {
+        claimed
+    } else {
+        spec.sample_weight(claimed)
+    };
     let new_upload = crate::store::NewUpload {
         client_id: client.id,
         blob_path: &info.path,
         bytes: info.bytes as i64,
         sha256: &info.sha256,
-        // A secure upload's weight is masked; the row records none.
-        num_samples: query.num_samples.unwrap_or(0),
+        num_samples,
+        claimed_samples: (num_samples != claimed).then_some(claimed),
         train_loss: query.train_loss,
         client_upload_id: query.upload_id,
     };

@@ -286,8 +286,12 @@ pub struct NewUpload<'a> {
     pub bytes: i64,
     /// SHA-256 of the blob.
     pub sha256: &'a [u8],
-    /// Samples behind the update (the FedAvg weight).
+    /// Samples behind the update (the FedAvg weight), as counted: at most the
+    /// experiment's cap.
     pub num_samples: i64,
+    /// What the client claimed when it was more than the cap, so `num_samples` holds the
+    /// cap instead: recorded in the audit log with the upload.
+    pub claimed_samples: Option<i64>,
     /// The client's mean training loss.
     pub train_loss: Option<f64>,
     /// The id the client chose for this upload, if it sent one: a retry with the same id
@@ -729,6 +733,10 @@ impl Store {
             .bind(attempt)
             .execute(&mut *tx)
             .await?;
+            if let (Some(claimed), false) = (upload.claimed_samples, secure) {
+                audit!(tx, now, &client, "upload.weight_capped", exp.as_str(),
+                    capped_detail(round, attempt, claimed, upload.num_samples));
+            }
             tx.commit().await?;
         });
         Ok(Upload {
@@ -1061,6 +1069,14 @@ impl Store {
             row.map(Round::from_row).transpose()
         })
     }
+}
+
+/// The audit detail of an upload whose claimed sample count was capped.
+pub(crate) fn capped_detail(round: i64, attempt: i64, claimed: i64, counted: i64) -> String {
+    format!(
+        "round {round} attempt {attempt}: {claimed} samples claimed, counted as {counted} \
+         (the experiment's max_weight)"
+    )
 }
 
 fn participation_from_row(
