@@ -110,6 +110,7 @@ conformance!(
     a_renewed_lease_keeps_the_job_and_only_its_holder_renews,
     round_records_uploads_and_drops_clients_that_miss_the_deadline,
     a_capped_upload_is_stored_with_the_cap_and_its_claim_is_audited,
+    only_a_selected_client_takes_part_in_an_experiment,
     round_without_quorum_fails_and_runs_again_as_next_attempt,
     uploads_outside_collection_are_refused_and_change_nothing,
     a_round_opens_only_while_running_and_idle,
@@ -591,6 +592,33 @@ async fn a_capped_upload_is_stored_with_the_cap_and_its_claim_is_audited(store: 
         "{}",
         clamps[0].detail
     );
+}
+
+/// What ties a client to an experiment (and lets it fetch the model and report on it):
+/// a selection for one of its rounds, whatever became of it; not one in another
+/// experiment, nor having been merely available.
+async fn only_a_selected_client_takes_part_in_an_experiment(store: &Store) {
+    let (e, c) = running_with_clients(store, 3).await;
+    let (other, _) = running_with_clients_named(store, "other", 1).await;
+    let t0 = now_millis();
+    store
+        .open_round(e.id, 1, 1, &c[..2], t0 + 60_000, t0)
+        .await
+        .unwrap();
+    store
+        .record_upload(e.id, 1, 1, &upload(c[0], 10), t0 + 1)
+        .await
+        .unwrap();
+    // c[1] is dropped when collection closes: it still took part.
+    store
+        .close_collection(e.id, 1, 1, 1, 3, t0 + 2)
+        .await
+        .unwrap();
+    assert!(store.takes_part(e.id, c[0]).await.unwrap());
+    assert!(store.takes_part(e.id, c[1]).await.unwrap());
+    assert!(!store.takes_part(e.id, c[2]).await.unwrap());
+    assert!(!store.takes_part(other.id, c[0]).await.unwrap());
+    assert!(!store.takes_part(Uuid::new_v4(), c[0]).await.unwrap());
 }
 
 async fn round_records_uploads_and_drops_clients_that_miss_the_deadline(store: &Store) {
