@@ -2093,3 +2093,194 @@ async fn max_weight_is_refused_where_it_would_mean_nothing() {
     assert!(list.is_empty());
     server.shut_down().await.unwrap();
 }
+
+/// A dev-TLS server whose settings also read `env` (`COHORT_*` variables, as an operator
+/// would set them).
+async fn start_with_env(env: &[(&str, &str)]) -> TestServer {
+    cohort_coordinator::server::install_crypto_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let env: HashMap<String, String> = env
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let settings = ServeSettings::from_sources(
+        None,
+        &env,
+        ServeFlags {
+            listen: Some("127.0.0.1:0".parse().unwrap()),
+            data_dir: Some(dir.path().to_path_buf()),
+            max_body_bytes: Some(BODY_LIMIT),
+            ..dev_tls()
+        },
+    )
+    .expect("test settings are valid");
+    let prepared = prepare(settings).await.unwrap();
+    let token = prepared
+        .generated_admin_token
+        .as_ref()
+        .unwrap()
+        .expose()
+        .to_string();
+    let mut server = launch(prepared, None, token);
+    server._dir = Some(dir);
+    server
+}
+
+/// A request from `address` (through the trusted proxy 127.0.0.1).
+fn from(req: reqwest::RequestBuilder, address: &str) -> reqwest::RequestBuilder {
+    req.header("x-forwarded-for", address)
+}
+
+fn retry_after(r: &reqwest::Response) -> u64 {
+    r.headers()
+        .get(reqwest::header::RETRY_AFTER)
+        .expect("a 429 says when to come back")
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// Wrong bearer tokens (admin or client) are limited per address: past the limit the
+/// address gets 429 with Retry-After before its token is even looked at, the right one
+/// included; another address is not affected, and a missing token is no guess.
+#[tokio::test]
+async fn failed_bearer_authentications_are_limited_per_address() {
+    let server = start_with_env(&[
+        ("COHORT_AUTH_FAILURE_RATE", "3"),
+        ("COHORT_TRUSTED_PROXIES", "127.0.0.1"),
+    ])
+    .await;
+    let credential = enrolled(&server, "site").await;
+    let (id, _) = credential.split_once('.').unwrap();
+    let whoami = |token: &str, address: &str| {
+        from(
+            server
+                .client
+                .get(server.url("/api/v1/admin/whoami"))
+                .bearer_auth(token),
+            address,
+        )
+        .send()
+    };
+    let me = |token: String, address: &str| {
+        from(
+            server
+                .client
+                .get(server.url("/api/v1/clients/me"))
+                .bearer_auth(token),
+            address,
+        )
+        .send()
+    };
+    let guesser = "203.0.113.7";
+    // Missing credentials are not guesses.
+    for _ in 0..5 {
+        let r = from(
+            server.client.get(server.url("/api/v1/admin/whoami")),
+            guesser,
+        )
+        .send()
+        .await
+        .unwrap();
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    }
+    assert_eq!(
+        whoami("wrong-admin-token", guesser).await.unwrap().status(),
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        me(format!("{id}.{}", "0".repeat(64)), guesser)
+            .await
+            .unwrap()
+            .status(),
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        me("not-even-a-credential".into(), guesser)
+            .await
+            .unwrap()
+            .status(),
+        StatusCode::UNAUTHORIZED
+    );
+    for r in [
+        whoami(&server.token, guesser).await.unwrap(),
+        me(credential.clone(), guesser).await.unwrap(),
+        server
+            .client
+            .get(server.url("/metrics"))
+            .bearer_auth(&server.token)
+            .header("x-forwarded-for", guesser)
+            .send()
+            .await
+            .unwrap(),
+    ] {
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert!((1..=60).contains(&retry_after(&r)));
+        if r.url().path() != "/metrics" {
+            assert_eq!(error_body(r).await.error.code, "rate_limited");
+        }
+    }
+    let other = "198.51.100.1";
+    assert_eq!(
+        whoami(&server.token, other).await.unwrap().status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        me(credential.clone(), other).await.unwrap().status(),
+        StatusCode::OK
+    );
+    server.shut_down().await.unwrap();
+}
+
+/// The secure-aggregation messages and the evaluation and failure reports a client
+/// posts are limited per client like its uploads: past the limit, 429 with Retry-After;
+/// another client from the same address is not affected.
+#[tokio::test]
+async fn secure_aggregation_messages_and_reports_are_limited_per_client() {
+    let server = start_with_env(&[("COHORT_MESSAGE_RATE", "4")]).await;
+    let hasty = enrolled(&server, "hasty").await;
+    let calm = enrolled(&server, "calm").await;
+    let experiment = uuid::Uuid::new_v4();
+    let post = |credential: &str, path: &str| {
+        server
+            .client
+            .post(server.url(&format!("/api/v1/clients/experiments/{experiment}{path}")))
+            .bearer_auth(credential)
+            .json(&serde_json::json!({}))
+            .send()
+    };
+    let paths = [
+        "/rounds/1/attempts/1/secagg/keys",
+        "/rounds/1/attempts/1/secagg/shares",
+        "/rounds/1/attempts/1/secagg/unmask",
+        "/evaluations",
+        "/rounds/1/attempts/1/failure",
+    ];
+    for path in &paths[..4] {
+        let r = post(&hasty, path).await.unwrap();
+        assert_ne!(r.status(), StatusCode::TOO_MANY_REQUESTS, "{path}");
+    }
+    for path in paths {
+        let r = post(&hasty, path).await.unwrap();
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS, "{path}");
+        assert!((1..=60).contains(&retry_after(&r)));
+        assert_eq!(error_body(r).await.error.code, "rate_limited");
+    }
+    for path in [paths[0], paths[3]] {
+        let r = post(&calm, path).await.unwrap();
+        assert_ne!(r.status(), StatusCode::TOO_MANY_REQUESTS, "{path}");
+    }
+    // Waiting for a stage (a GET long poll) is not a message.
+    let r = server
+        .client
+        .get(server.url(&format!(
+            "/api/v1/clients/experiments/{experiment}/rounds/1/attempts/1/secagg/keys"
+        )))
+        .bearer_auth(&hasty)
+        .send()
+        .await
+        .unwrap();
+    assert_ne!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    server.shut_down().await.unwrap();
+}

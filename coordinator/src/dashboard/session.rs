@@ -22,6 +22,7 @@ use serde::Deserialize;
 use super::{Chrome, PageError, render};
 use crate::server::AppState;
 use crate::server::auth::{generate_secret, hash_secret, to_hex};
+use crate::server::rate_limit::ADMIN_ACCOUNT;
 use crate::server::settings::TlsMode;
 use crate::store::now_millis;
 
@@ -387,6 +388,33 @@ pub async fn sign_in(
     }
     let fields = form_fields(&body)?;
     let next = safe_next(field(&fields, "next"));
+    // Refused before the token is looked at, so that a guesser past its share learns
+    // nothing more, whatever it sends.
+    if let Err(limited) = state.limits.sign_in_allowed(peer, ADMIN_ACCOUNT) {
+        let seconds = match limited {
+            crate::server::ApiError::TooManyRequests {
+                retry_after_seconds,
+                ..
+            } => retry_after_seconds,
+            _ => 60,
+        };
+        tracing::warn!(
+            peer = %crate::server::api::address_text(peer),
+            "dashboard sign-in refused: too many failed sign-ins"
+        );
+        let mut response = sign_in_form(
+            &state,
+            &next,
+            Some(format!(
+                "Too many failed sign-ins; try again in {seconds} seconds."
+            )),
+            axum::http::StatusCode::TOO_MANY_REQUESTS,
+        )?;
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        return Ok(response);
+    }
     let expected = cookie(&headers, SIGN_IN_COOKIE).unwrap_or("");
     let presented = field(&fields, CSRF_FIELD).unwrap_or("");
     if expected.is_empty() || !same_token(presented, expected) {
@@ -399,6 +427,11 @@ pub async fn sign_in(
     }
     let token = field(&fields, "token").unwrap_or("").trim();
     if token.is_empty() || !state.admin.verify(token) {
+        // An empty field is no guess; a wrong token counts against the address and the
+        // account.
+        if !token.is_empty() {
+            state.limits.sign_in_failed(peer, ADMIN_ACCOUNT);
+        }
         tracing::warn!("dashboard sign-in refused: wrong admin token");
         return sign_in_form(
             &state,

@@ -53,9 +53,10 @@ pub struct ClientIdentity {
 }
 
 /// Extractor: the client whose credential the request carries. Missing or wrong
-/// credentials are 401; a revoked client is 403. It writes nothing: a handler records the
-/// client as seen only once the request has succeeded, so that a refused request leaves
-/// the database exactly as it was.
+/// credentials are 401; a revoked client is 403; an address past its share of failed
+/// authentications is 429 before its credential is looked at. It writes nothing: a
+/// handler records the client as seen only once the request has succeeded, so that a
+/// refused request leaves the database exactly as it was.
 #[derive(Debug, Clone)]
 pub struct AuthenticatedClient(pub Client);
 
@@ -63,29 +64,64 @@ impl FromRequestParts<AppState> for AuthenticatedClient {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        // A layer in front (the message limit) may have authenticated the request already.
+        if let Some(client) = parts.extensions.get::<AuthenticatedClient>() {
+            return Ok(client.clone());
+        }
+        let Ok(super::rate_limit::PeerAddr(peer)) =
+            super::rate_limit::PeerAddr::from_request_parts(parts, state).await;
+        state.limits.authentication_allowed(peer)?;
         let wrong = || ApiError::Unauthorized("missing or invalid client credential".into());
         let mut values = parts.headers.get_all(header::AUTHORIZATION).iter();
-        let first = values.next();
-        if values.next().is_some() {
+        let Some(first) = values.next() else {
+            // No credential at all is no guess: not counted.
             return Err(wrong());
+        };
+        let refused = || {
+            state.limits.authentication_failed(peer);
+            wrong()
+        };
+        if values.next().is_some() {
+            return Err(refused());
         }
-        let token = parse_bearer(first.map(|v| v.as_bytes())).map_err(|_| wrong())?;
-        let (id, secret) = token.split_once('.').ok_or_else(wrong)?;
-        let id = Uuid::parse_str(id).map_err(|_| wrong())?;
+        let token = parse_bearer(Some(first.as_bytes())).map_err(|_| refused())?;
+        let (id, secret) = token.split_once('.').ok_or_else(refused)?;
+        let id = Uuid::parse_str(id).map_err(|_| refused())?;
         let (hash, client) = match state.store.client_credential(id).await {
             Ok(found) => found,
-            Err(StoreError::NotFound(_)) => return Err(wrong()),
+            Err(StoreError::NotFound(_)) => return Err(refused()),
             Err(other) => return Err(other.into()),
         };
-        let expected: [u8; 32] = hash.as_slice().try_into().map_err(|_| wrong())?;
+        let expected: [u8; 32] = hash.as_slice().try_into().map_err(|_| refused())?;
         if !verify_secret(secret, &expected) {
-            return Err(wrong());
+            return Err(refused());
         }
         if client.revoked_at.is_some() {
             return Err(ApiError::Forbidden("this client has been revoked".into()));
         }
         Ok(AuthenticatedClient(client))
     }
+}
+
+/// Middleware for the routes of a client's messages other than updates (secure
+/// aggregation, evaluation and failure reports): a `POST` is authenticated here and
+/// counted against the client's message limit before its handler runs, which then finds
+/// the client already authenticated. Other methods (the long polls) pass untouched.
+pub(crate) async fn limit_messages(
+    State(state): State<AppState>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Result<axum::response::Response, ApiError> {
+    if request.method() != axum::http::Method::POST {
+        return Ok(next.run(request).await);
+    }
+    let (mut parts, body) = request.into_parts();
+    let client = AuthenticatedClient::from_request_parts(&mut parts, &state).await?;
+    state.limits.message(client.0.id)?;
+    parts.extensions.insert(client);
+    Ok(next
+        .run(axum::extract::Request::from_parts(parts, body))
+        .await)
 }
 
 impl AuthenticatedClient {
