@@ -1720,6 +1720,7 @@ async fn edge_agents_enrol_train_and_upload_until_the_experiment_finishes() {
             .join(format!("agent-{i}"));
         let config = cohort_edge::agent::AgentConfig {
             coordinator: server.base.clone(),
+            insecure_http: false,
             ca_pem: Some(ca.clone()),
             identity_pem: None,
             enrol_token: Some(token),
@@ -1764,6 +1765,7 @@ async fn edge_agents_enrol_train_and_upload_until_the_experiment_finishes() {
     // Restarting an agent reuses its stored credential instead of a spent token.
     let reused = cohort_edge::agent::run_agent(cohort_edge::agent::AgentConfig {
         coordinator: server.base.clone(),
+        insecure_http: false,
         ca_pem: Some(ca),
         identity_pem: None,
         enrol_token: None,
