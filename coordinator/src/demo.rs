@@ -208,6 +208,7 @@ async fn run_async(args: &DemoArgs) -> Result<DemoOutcome, String> {
             .then(crate::server::secure_rounds::SecureAggregationSpec::default),
         privacy: None,
         aggregator: None,
+        max_weight: None,
         mode: Default::default(),
         buffer_size: None,
         concurrency: None,

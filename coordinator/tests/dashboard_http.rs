@@ -25,11 +25,20 @@ async fn start() -> Server {
 
 /// A server whose largest accepted body is `max_body_bytes` (default without).
 async fn start_with(max_body_bytes: Option<usize>) -> Server {
+    start_configured(max_body_bytes, &[]).await
+}
+
+/// A server whose settings also read `env` (`COHORT_*` variables).
+async fn start_configured(max_body_bytes: Option<usize>, env: &[(&str, &str)]) -> Server {
     cohort_coordinator::server::install_crypto_provider();
     let dir = tempfile::tempdir().unwrap();
+    let env: HashMap<String, String> = env
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
     let settings = ServeSettings::from_sources(
         None,
-        &HashMap::new(),
+        &env,
         ServeFlags {
             listen: Some("127.0.0.1:0".parse().unwrap()),
             data_dir: Some(dir.path().to_path_buf()),
@@ -530,6 +539,124 @@ async fn sign_in_gives_a_strict_http_only_cookie_and_sign_out_ends_the_session()
     // The old cookie is dead on the server, not just deleted in the browser.
     let r = server.get("/experiments", Some(&session)).await;
     assert_eq!(r.status(), StatusCode::SEE_OTHER);
+    server.shut_down().await;
+}
+
+/// `?next=` survives sign-in only as a path on this site: the tricks that make a
+/// browser leave it (a tab or newline it drops, a backslash it reads as `/`, either one
+/// percent-escaped, a second `/`, a scheme) all land on the default page instead, both in
+/// the form the sign-in page renders and in the redirect after signing in.
+#[tokio::test]
+async fn sign_in_never_redirects_to_another_site() {
+    let server = start().await;
+    let page = server.get("/sign-in", None).await;
+    let form_cookie = cookie_pair(&page, "cohort_sign_in").unwrap();
+    let form_token = hidden(&page.text().await.unwrap(), "csrf");
+    for bad in [
+        "/%09/evil.example",
+        "/\t/evil.example",
+        "/\r\n/evil.example",
+        "/\\evil.example",
+        "/%5C/evil.example",
+        "//evil.example",
+        "/%2F/evil.example",
+        "https://evil.example",
+    ] {
+        let query = encode(&[("next", bad)]);
+        let html = server
+            .get(&format!("/sign-in?{query}"), None)
+            .await
+            .text()
+            .await
+            .unwrap();
+        assert_eq!(hidden(&html, "next"), "/experiments", "form for {bad:?}");
+        let r = server
+            .post(
+                "/sign-in",
+                Some(&form_cookie),
+                &[
+                    ("csrf", &form_token),
+                    ("token", &server.token),
+                    ("next", bad),
+                ],
+            )
+            .await;
+        assert_eq!(r.status(), StatusCode::SEE_OTHER, "{bad:?}");
+        assert_eq!(r.headers()[LOCATION], "/experiments", "after {bad:?}");
+    }
+    // A path on the site is where the browser goes back to.
+    let r = server
+        .post(
+            "/sign-in",
+            Some(&form_cookie),
+            &[
+                ("csrf", &form_token),
+                ("token", &server.token),
+                ("next", "/clients?page=2"),
+            ],
+        )
+        .await;
+    assert_eq!(r.headers()[LOCATION], "/clients?page=2");
+    server.shut_down().await;
+}
+
+/// Failed sign-ins are limited per address (together with the API's failed bearer
+/// tokens) and for the admin account from all addresses together. Past either limit the
+/// form answers 429 with Retry-After before the token is looked at; while only one
+/// address's share is spent, another address still signs in.
+#[tokio::test]
+async fn failed_sign_ins_are_limited_per_address_and_per_account() {
+    let server = start_configured(
+        None,
+        &[
+            ("COHORT_AUTH_FAILURE_RATE", "2"),
+            ("COHORT_SIGN_IN_FAILURE_RATE", "4"),
+            ("COHORT_TRUSTED_PROXIES", "127.0.0.1"),
+        ],
+    )
+    .await;
+    let page = server.get("/sign-in", None).await;
+    let form_cookie = cookie_pair(&page, "cohort_sign_in").unwrap();
+    let form_token = hidden(&page.text().await.unwrap(), "csrf");
+    let sign_in = |token: &str, address: &str| {
+        server
+            .http
+            .post(server.url("/sign-in"))
+            .header(CONTENT_TYPE, "application/x-www-form-urlencoded")
+            .header(COOKIE, &form_cookie)
+            .header("x-forwarded-for", address)
+            .body(encode(&[("csrf", &form_token), ("token", token)]))
+            .send()
+    };
+    let limited = |r: &reqwest::Response| {
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert!(cookie_pair(r, "cohort_session").is_none());
+        let wait: u64 = r.headers()[reqwest::header::RETRY_AFTER]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!((1..=60).contains(&wait), "{wait}");
+    };
+    for _ in 0..2 {
+        let r = sign_in("not-the-token", "203.0.113.7").await.unwrap();
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    }
+    // That address has used its share: even the right token is not tried.
+    let r = sign_in(&server.token, "203.0.113.7").await.unwrap();
+    limited(&r);
+    assert!(r.text().await.unwrap().contains("Too many failed sign-ins"));
+    // Another address signs in.
+    let r = sign_in(&server.token, "198.51.100.1").await.unwrap();
+    assert_eq!(r.status(), StatusCode::SEE_OTHER);
+    assert!(cookie_pair(&r, "cohort_session").is_some());
+    // Two more failures from a second address spend the account's share of 4: now
+    // every address waits, a fresh one with the right token included.
+    for _ in 0..2 {
+        let r = sign_in("not-the-token", "198.51.100.2").await.unwrap();
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    }
+    limited(&sign_in(&server.token, "192.0.2.9").await.unwrap());
     server.shut_down().await;
 }
 

@@ -70,6 +70,7 @@ async fn two_coordinators_on_one_postgres_never_run_the_same_job() {
         .await;
         let config = cohort_edge::agent::AgentConfig {
             coordinator: base.clone(),
+            insecure_http: false,
             ca_pem: Some(std::fs::read(&ca).unwrap()),
             identity_pem: None,
             enrol_token: Some(issued["token"].as_str().unwrap().to_string()),

@@ -1720,6 +1720,7 @@ async fn edge_agents_enrol_train_and_upload_until_the_experiment_finishes() {
             .join(format!("agent-{i}"));
         let config = cohort_edge::agent::AgentConfig {
             coordinator: server.base.clone(),
+            insecure_http: false,
             ca_pem: Some(ca.clone()),
             identity_pem: None,
             enrol_token: Some(token),
@@ -1765,6 +1766,7 @@ async fn edge_agents_enrol_train_and_upload_until_the_experiment_finishes() {
     // Restarting an agent reuses its stored credential instead of a spent token.
     let reused = cohort_edge::agent::run_agent(cohort_edge::agent::AgentConfig {
         coordinator: server.base.clone(),
+        insecure_http: false,
         ca_pem: Some(ca),
         identity_pem: None,
         enrol_token: None,
@@ -1781,6 +1783,509 @@ async fn edge_agents_enrol_train_and_upload_until_the_experiment_finishes() {
     .await
     .expect("stored credential still works");
     assert_eq!(reused.uploads, 0);
+    server.shut_down().await.unwrap();
+}
+
+/// The experiment's published model after it finished, as floats.
+async fn final_model(server: &TestServer, id: &str) -> Vec<f32> {
+    for _ in 0..200 {
+        let exp: serde_json::Value = server
+            .admin(Method::GET, &format!("/experiments/{id}"), None)
+            .await
+            .json()
+            .await
+            .unwrap();
+        if exp["state"] == "finished" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let bytes = server
+        .admin(Method::GET, &format!("/experiments/{id}/model"), None)
+        .await
+        .bytes()
+        .await
+        .unwrap();
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// A client may fetch an experiment's model and report evaluations of it only when it
+/// takes part in that experiment (it was selected for one of its rounds). Anyone else
+/// gets the same 404 as for an experiment that does not exist.
+#[tokio::test]
+async fn a_client_reaches_only_the_models_of_experiments_it_is_in() {
+    let server = start().await;
+    let b = enrolled(&server, "b").await;
+    server.checkin(&b, 0).await;
+    // Experiment B, a file model that takes client evaluations, starts while only `b` is
+    // available: `b` alone is selected, and its round stays open.
+    let layout = std::sync::Arc::new(
+        cohort_aggregation::Layout::new(vec![cohort_aggregation::TensorSpec::new("w", [2])])
+            .unwrap(),
+    );
+    let model = cohort_aggregation::ModelVector::new(layout, vec![0.5; 2]).unwrap();
+    let file: serde_json::Value = server
+        .client
+        .post(server.url("/api/v1/admin/models?name=m"))
+        .bearer_auth(&server.token)
+        .header("content-type", "application/octet-stream")
+        .body(cohort_aggregation::model_file::encode(
+            &model,
+            Default::default(),
+        ))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let spec = serde_json::json!({
+        "name": "b", "model": "file", "initial_model": file["id"], "rounds": 3,
+        "clients_per_round": 1, "min_participants": 1, "collect_deadline_seconds": 600
+    });
+    let created = server.admin(Method::POST, "/experiments", Some(spec)).await;
+    assert_eq!(created.status(), StatusCode::CREATED);
+    let exp_b = created.json::<serde_json::Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    server
+        .admin(Method::POST, &format!("/experiments/{exp_b}/start"), None)
+        .await;
+    assert_eq!(task_of(&server, &b).await["experiment_id"], exp_b.as_str());
+    // Experiment A selects both clients.
+    let a = enrolled(&server, "a").await;
+    server.checkin(&a, 0).await;
+    let exp_a = tiny_experiment(&server, 1, 1).await;
+    assert_eq!(task_of(&server, &a).await["experiment_id"], exp_a.as_str());
+
+    let model_of = |credential: &str, exp: &str| {
+        server
+            .client
+            .get(server.url(&format!("/api/v1/clients/experiments/{exp}/model")))
+            .bearer_auth(credential)
+            .send()
+    };
+    let evaluate = |credential: &str, exp: &str| {
+        server
+            .client
+            .post(server.url(&format!("/api/v1/clients/experiments/{exp}/evaluations")))
+            .bearer_auth(credential)
+            .json(&serde_json::json!({
+                "model_version": 0, "num_examples": 5, "metrics": {"accuracy": 0.5}
+            }))
+            .send()
+    };
+    let missing = uuid::Uuid::new_v4().to_string();
+    for exp in [exp_b.as_str(), missing.as_str()] {
+        for r in [
+            model_of(&a, exp).await.unwrap(),
+            evaluate(&a, exp).await.unwrap(),
+        ] {
+            assert_eq!(r.status(), StatusCode::NOT_FOUND, "{}", r.url());
+            let body = error_body(r).await;
+            assert_eq!(body.error.code, "not_found");
+            // The same words whether the experiment exists or not.
+            assert_eq!(body.error.message, format!("experiment {exp}"));
+        }
+    }
+    assert_eq!(model_of(&a, &exp_a).await.unwrap().status(), StatusCode::OK);
+    assert_eq!(model_of(&b, &exp_b).await.unwrap().status(), StatusCode::OK);
+    assert_eq!(
+        evaluate(&b, &exp_b).await.unwrap().status(),
+        StatusCode::CREATED
+    );
+    let evaluations: Vec<serde_json::Value> = server
+        .admin(
+            Method::GET,
+            &format!("/experiments/{exp_b}/evaluations"),
+            None,
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(evaluations.len(), 1);
+    assert_eq!(evaluations[0]["clients"], 1, "only b's report counts");
+    server.shut_down().await.unwrap();
+}
+
+/// When an experiment finishes, its clients are asked to evaluate the final model; a
+/// client that never took part is not asked (it could not fetch the model anyway).
+#[tokio::test]
+async fn the_final_evaluation_task_goes_only_to_the_experiments_clients() {
+    let server = start().await;
+    let a = enrolled(&server, "a").await;
+    server.checkin(&a, 0).await;
+    let layout = std::sync::Arc::new(
+        cohort_aggregation::Layout::new(vec![cohort_aggregation::TensorSpec::new("w", [2])])
+            .unwrap(),
+    );
+    let model = cohort_aggregation::ModelVector::new(layout, vec![0.5; 2]).unwrap();
+    let file: serde_json::Value = server
+        .client
+        .post(server.url("/api/v1/admin/models?name=m"))
+        .bearer_auth(&server.token)
+        .header("content-type", "application/octet-stream")
+        .body(cohort_aggregation::model_file::encode(
+            &model,
+            Default::default(),
+        ))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let spec = serde_json::json!({
+        "name": "one round", "model": "file", "initial_model": file["id"], "rounds": 1,
+        "clients_per_round": 1, "min_participants": 1, "collect_deadline_seconds": 60
+    });
+    let created = server.admin(Method::POST, "/experiments", Some(spec)).await;
+    let id = created.json::<serde_json::Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    server
+        .admin(Method::POST, &format!("/experiments/{id}/start"), None)
+        .await;
+    let task = task_of(&server, &a).await;
+    let r = server.upload(&a, &task, floats(&[1.0, 2.0]), 3).await;
+    assert_eq!(r.status(), StatusCode::CREATED);
+    assert_eq!(final_model(&server, &id).await, vec![1.0, 2.0]);
+    let outsider = enrolled(&server, "outsider").await;
+    assert!(
+        server.checkin(&outsider, 1).await["task"].is_null(),
+        "no evaluation task for a client that was never in the experiment"
+    );
+    let task = task_of(&server, &a).await;
+    assert_eq!(
+        (task["kind"].as_str(), task["experiment_id"].as_str()),
+        (Some("evaluate"), Some(id.as_str()))
+    );
+    server.shut_down().await.unwrap();
+}
+
+/// One round of a tiny plain experiment (`extra` merged into its spec) in which an
+/// honest client uploads ones with `honest` samples and another uploads fives claiming
+/// `claimed` samples; the published model.
+async fn mean_with_a_claim(
+    server: &TestServer,
+    extra: serde_json::Value,
+    honest: i64,
+    claimed: i64,
+) -> Vec<f32> {
+    let a = enrolled(server, "honest").await;
+    let b = enrolled(server, "boastful").await;
+    server.checkin(&a, 0).await;
+    server.checkin(&b, 0).await;
+    let mut spec = serde_json::json!({
+        "name": "capped", "features": 4, "classes": 2, "model": "logreg", "rounds": 1,
+        "clients_per_round": 2, "min_participants": 2, "collect_deadline_seconds": 60
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        spec[k] = v.clone();
+    }
+    let created = server.admin(Method::POST, "/experiments", Some(spec)).await;
+    assert_eq!(created.status(), StatusCode::CREATED);
+    let id = created.json::<serde_json::Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let r = server
+        .admin(Method::POST, &format!("/experiments/{id}/start"), None)
+        .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let ta = task_of(server, &a).await;
+    let tb = task_of(server, &b).await;
+    let r = server.upload(&a, &ta, floats(&[1.0; 10]), honest).await;
+    assert_eq!(r.status(), StatusCode::CREATED);
+    let r = server.upload(&b, &tb, floats(&[5.0; 10]), claimed).await;
+    assert_eq!(r.status(), StatusCode::CREATED);
+    final_model(server, &id).await
+}
+
+/// A client's sample count is its own claim: in a plain round, one client claiming
+/// 10^12 samples would otherwise be the whole mean. The weight counted is at most the
+/// experiment's `max_weight` (by default the secure rounds' default, 1000), and the
+/// clamp is in the audit log with what was claimed.
+#[tokio::test]
+async fn one_client_claiming_huge_num_samples_counts_at_most_max_weight() {
+    let server = start().await;
+    // Default cap: 10^12 counts as 1000, as much as the honest client's 1000.
+    let mean = mean_with_a_claim(&server, serde_json::json!({}), 1000, 1_000_000_000_000).await;
+    assert_eq!(mean, vec![3.0; 10], "(1000 * 1 + 1000 * 5) / 2000");
+    let log: Vec<serde_json::Value> = server
+        .get("/api/v1/admin/audit?limit=1000", Some(&server.token))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let capped: Vec<&serde_json::Value> = log
+        .iter()
+        .filter(|e| e["action"] == "upload.weight_capped")
+        .collect();
+    assert_eq!(capped.len(), 1, "{log:?}");
+    let detail = capped[0]["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("1000000000000") && detail.contains("1000"),
+        "{detail}"
+    );
+    server.shut_down().await.unwrap();
+
+    // An experiment's own cap: the honest client's 10 samples weigh as much as a claim
+    // of 10^12.
+    let server = start().await;
+    let mean = mean_with_a_claim(
+        &server,
+        serde_json::json!({"max_weight": 10}),
+        10,
+        1_000_000_000_000,
+    )
+    .await;
+    assert_eq!(mean, vec![3.0; 10], "(10 * 1 + 10 * 5) / 20");
+    let exp: Vec<serde_json::Value> = server
+        .admin(Method::GET, "/experiments", None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(exp[0]["spec"]["max_weight"], 10);
+    server.shut_down().await.unwrap();
+}
+
+/// `max_weight` is checked like every other field: at least 1, and only where plain
+/// sample weights exist (secure aggregation has its own `secure_aggregation.max_weight`,
+/// differential privacy weighs every client equally). Nothing is created when refused.
+#[tokio::test]
+async fn max_weight_is_refused_where_it_would_mean_nothing() {
+    let server = start().await;
+    for (extra, field) in [
+        (serde_json::json!({"max_weight": 0}), "max_weight"),
+        (
+            serde_json::json!({"max_weight": 10, "clients_per_round": 3, "secure_aggregation": {}}),
+            "secure_aggregation.max_weight",
+        ),
+        (
+            serde_json::json!({"max_weight": 10, "privacy": {
+                "noise_multiplier": 1.0, "clip": 1.0, "delta": 1e-5, "epsilon_budget": 8.0
+            }}),
+            "equally",
+        ),
+    ] {
+        let mut spec = serde_json::json!({
+            "name": "x", "features": 4, "classes": 2, "model": "logreg", "rounds": 1,
+            "clients_per_round": 2, "min_participants": 2
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            spec[k] = v.clone();
+        }
+        let r = server.admin(Method::POST, "/experiments", Some(spec)).await;
+        assert_eq!(r.status(), StatusCode::UNPROCESSABLE_ENTITY, "{extra}");
+        let body = error_body(r).await;
+        assert!(body.error.message.contains(field), "{extra}: {body:?}");
+    }
+    let list: Vec<serde_json::Value> = server
+        .admin(Method::GET, "/experiments", None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert!(list.is_empty());
+    server.shut_down().await.unwrap();
+}
+
+/// A dev-TLS server whose settings also read `env` (`COHORT_*` variables, as an operator
+/// would set them).
+async fn start_with_env(env: &[(&str, &str)]) -> TestServer {
+    cohort_coordinator::server::install_crypto_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let env: HashMap<String, String> = env
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let settings = ServeSettings::from_sources(
+        None,
+        &env,
+        ServeFlags {
+            listen: Some("127.0.0.1:0".parse().unwrap()),
+            data_dir: Some(dir.path().to_path_buf()),
+            max_body_bytes: Some(BODY_LIMIT),
+            ..dev_tls()
+        },
+    )
+    .expect("test settings are valid");
+    let prepared = prepare(settings).await.unwrap();
+    let token = prepared
+        .generated_admin_token
+        .as_ref()
+        .unwrap()
+        .expose()
+        .to_string();
+    let mut server = launch(prepared, None, token);
+    server._dir = Some(dir);
+    server
+}
+
+/// A request from `address` (through the trusted proxy 127.0.0.1).
+fn from(req: reqwest::RequestBuilder, address: &str) -> reqwest::RequestBuilder {
+    req.header("x-forwarded-for", address)
+}
+
+fn retry_after(r: &reqwest::Response) -> u64 {
+    r.headers()
+        .get(reqwest::header::RETRY_AFTER)
+        .expect("a 429 says when to come back")
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// Wrong bearer tokens (admin or client) are limited per address: past the limit the
+/// address gets 429 with Retry-After before its token is even looked at, the right one
+/// included; another address is not affected, and a missing token is no guess.
+#[tokio::test]
+async fn failed_bearer_authentications_are_limited_per_address() {
+    let server = start_with_env(&[
+        ("COHORT_AUTH_FAILURE_RATE", "3"),
+        ("COHORT_TRUSTED_PROXIES", "127.0.0.1"),
+    ])
+    .await;
+    let credential = enrolled(&server, "site").await;
+    let (id, _) = credential.split_once('.').unwrap();
+    let whoami = |token: &str, address: &str| {
+        from(
+            server
+                .client
+                .get(server.url("/api/v1/admin/whoami"))
+                .bearer_auth(token),
+            address,
+        )
+        .send()
+    };
+    let me = |token: String, address: &str| {
+        from(
+            server
+                .client
+                .get(server.url("/api/v1/clients/me"))
+                .bearer_auth(token),
+            address,
+        )
+        .send()
+    };
+    let guesser = "203.0.113.7";
+    // Missing credentials are not guesses.
+    for _ in 0..5 {
+        let r = from(
+            server.client.get(server.url("/api/v1/admin/whoami")),
+            guesser,
+        )
+        .send()
+        .await
+        .unwrap();
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    }
+    assert_eq!(
+        whoami("wrong-admin-token", guesser).await.unwrap().status(),
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        me(format!("{id}.{}", "0".repeat(64)), guesser)
+            .await
+            .unwrap()
+            .status(),
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        me("not-even-a-credential".into(), guesser)
+            .await
+            .unwrap()
+            .status(),
+        StatusCode::UNAUTHORIZED
+    );
+    for r in [
+        whoami(&server.token, guesser).await.unwrap(),
+        me(credential.clone(), guesser).await.unwrap(),
+        server
+            .client
+            .get(server.url("/metrics"))
+            .bearer_auth(&server.token)
+            .header("x-forwarded-for", guesser)
+            .send()
+            .await
+            .unwrap(),
+    ] {
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert!((1..=60).contains(&retry_after(&r)));
+        if r.url().path() != "/metrics" {
+            assert_eq!(error_body(r).await.error.code, "rate_limited");
+        }
+    }
+    let other = "198.51.100.1";
+    assert_eq!(
+        whoami(&server.token, other).await.unwrap().status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        me(credential.clone(), other).await.unwrap().status(),
+        StatusCode::OK
+    );
+    server.shut_down().await.unwrap();
+}
+
+/// The secure-aggregation messages and the evaluation and failure reports a client
+/// posts are limited per client like its uploads: past the limit, 429 with Retry-After;
+/// another client from the same address is not affected.
+#[tokio::test]
+async fn secure_aggregation_messages_and_reports_are_limited_per_client() {
+    let server = start_with_env(&[("COHORT_MESSAGE_RATE", "4")]).await;
+    let hasty = enrolled(&server, "hasty").await;
+    let calm = enrolled(&server, "calm").await;
+    let experiment = uuid::Uuid::new_v4();
+    let post = |credential: &str, path: &str| {
+        server
+            .client
+            .post(server.url(&format!("/api/v1/clients/experiments/{experiment}{path}")))
+            .bearer_auth(credential)
+            .json(&serde_json::json!({}))
+            .send()
+    };
+    let paths = [
+        "/rounds/1/attempts/1/secagg/keys",
+        "/rounds/1/attempts/1/secagg/shares",
+        "/rounds/1/attempts/1/secagg/unmask",
+        "/evaluations",
+        "/rounds/1/attempts/1/failure",
+    ];
+    for path in &paths[..4] {
+        let r = post(&hasty, path).await.unwrap();
+        assert_ne!(r.status(), StatusCode::TOO_MANY_REQUESTS, "{path}");
+    }
+    for path in paths {
+        let r = post(&hasty, path).await.unwrap();
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS, "{path}");
+        assert!((1..=60).contains(&retry_after(&r)));
+        assert_eq!(error_body(r).await.error.code, "rate_limited");
+    }
+    for path in [paths[0], paths[3]] {
+        let r = post(&calm, path).await.unwrap();
+        assert_ne!(r.status(), StatusCode::TOO_MANY_REQUESTS, "{path}");
+    }
+    // Waiting for a stage (a GET long poll) is not a message.
+    let r = server
+        .client
+        .get(server.url(&format!(
+            "/api/v1/clients/experiments/{experiment}/rounds/1/attempts/1/secagg/keys"
+        )))
+        .bearer_auth(&hasty)
+        .send()
+        .await
+        .unwrap();
+    assert_ne!(r.status(), StatusCode::TOO_MANY_REQUESTS);
     server.shut_down().await.unwrap();
 }
 

@@ -109,6 +109,8 @@ conformance!(
     expired_lease_hands_the_job_to_another_worker,
     a_renewed_lease_keeps_the_job_and_only_its_holder_renews,
     round_records_uploads_and_drops_clients_that_miss_the_deadline,
+    a_capped_upload_is_stored_with_the_cap_and_its_claim_is_audited,
+    only_a_selected_client_takes_part_in_an_experiment,
     round_without_quorum_fails_and_runs_again_as_next_attempt,
     uploads_outside_collection_are_refused_and_change_nothing,
     a_round_opens_only_while_running_and_idle,
@@ -539,9 +541,84 @@ fn upload(client: Uuid, n: i64) -> NewUpload<'static> {
         bytes: 400,
         sha256: &[7; 32],
         num_samples: n,
+        claimed_samples: None,
         train_loss: Some(0.5),
         client_upload_id: None,
     }
+}
+
+/// An upload whose claimed sample count was over the experiment's cap is stored with
+/// the cap, and the audit log keeps what the client claimed, in the same transaction.
+async fn a_capped_upload_is_stored_with_the_cap_and_its_claim_is_audited(store: &Store) {
+    let (e, c) = running_with_clients(store, 2).await;
+    let t0 = now_millis();
+    store
+        .open_round(e.id, 1, 1, &c, t0 + 60_000, t0)
+        .await
+        .unwrap();
+    let capped = NewUpload {
+        claimed_samples: Some(1_000_000_000_000),
+        ..upload(c[0], 1000)
+    };
+    store
+        .record_upload(e.id, 1, 1, &capped, t0 + 1)
+        .await
+        .unwrap();
+    store
+        .record_upload(e.id, 1, 1, &upload(c[1], 7), t0 + 2)
+        .await
+        .unwrap();
+    let mut samples: Vec<i64> = store
+        .uploads(e.id, 1, 1)
+        .await
+        .unwrap()
+        .iter()
+        .map(|u| u.num_samples)
+        .collect();
+    samples.sort_unstable();
+    assert_eq!(samples, vec![7, 1000]);
+    let log = store.audit_log(100).await.unwrap();
+    let clamps: Vec<_> = log
+        .iter()
+        .filter(|a| a.action == "upload.weight_capped")
+        .collect();
+    assert_eq!(clamps.len(), 1, "{log:?}");
+    assert_eq!(clamps[0].actor, c[0].to_string());
+    assert_eq!(clamps[0].subject, e.id.to_string());
+    assert!(
+        clamps[0]
+            .detail
+            .contains("1000000000000 samples claimed, counted as 1000"),
+        "{}",
+        clamps[0].detail
+    );
+}
+
+/// What ties a client to an experiment (and lets it fetch the model and report on it):
+/// a selection for one of its rounds, whatever became of it; not one in another
+/// experiment, nor having been merely available.
+async fn only_a_selected_client_takes_part_in_an_experiment(store: &Store) {
+    let (e, c) = running_with_clients(store, 3).await;
+    let (other, _) = running_with_clients_named(store, "other", 1).await;
+    let t0 = now_millis();
+    store
+        .open_round(e.id, 1, 1, &c[..2], t0 + 60_000, t0)
+        .await
+        .unwrap();
+    store
+        .record_upload(e.id, 1, 1, &upload(c[0], 10), t0 + 1)
+        .await
+        .unwrap();
+    // c[1] is dropped when collection closes: it still took part.
+    store
+        .close_collection(e.id, 1, 1, 1, 3, t0 + 2)
+        .await
+        .unwrap();
+    assert!(store.takes_part(e.id, c[0]).await.unwrap());
+    assert!(store.takes_part(e.id, c[1]).await.unwrap());
+    assert!(!store.takes_part(e.id, c[2]).await.unwrap());
+    assert!(!store.takes_part(other.id, c[0]).await.unwrap());
+    assert!(!store.takes_part(Uuid::new_v4(), c[0]).await.unwrap());
 }
 
 async fn round_records_uploads_and_drops_clients_that_miss_the_deadline(store: &Store) {

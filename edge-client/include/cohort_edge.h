@@ -112,10 +112,13 @@ typedef struct CohortStatus {
 extern "C" {
 #endif // __cplusplus
 
-// Creates a client from a JSON configuration: `coordinator` (URL), `state_dir`, and
-// optionally `ca_cert_file` or `ca_cert_pem` (the CA to trust), `client_cert_file` with
-// `client_key_file` (PEM; for a coordinator that requires mutual TLS), `enrol_token`
-// (needed until the credential is stored) and `seed`. Nothing is sent yet.
+// Creates a client from a JSON configuration: `coordinator` (an `https://` URL),
+// `state_dir`, and optionally `ca_cert_file` or `ca_cert_pem` (the CA to trust),
+// `client_cert_file` with `client_key_file` (PEM; for a coordinator that requires mutual
+// TLS), `enrol_token` (needed until the credential is stored), `seed`, and
+// `insecure_http` (`true` allows an `http://` coordinator, over which the enrolment token
+// and the credential travel unencrypted: for tests only; otherwise such a URL is
+// refused with `CohortInvalidConfig`). Nothing is sent yet.
 //
 // # Safety
 // `config_json` must be a zero-terminated string; `out` must point to writable

@@ -18,6 +18,9 @@ use cohort_aggregation::ModelVector;
 pub struct AgentConfig {
     /// Coordinator base URL, e.g. `https://127.0.0.1:8443`.
     pub coordinator: String,
+    /// Allow a plain `http://` coordinator URL: the enrolment token, the credential and
+    /// the updates then cross the network unencrypted. Off: such a URL is refused.
+    pub insecure_http: bool,
     /// PEM of the CA to trust (the coordinator's dev CA), or the system roots.
     pub ca_pem: Option<Vec<u8>>,
     /// Mutual TLS: this client's certificate chain and private key, PEM, for a
@@ -188,6 +191,7 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
         &config.coordinator,
         config.ca_pem.as_deref(),
         config.identity_pem.as_deref(),
+        config.insecure_http,
     )?;
     let identity = crate::identity::load_or_create(&config.state_dir)?;
     let public = identity.public();

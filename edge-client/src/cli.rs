@@ -17,6 +17,11 @@ pub struct EdgeArgs {
     /// Coordinator URL, e.g. https://127.0.0.1:8443
     #[arg(long, env = "COHORT_COORDINATOR")]
     pub coordinator: String,
+    /// Allow a plain http:// coordinator URL. The enrolment token, this client's
+    /// credential and its updates then cross the network unencrypted: only for a test or
+    /// a network you trust end to end (loopback included, nothing is exempt without it)
+    #[arg(long)]
+    pub insecure_http: bool,
     /// CA certificate (PEM) to trust for the coordinator, e.g. its dev CA
     #[arg(long, value_name = "FILE")]
     pub ca_cert: Option<PathBuf>,
@@ -104,6 +109,12 @@ pub struct EdgeArgs {
 /// Runs the client to the end: exit status 2 for bad input, 1 for a failure, 0 when it
 /// stopped after `--idle-exit`.
 pub fn run(args: EdgeArgs) -> ExitCode {
+    // Before anything else, so that nothing is read, started or sent for a URL that
+    // would carry the credential in clear.
+    if let Err(e) = crate::protocol::check_coordinator_url(&args.coordinator, args.insecure_http) {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     let trainer: crate::trainer::SharedTrainer = match (&args.trainer, &args.data) {
         (Some(command), _) => {
             if args.trainer_timeout == 0 {
@@ -192,6 +203,7 @@ pub fn run(args: EdgeArgs) -> ExitCode {
     };
     let config = AgentConfig {
         coordinator: args.coordinator,
+        insecure_http: args.insecure_http,
         ca_pem,
         identity_pem,
         enrol_token: args.enrol_token,

@@ -167,6 +167,9 @@ struct ClientConfig {
     state_dir: PathBuf,
     #[serde(default)]
     seed: u64,
+    /// Allows a plain `http://` coordinator, over which the credential travels in clear.
+    #[serde(default)]
+    insecure_http: bool,
 }
 
 struct Failure(CohortCode, String);
@@ -220,10 +223,13 @@ fn invalid(what: &str) -> Failure {
     Failure(CohortCode::CohortInvalidArgument, what.to_string())
 }
 
-/// Creates a client from a JSON configuration: `coordinator` (URL), `state_dir`, and
-/// optionally `ca_cert_file` or `ca_cert_pem` (the CA to trust), `client_cert_file` with
-/// `client_key_file` (PEM; for a coordinator that requires mutual TLS), `enrol_token`
-/// (needed until the credential is stored) and `seed`. Nothing is sent yet.
+/// Creates a client from a JSON configuration: `coordinator` (an `https://` URL),
+/// `state_dir`, and optionally `ca_cert_file` or `ca_cert_pem` (the CA to trust),
+/// `client_cert_file` with `client_key_file` (PEM; for a coordinator that requires mutual
+/// TLS), `enrol_token` (needed until the credential is stored), `seed`, and
+/// `insecure_http` (`true` allows an `http://` coordinator, over which the enrolment token
+/// and the credential travel unencrypted: for tests only; otherwise such a URL is
+/// refused with `CohortInvalidConfig`). Nothing is sent yet.
 ///
 /// # Safety
 /// `config_json` must be a zero-terminated string; `out` must point to writable
@@ -260,6 +266,14 @@ pub unsafe extern "C" fn cohort_client_new(
                 "configuration: client_cert_file and client_key_file go together".into(),
             ));
         }
+        crate::protocol::check_coordinator_url(&config.coordinator, config.insecure_http).map_err(
+            |e| {
+                Failure(
+                    CohortCode::CohortInvalidConfig,
+                    format!("configuration: {e}"),
+                )
+            },
+        )?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .max_blocking_threads(2)
@@ -437,6 +451,7 @@ pub unsafe extern "C" fn cohort_client_run_pending(
         };
         let config = crate::agent::AgentConfig {
             coordinator: c.coordinator.clone(),
+            insecure_http: c.insecure_http,
             ca_pem,
             identity_pem,
             enrol_token: c.enrol_token.clone(),
@@ -516,4 +531,57 @@ pub unsafe extern "C" fn cohort_client_free(client: *mut CohortClient) {
 #[unsafe(no_mangle)]
 pub extern "C" fn cohort_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `cohort_client_new` on `config`: its code, its message, and the client (freed).
+    fn create(config: &str) -> (CohortCode, String) {
+        let config = CString::new(config).unwrap();
+        let mut client: *mut CohortClient = std::ptr::null_mut();
+        let mut err = CohortError {
+            code: CohortCode::CohortOk,
+            message: [0; COHORT_ERROR_MESSAGE_LEN],
+        };
+        // SAFETY: a zero-terminated string, and pointers to our own locals.
+        let code = unsafe { cohort_client_new(config.as_ptr(), &mut client, &mut err) };
+        // SAFETY: written by write_error, zero-terminated within the buffer.
+        let message = unsafe { CStr::from_ptr(err.message.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
+        // SAFETY: from cohort_client_new (or null), freed once.
+        unsafe { cohort_client_free(client) };
+        (code, message)
+    }
+
+    /// An app embedding the client gets the CLI's rule: plain HTTP only when its
+    /// configuration says `insecure_http`.
+    #[test]
+    fn a_plain_http_coordinator_needs_insecure_http() {
+        let dir = std::env::temp_dir().join(format!("cohort-ffi-{}", std::process::id()));
+        let config = |url: &str, extra: &str| {
+            format!(
+                r#"{{"coordinator": "{url}", "state_dir": "{}"{extra}}}"#,
+                dir.display()
+            )
+        };
+        let (code, message) = create(&config("http://127.0.0.1:8443", ""));
+        assert_eq!(code, CohortCode::CohortInvalidConfig);
+        assert!(message.contains("insecure_http"), "{message}");
+        assert!(message.contains("unencrypted"), "{message}");
+        let (code, message) = create(&config(
+            "http://127.0.0.1:8443",
+            r#", "insecure_http": true"#,
+        ));
+        assert_eq!(code, CohortCode::CohortOk, "{message}");
+        let (code, message) = create(&config("https://127.0.0.1:8443", ""));
+        assert_eq!(code, CohortCode::CohortOk, "{message}");
+        let (code, _) = create(&config(
+            "ftp://127.0.0.1:8443",
+            r#", "insecure_http": true"#,
+        ));
+        assert_eq!(code, CohortCode::CohortInvalidConfig);
+    }
 }

@@ -140,6 +140,57 @@ pub enum ProtocolError {
     /// The answer was not what the protocol says.
     #[error("unexpected answer from the coordinator: {0}")]
     Protocol(String),
+    /// The coordinator URL is not one this client sends its credential to.
+    #[error(transparent)]
+    Url(#[from] UrlError),
+}
+
+/// Why a coordinator URL is not used. Checked before anything is sent.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UrlError {
+    /// Not an `https://` URL (nor an `http://` one).
+    #[error(
+        "the coordinator URL `{0}` is not an https:// URL (such as https://coordinator.example:8443)"
+    )]
+    NotHttps(String),
+    /// Plain HTTP without the explicit permission.
+    #[error(
+        "refusing the plain HTTP coordinator `{0}`: the enrolment token, the client's \
+         credential and its updates would cross the network unencrypted. Use an https:// \
+         URL, or, for a test or a network you trust end to end, allow plain HTTP \
+         explicitly (cohort-edge --insecure-http; `insecure_http` in the C and Python APIs)"
+    )]
+    PlainHttp(String),
+}
+
+/// Checks a coordinator URL before anything is sent to it: `https://`, or `http://`
+/// only when `insecure_http` says so. Loopback addresses get no exemption: a local
+/// proxy may forward anywhere, and a test that speaks plain HTTP says so.
+pub fn check_coordinator_url(url: &str, insecure_http: bool) -> Result<(), UrlError> {
+    // The URL as shown in errors: at most its scheme, host and port, so that anything
+    // else written into it (a user name and password) is never printed.
+    let shown = |u: &reqwest::Url| {
+        let host = u.host_str().unwrap_or("");
+        match u.port() {
+            Some(port) => format!("{}://{host}:{port}", u.scheme()),
+            None => format!("{}://{host}", u.scheme()),
+        }
+    };
+    let parsed = reqwest::Url::parse(url.trim()).ok();
+    match parsed {
+        Some(u) if u.scheme() == "https" && u.has_host() => Ok(()),
+        Some(u) if u.scheme() == "http" && u.has_host() => {
+            if insecure_http {
+                Ok(())
+            } else {
+                Err(UrlError::PlainHttp(shown(&u)))
+            }
+        }
+        Some(u) if u.has_host() => Err(UrlError::NotHttps(shown(&u))),
+        _ => Err(UrlError::NotHttps(
+            url.chars().take(80).filter(|c| !c.is_control()).collect(),
+        )),
+    }
 }
 
 impl ProtocolError {
@@ -149,7 +200,7 @@ impl ProtocolError {
         match self {
             ProtocolError::Transport(_) => true,
             ProtocolError::Refused { status, .. } => *status >= 500 || *status == 429,
-            ProtocolError::Protocol(_) => false,
+            ProtocolError::Protocol(_) | ProtocolError::Url(_) => false,
         }
     }
 
@@ -214,19 +265,23 @@ async fn checked(response: reqwest::Response) -> Result<reqwest::Response, Proto
 
 impl CoordinatorClient {
     /// A client for the coordinator at `base` (`https://host:port`), trusting only
-    /// `ca_pem` when given, else the system's roots.
+    /// `ca_pem` when given, else the system's roots. A plain `http://` base is refused
+    /// ([`check_coordinator_url`]).
     pub fn new(base: &str, ca_pem: Option<&[u8]>) -> Result<Self, ProtocolError> {
-        Self::with_identity(base, ca_pem, None)
+        Self::with_identity(base, ca_pem, None, false)
     }
 
     /// Like [`new`](Self::new); with `identity_pem` (a certificate chain and its private
     /// key, PEM), the client presents that certificate to a coordinator that requires
-    /// mutual TLS.
+    /// mutual TLS. `insecure_http` allows a plain `http://` base, over which the
+    /// credential travels unencrypted.
     pub fn with_identity(
         base: &str,
         ca_pem: Option<&[u8]>,
         identity_pem: Option<&[u8]>,
+        insecure_http: bool,
     ) -> Result<Self, ProtocolError> {
+        check_coordinator_url(base, insecure_http)?;
         // reqwest is built without a crypto provider of its own; ring is the one.
         let _ = rustls::crypto::ring::default_provider().install_default();
         let mut builder = reqwest::Client::builder()
@@ -617,13 +672,61 @@ mod tests {
         panic!("no connection to {peer}");
     }
 
+    /// Only https:// is used unless plain HTTP is asked for, loopback included; what an
+    /// error shows of the URL is its scheme, host and port, never a password in it.
+    #[test]
+    fn coordinator_urls_are_https_unless_plain_http_is_asked_for() {
+        for ok in [
+            "https://127.0.0.1:8443",
+            "https://fl.example",
+            "HTTPS://fl.example:1/",
+        ] {
+            assert_eq!(check_coordinator_url(ok, false), Ok(()), "{ok}");
+        }
+        for plain in [
+            "http://127.0.0.1:8443",
+            "http://localhost",
+            "http://[::1]:80",
+            "HTTP://fl.example",
+        ] {
+            assert!(
+                matches!(
+                    check_coordinator_url(plain, false),
+                    Err(UrlError::PlainHttp(_))
+                ),
+                "{plain}"
+            );
+            assert_eq!(check_coordinator_url(plain, true), Ok(()), "{plain}");
+        }
+        for bad in [
+            "ftp://fl.example",
+            "fl.example:8443",
+            "",
+            "https://",
+            "unix:/tmp/s",
+        ] {
+            assert!(
+                matches!(check_coordinator_url(bad, true), Err(UrlError::NotHttps(_))),
+                "{bad:?}"
+            );
+        }
+        let e = check_coordinator_url("http://user:hunter2@fl.example:80/x", false).unwrap_err();
+        assert!(!e.to_string().contains("hunter2"), "{e}");
+        assert!(e.to_string().contains("--insecure-http"), "{e}");
+        assert!(matches!(
+            CoordinatorClient::new("http://127.0.0.1:1", None),
+            Err(ProtocolError::Url(UrlError::PlainHttp(_)))
+        ));
+    }
+
     #[cfg(target_os = "linux")]
     #[tokio::test]
     async fn connections_outlast_the_longest_long_poll() {
         // With reqwest's default of 30 s, a check-in held for its full 30 s was cut
         // (`timed out`) as soon as one keepalive probe went unanswered.
         let peer = answer_once(r#"{"task":null}"#).await;
-        let client = CoordinatorClient::new(&format!("http://{peer}"), None).unwrap();
+        let client =
+            CoordinatorClient::with_identity(&format!("http://{peer}"), None, None, true).unwrap();
         let cred = Credential {
             client_id: Uuid::nil(),
             secret: "secret".into(),

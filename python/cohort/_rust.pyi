@@ -33,4 +33,5 @@ def run_edge(
     idle_exit: Optional[float],
     partition_id: Optional[int],
     handler: Callable[[str, Dict[str, np.ndarray], Dict[str, Any]], Tuple[int, Dict[str, float], Optional[List[Tuple[str, str, List[int]]]], bytes]],
+    insecure_http: bool = ...,
 ) -> Dict[str, Any]: ...

@@ -61,6 +61,10 @@ class EdgeClient:
             round handed out again trains the same way).
         idle_exit: Stop after this many seconds without a task (default: run until
             stopped).
+        insecure_http: Allow a plain ``http://`` coordinator. The enrolment token, the
+            client's credential and its updates then cross the network unencrypted:
+            only for a test or a network you trust end to end. Without it such a URL
+            is a :class:`cohort.ConfigError` (loopback addresses included).
     """
 
     def __init__(
@@ -76,9 +80,19 @@ class EdgeClient:
         partition_id: Optional[int] = None,
         seed: int = 0,
         idle_exit: Optional[float] = None,
+        insecure_http: bool = False,
     ) -> None:
-        if not isinstance(coordinator, str) or not coordinator.startswith(("https://", "http://")):
+        if not isinstance(coordinator, str) or not coordinator.lower().startswith(
+            ("https://", "http://")
+        ):
             raise ConfigError(f"coordinator must be an https:// URL, got {coordinator!r}")
+        if coordinator.lower().startswith("http://") and not insecure_http:
+            raise ConfigError(
+                "refusing the plain HTTP coordinator: the enrolment token, the client's "
+                "credential and its updates would cross the network unencrypted. Use an "
+                "https:// URL, or pass insecure_http=True for a test or a network you "
+                "trust end to end"
+            )
         if (client_cert is None) != (client_key is None):
             raise ConfigError("client_cert and client_key go together")
         self.coordinator = coordinator
@@ -95,6 +109,7 @@ class EdgeClient:
         self.partition_id = partition_id
         self.seed = int(seed)
         self.idle_exit = idle_exit
+        self.insecure_http = bool(insecure_http)
         self._train: Optional[Callable[..., Any]] = None
         self._evaluate: Optional[Callable[..., Any]] = None
 
@@ -184,5 +199,6 @@ class EdgeClient:
                 self.idle_exit,
                 self.partition_id,
                 handler,
+                self.insecure_http,
             )
         )

@@ -75,9 +75,10 @@ enum Finished {
 /// Runs the edge agent until it exits (idle limit, budget spent) or fails; `handler`
 /// is `cohort.edge`'s dispatcher, called as `handler(kind, weights, info)` for each task
 /// and returning `(num_examples, metrics, tensors, body)` (`tensors` is `None` for an
-/// evaluation).
+/// evaluation). `insecure_http` allows a plain `http://` coordinator, over which the
+/// credential travels unencrypted; without it such a URL is a `ConfigError`.
 #[pyfunction]
-#[pyo3(signature = (coordinator, ca_pem, identity_pem, enrol_token, state_dir, seed, idle_exit, partition_id, handler))]
+#[pyo3(signature = (coordinator, ca_pem, identity_pem, enrol_token, state_dir, seed, idle_exit, partition_id, handler, insecure_http=false))]
 #[allow(clippy::too_many_arguments)]
 fn run_edge<'py>(
     py: Python<'py>,
@@ -90,6 +91,7 @@ fn run_edge<'py>(
     idle_exit: Option<f64>,
     partition_id: Option<u64>,
     handler: Bound<'py, PyAny>,
+    insecure_http: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     let (jobs_tx, jobs_rx) = std::sync::mpsc::channel::<Job>();
     let (done_tx, done_rx) = std::sync::mpsc::channel::<Finished>();
@@ -107,11 +109,16 @@ fn run_edge<'py>(
         }
         other => other.map(Duration::from_secs_f64),
     };
-    let client =
-        CoordinatorClient::with_identity(&coordinator, ca_pem.as_deref(), identity_pem.as_deref())
-            .map_err(|e| cohort_error(py, "ConfigError", e.to_string()))?;
+    let client = CoordinatorClient::with_identity(
+        &coordinator,
+        ca_pem.as_deref(),
+        identity_pem.as_deref(),
+        insecure_http,
+    )
+    .map_err(|e| cohort_error(py, "ConfigError", e.to_string()))?;
     let config = AgentConfig {
         coordinator,
+        insecure_http,
         ca_pem,
         identity_pem,
         enrol_token,

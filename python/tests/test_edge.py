@@ -149,6 +149,21 @@ def test_an_unreachable_coordinator_is_an_unreachable_error_at_once(tmp_path):
     assert not (tmp_path / "state").exists()
 
 
+def test_a_plain_http_coordinator_is_refused_without_insecure_http(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(cohort.ConfigError, match="insecure_http"):
+        cohort.EdgeClient(url, enrol_token="t", state_dir=str(tmp_path / "state"))
+    # With it, the client goes as far as the (absent) coordinator.
+    client = cohort.EdgeClient(url, enrol_token="t", state_dir=str(tmp_path / "state"),
+                               insecure_http=True)
+    with pytest.raises(cohort.UnreachableError):
+        client.run(softmax.train)
+    # The Rust side holds the same rule, whatever the Python wrapper checked.
+    with pytest.raises(cohort.ConfigError, match="insecure_http"):
+        cohort._rust.run_edge(url, None, None, "t", str(tmp_path / "raw"), 0, 1.0, None,
+                              lambda *a: None)
+
+
 def test_a_revoked_client_gets_an_api_error_403(admin, cohort_serve, tmp_path):
     exp = experiment(admin, "python site revoked", rounds=1, clients=1)
     process, log = start_site(cohort_serve, admin, tmp_path, 0, idle_exit=5)

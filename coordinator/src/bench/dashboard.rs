@@ -215,6 +215,7 @@ async fn run_async(args: &DashboardBenchArgs) -> Result<(), String> {
         secure_aggregation: None,
         privacy: None,
         aggregator: None,
+        max_weight: None,
         mode: Default::default(),
         buffer_size: None,
         concurrency: None,

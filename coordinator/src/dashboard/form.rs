@@ -169,6 +169,14 @@ const GROUPS: &[(&str, &[FieldDef])] = &[
                 false,
             ),
             def(
+                "max_weight",
+                "Maximum weight",
+                "Plain rounds: a client's sample count counts as at most this in the weighted mean; empty for the default (1000). Secure aggregation has its own below; differential privacy weighs clients equally.",
+                Number,
+                false,
+                false,
+            ),
+            def(
                 "seed",
                 "Seed",
                 "Seed of the initial model.",
@@ -496,6 +504,7 @@ fn default_spec() -> ExperimentSpec {
         secure_aggregation: None,
         privacy: None,
         aggregator: None,
+        max_weight: None,
         mode: Default::default(),
         buffer_size: None,
         concurrency: None,
@@ -519,6 +528,7 @@ fn defaults() -> HashMap<&'static str, String> {
         ("hyperparameters", String::new()),
         ("strategy", d.strategy.to_string()),
         ("aggregator", String::new()),
+        ("max_weight", String::new()),
         ("seed", d.seed.to_string()),
         ("rounds", d.rounds.to_string()),
         ("clients_per_round", d.clients_per_round.to_string()),
@@ -890,6 +900,14 @@ pub fn parse(fields: &[(String, String)]) -> Parsed {
         secure_aggregation: secure,
         privacy,
         aggregator,
+        max_weight: r.optional("max_weight").flatten().and_then(|m| {
+            let m = u32::try_from(m).ok();
+            if m.is_none() {
+                r.errors
+                    .insert("max_weight", "must be at most 4294967295".into());
+            }
+            m
+        }),
         // An empty (or absent, from an older page or a script) mode is the default.
         mode: if r.text("mode").is_empty() {
             d.mode
@@ -1052,6 +1070,32 @@ mod tests {
             }
             Parsed::Invalid(sets) => panic!("{sets:?}"),
         }
+    }
+
+    /// The plain rounds' weight cap: empty is the default, a number is the cap, and the
+    /// spec's rules about it show next to the field.
+    #[test]
+    fn the_weight_cap_comes_from_the_form_and_is_checked() {
+        match parse(&submitted(&[])) {
+            Parsed::Spec(spec) => assert_eq!(spec.max_weight, None),
+            Parsed::Invalid(sets) => panic!("{sets:?}"),
+        }
+        match parse(&submitted(&[("max_weight", "250")])) {
+            Parsed::Spec(spec) => assert_eq!(spec.max_weight, Some(250)),
+            Parsed::Invalid(sets) => panic!("{sets:?}"),
+        }
+        let errs = errors(parse(&submitted(&[("max_weight", "0")])));
+        assert!(errs["max_weight"].contains("at least 1"), "{errs:?}");
+        let errs = errors(parse(&submitted(&[("max_weight", "many")])));
+        assert!(errs["max_weight"].contains("whole number"), "{errs:?}");
+        let errs = errors(parse(&submitted(&[
+            ("max_weight", "10"),
+            ("secure_aggregation", "on"),
+        ])));
+        assert!(
+            errs["max_weight"].contains("secure_aggregation.max_weight"),
+            "{errs:?}"
+        );
     }
 
     #[test]

@@ -22,6 +22,7 @@ use serde::Deserialize;
 use super::{Chrome, PageError, render};
 use crate::server::AppState;
 use crate::server::auth::{generate_secret, hash_secret, to_hex};
+use crate::server::rate_limit::ADMIN_ACCOUNT;
 use crate::server::settings::TlsMode;
 use crate::store::now_millis;
 
@@ -129,20 +130,73 @@ fn cross_site(headers: &HeaderMap, uri: &Uri) -> bool {
     false
 }
 
-/// Where to go after signing in: a local path only, never another site.
+/// Where to go after signing in when `?next=` names no safe place.
+const DEFAULT_NEXT: &str = "/experiments";
+
+/// Where to go after signing in: a path on this site, never another site.
+///
+/// Browsers are lenient with a `Location`: they drop tabs and newlines anywhere in it
+/// (`/\t/evil.example` becomes `//evil.example`), read `\` as `/`, and take `//host` as
+/// another site with this one's scheme. So `next` must be a plain absolute path: one `/`
+/// not followed by another, no `\`, and nothing but visible ASCII (no whitespace, no
+/// control character). That holds for the text as sent and again after each round of
+/// percent-decoding, so that an escaped `/`, `\` or tab cannot pass either. Anything
+/// else, and the sign-in page itself, goes to [`DEFAULT_NEXT`].
 fn safe_next(next: Option<&str>) -> String {
-    match next {
-        Some(path)
-            if path.starts_with('/')
-                && !path.starts_with("//")
-                && !path.starts_with("/\\")
-                && !path.contains(['\r', '\n'])
-                && path != "/sign-in" =>
-        {
-            path.to_string()
+    let Some(path) = next else {
+        return DEFAULT_NEXT.to_string();
+    };
+    // A path is decoded at most this many times; one still changing after that is
+    // nested deeper than anything this site links to.
+    const MAX_DECODINGS: usize = 4;
+    let mut layer = path.as_bytes().to_vec();
+    let mut settled = false;
+    for _ in 0..=MAX_DECODINGS {
+        if !plain_local_path(&layer) {
+            return DEFAULT_NEXT.to_string();
         }
-        _ => "/experiments".to_string(),
+        let decoded = percent_decode(&layer);
+        if decoded == layer {
+            settled = true;
+            break;
+        }
+        layer = decoded;
     }
+    let sign_in = path == "/sign-in" || path.starts_with("/sign-in?");
+    if !settled || sign_in {
+        return DEFAULT_NEXT.to_string();
+    }
+    path.to_string()
+}
+
+/// True for an absolute path on this site: it starts with exactly one `/`, holds no
+/// `\`, and only visible ASCII (so no whitespace or control character).
+fn plain_local_path(path: &[u8]) -> bool {
+    path.first() == Some(&b'/')
+        && path.get(1) != Some(&b'/')
+        && path.iter().all(|&b| b.is_ascii_graphic() && b != b'\\')
+}
+
+/// `%XX` escapes decoded once; a `%` without two hex digits after it stays as it is.
+fn percent_decode(text: &[u8]) -> Vec<u8> {
+    let hex = |b: u8| char::from(b).to_digit(16).map(|d| d as u8);
+    let mut out = Vec::with_capacity(text.len());
+    let mut i = 0;
+    while i < text.len() {
+        if text[i] == b'%'
+            && let (Some(hi), Some(lo)) = (
+                text.get(i + 1).copied().and_then(hex),
+                text.get(i + 2).copied().and_then(hex),
+            )
+        {
+            out.push(hi << 4 | lo);
+            i += 3;
+        } else {
+            out.push(text[i]);
+            i += 1;
+        }
+    }
+    out
 }
 
 /// The form fields of an urlencoded body.
@@ -334,6 +388,33 @@ pub async fn sign_in(
     }
     let fields = form_fields(&body)?;
     let next = safe_next(field(&fields, "next"));
+    // Refused before the token is looked at, so that a guesser past its share learns
+    // nothing more, whatever it sends.
+    if let Err(limited) = state.limits.sign_in_allowed(peer, ADMIN_ACCOUNT) {
+        let seconds = match limited {
+            crate::server::ApiError::TooManyRequests {
+                retry_after_seconds,
+                ..
+            } => retry_after_seconds,
+            _ => 60,
+        };
+        tracing::warn!(
+            peer = %crate::server::api::address_text(peer),
+            "dashboard sign-in refused: too many failed sign-ins"
+        );
+        let mut response = sign_in_form(
+            &state,
+            &next,
+            Some(format!(
+                "Too many failed sign-ins; try again in {seconds} seconds."
+            )),
+            axum::http::StatusCode::TOO_MANY_REQUESTS,
+        )?;
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        return Ok(response);
+    }
     let expected = cookie(&headers, SIGN_IN_COOKIE).unwrap_or("");
     let presented = field(&fields, CSRF_FIELD).unwrap_or("");
     if expected.is_empty() || !same_token(presented, expected) {
@@ -346,6 +427,11 @@ pub async fn sign_in(
     }
     let token = field(&fields, "token").unwrap_or("").trim();
     if token.is_empty() || !state.admin.verify(token) {
+        // An empty field is no guess; a wrong token counts against the address and the
+        // account.
+        if !token.is_empty() {
+            state.limits.sign_in_failed(peer, ADMIN_ACCOUNT);
+        }
         tracing::warn!("dashboard sign-in refused: wrong admin token");
         return sign_in_form(
             &state,
@@ -433,6 +519,56 @@ mod tests {
             assert_eq!(safe_next(Some(bad)), "/experiments", "{bad}");
         }
         assert_eq!(safe_next(None), "/experiments");
+    }
+
+    /// Ways to smuggle another site past a "starts with one slash" check: browsers drop
+    /// tabs and newlines, read `\` as `/`, and a percent-escape can hide any of those
+    /// (or a second `/`) until something decodes it.
+    #[test]
+    fn next_refuses_every_known_way_off_the_site() {
+        for bad in [
+            "/%09/evil.example",
+            "/\t/evil.example",
+            "/\t/evil",
+            "/\n/evil",
+            "/\r\n/evil",
+            "/%0d%0a/evil",
+            "/%0A/evil",
+            "\t//evil",
+            " //evil",
+            "/ /evil",
+            "/\\evil",
+            "/%5C/evil",
+            "/%5c%5cevil",
+            "//evil",
+            "///evil",
+            "/%2F/evil",
+            "/%2f/evil",
+            "/%252F/evil",
+            "/%25252F/evil",
+            "https://evil",
+            "HTTPS://evil",
+            "javascript:alert(1)",
+            "evil.example",
+            "/\u{0}/evil",
+            "/\u{7f}",
+            "/\u{a0}/evil",
+            "/\u{2028}/evil",
+            "/%E2%80%A8/evil",
+            "/%C0%AF/evil",
+            "/sign-in?next=//evil",
+        ] {
+            assert_eq!(safe_next(Some(bad)), "/experiments", "{bad:?}");
+        }
+        for good in [
+            "/experiments",
+            "/experiments/0b7c?tab=rounds",
+            "/clients?page=2&sort=seen",
+            "/models#files",
+            "/experiments/a%2Db",
+        ] {
+            assert_eq!(safe_next(Some(good)), good, "{good:?}");
+        }
     }
 
     #[test]

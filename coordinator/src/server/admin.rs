@@ -157,6 +157,14 @@ pub struct ExperimentSpec {
     #[schema(value_type = Option<String>, example = "median")]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub aggregator: Option<cohort_aggregation::robust::RobustRule>,
+    /// Plain rounds: the most one upload weighs in the weighted mean (and in the mean
+    /// training loss). A client reports its own sample count, so without a cap one
+    /// client claiming 10^12 samples would be the whole mean; a count above this counts
+    /// as this, and the audit log records the clamp. Absent: 1000, the default of
+    /// `secure_aggregation.max_weight`, which secure rounds use instead; differentially
+    /// private rounds weigh every client equally and take none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_weight: Option<u32>,
     /// `sync` (the default): rounds with a selected cohort, a deadline and a quorum.
     /// `fedbuff`: buffered asynchronous aggregation (see [`super::fedbuff`]); `rounds` is
     /// then the number of server steps (model versions) to publish,
@@ -198,7 +206,24 @@ fn default_round_retries() -> u32 {
     3
 }
 
+/// The weight cap of plain rounds when the spec sets none: the secure rounds' default,
+/// so that an experiment weighs its clients alike with or without secure aggregation.
+pub fn default_max_weight() -> u32 {
+    cohort_aggregation::secagg::QuantizationParams::default().max_weight
+}
+
 impl ExperimentSpec {
+    /// The most a plain round's upload weighs: [`max_weight`](Self::max_weight), or
+    /// [`default_max_weight`].
+    pub fn weight_cap(&self) -> i64 {
+        i64::from(self.max_weight.unwrap_or_else(default_max_weight))
+    }
+
+    /// The weight a plain round gives an upload whose client reports `num_samples`.
+    pub fn sample_weight(&self, num_samples: i64) -> i64 {
+        num_samples.min(self.weight_cap())
+    }
+
     /// Clients selected per round when enough are available:
     /// `ceil(clients_per_round * over_selection)`.
     pub fn selected_per_round(&self) -> usize {
@@ -352,6 +377,22 @@ impl ExperimentSpec {
             {
                 bad(field, message);
             }
+        }
+        match self.max_weight {
+            Some(0) => bad("max_weight", "max_weight must be at least 1".into()),
+            Some(_) if self.secure_aggregation.is_some() => bad(
+                "max_weight",
+                "max_weight caps plain rounds' sample weights; with secure aggregation the \
+                 weight is capped inside the masked vector: set secure_aggregation.max_weight"
+                    .into(),
+            ),
+            Some(_) if self.privacy.is_some() => bad(
+                "max_weight",
+                "max_weight does not apply: a differentially private experiment weighs every \
+                 client equally"
+                    .into(),
+            ),
+            _ => {}
         }
         if let Some(rule) = self.aggregator {
             if self.secure_aggregation.is_some() {

@@ -113,6 +113,16 @@ fn document_framework_answers(doc: &mut utoipa::openapi::OpenApi) {
             responses.entry("503".into()).or_insert_with(|| {
                 error("The database is unreachable for now: retry after Retry-After seconds")
             });
+            // Every route behind a token refuses an address that failed to authenticate
+            // too often, before it looks at the token.
+            if op.security.as_ref().is_some_and(|s| !s.is_empty()) {
+                responses.entry("429".into()).or_insert_with(|| {
+                    error(
+                        "Too many failed authentications from this address, or too many \
+                         requests from this client: retry after Retry-After seconds",
+                    )
+                });
+            }
         }
     }
 }
@@ -190,14 +200,17 @@ async fn whoami() -> Json<WhoAmI> {
     })
 }
 
-/// The public routes, with absolute paths.
-pub(crate) fn public_router() -> Router<AppState> {
+/// The public routes, with absolute paths. A client's messages other than updates
+/// (secure aggregation, evaluation and failure reports) pass its message limit first.
+pub(crate) fn public_router(state: &AppState) -> Router<AppState> {
+    let limited =
+        || axum::middleware::from_fn_with_state(state.clone(), super::client_api::limit_messages);
     Router::new()
         .route("/api/v1/health", get(health))
         .route("/api/v1/openapi.json", get(openapi_json))
         .merge(super::client_api::routes())
-        .merge(super::secagg_api::routes())
-        .merge(super::models::client_routes())
+        .merge(super::secagg_api::routes().route_layer(limited()))
+        .merge(super::models::client_routes().route_layer(limited()))
 }
 
 /// The admin routes, with paths relative to [`ADMIN_PREFIX`]. Add new admin routes here
@@ -219,7 +232,7 @@ pub(crate) async fn require_admin(
     request: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
-    check_admin(&state, request.headers())?;
+    check_admin(&state, request.headers(), peer)?;
     let actor = format!("admin via api from {}", address_text(peer));
     Ok(crate::store::acting_as(actor, next.run(request)).await)
 }
@@ -230,21 +243,37 @@ pub(crate) fn address_text(peer: Option<std::net::IpAddr>) -> String {
     peer.map_or_else(|| "unknown".to_string(), |ip| ip.to_string())
 }
 
-pub(crate) fn check_admin(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+/// Checks the admin bearer token of a request from `peer`. An address past its share
+/// of failed authentications gets 429 before the token is looked at; a token presented
+/// and refused counts against that share (a missing one does not: it is no guess).
+pub(crate) fn check_admin(
+    state: &AppState,
+    headers: &HeaderMap,
+    peer: Option<std::net::IpAddr>,
+) -> Result<(), ApiError> {
+    state.limits.authentication_allowed(peer)?;
     let mut values = headers.get_all(header::AUTHORIZATION).iter();
     let first = values.next();
+    let refused = |e: ApiError| {
+        if first.is_some() {
+            state.limits.authentication_failed(peer);
+        }
+        e
+    };
     // Two Authorization headers are ambiguous; refuse rather than pick one.
     if values.next().is_some() {
-        return Err(ApiError::Unauthorized(
+        return Err(refused(ApiError::Unauthorized(
             "more than one authorization header".into(),
-        ));
+        )));
     }
     let token = parse_bearer(first.map(|v| v.as_bytes()))
-        .map_err(|e| ApiError::Unauthorized(e.to_string()))?;
+        .map_err(|e| refused(ApiError::Unauthorized(e.to_string())))?;
     if state.admin.verify(token) {
         Ok(())
     } else {
-        Err(ApiError::Unauthorized("invalid admin token".into()))
+        Err(refused(ApiError::Unauthorized(
+            "invalid admin token".into(),
+        )))
     }
 }
 

@@ -88,9 +88,10 @@ pub struct ClientIdentity {
 }
 
 /// Extractor: the client whose credential the request carries. Missing or wrong
-/// credentials are 401; a revoked client is 403. It writes nothing: a handler records the
-/// client as seen only once the request has succeeded, so that a refused request leaves
-/// the database exactly as it was.
+/// credentials are 401; a revoked client is 403; an address past its share of failed
+/// authentications is 429 before its credential is looked at. It writes nothing: a
+/// handler records the client as seen only once the request has succeeded, so that a
+/// refused request leaves the database exactly as it was.
 #[derive(Debug, Clone)]
 pub struct AuthenticatedClient(pub Client);
 
@@ -98,29 +99,64 @@ impl FromRequestParts<AppState> for AuthenticatedClient {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        // A layer in front (the message limit) may have authenticated the request already.
+        if let Some(client) = parts.extensions.get::<AuthenticatedClient>() {
+            return Ok(client.clone());
+        }
+        let Ok(super::rate_limit::PeerAddr(peer)) =
+            super::rate_limit::PeerAddr::from_request_parts(parts, state).await;
+        state.limits.authentication_allowed(peer)?;
         let wrong = || ApiError::Unauthorized("missing or invalid client credential".into());
         let mut values = parts.headers.get_all(header::AUTHORIZATION).iter();
-        let first = values.next();
-        if values.next().is_some() {
+        let Some(first) = values.next() else {
+            // No credential at all is no guess: not counted.
             return Err(wrong());
+        };
+        let refused = || {
+            state.limits.authentication_failed(peer);
+            wrong()
+        };
+        if values.next().is_some() {
+            return Err(refused());
         }
-        let token = parse_bearer(first.map(|v| v.as_bytes())).map_err(|_| wrong())?;
-        let (id, secret) = token.split_once('.').ok_or_else(wrong)?;
-        let id = Uuid::parse_str(id).map_err(|_| wrong())?;
+        let token = parse_bearer(Some(first.as_bytes())).map_err(|_| refused())?;
+        let (id, secret) = token.split_once('.').ok_or_else(refused)?;
+        let id = Uuid::parse_str(id).map_err(|_| refused())?;
         let (hash, client) = match state.store.client_credential(id).await {
             Ok(found) => found,
-            Err(StoreError::NotFound(_)) => return Err(wrong()),
+            Err(StoreError::NotFound(_)) => return Err(refused()),
             Err(other) => return Err(other.into()),
         };
-        let expected: [u8; 32] = hash.as_slice().try_into().map_err(|_| wrong())?;
+        let expected: [u8; 32] = hash.as_slice().try_into().map_err(|_| refused())?;
         if !verify_secret(secret, &expected) {
-            return Err(wrong());
+            return Err(refused());
         }
         if client.revoked_at.is_some() {
             return Err(ApiError::Forbidden("this client has been revoked".into()));
         }
         Ok(AuthenticatedClient(client))
     }
+}
+
+/// Middleware for the routes of a client's messages other than updates (secure
+/// aggregation, evaluation and failure reports): a `POST` is authenticated here and
+/// counted against the client's message limit before its handler runs, which then finds
+/// the client already authenticated. Other methods (the long polls) pass untouched.
+pub(crate) async fn limit_messages(
+    State(state): State<AppState>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Result<axum::response::Response, ApiError> {
+    if request.method() != axum::http::Method::POST {
+        return Ok(next.run(request).await);
+    }
+    let (mut parts, body) = request.into_parts();
+    let client = AuthenticatedClient::from_request_parts(&mut parts, &state).await?;
+    state.limits.message(client.0.id)?;
+    parts.extensions.insert(client);
+    Ok(next
+        .run(axum::extract::Request::from_parts(parts, body))
+        .await)
 }
 
 impl AuthenticatedClient {
@@ -402,7 +438,7 @@ async fn task_for(state: &AppState, client: Uuid) -> Result<Option<Task>, ApiErr
 pub const FINAL_EVALUATION_WINDOW_MS: i64 = 24 * 3600 * 1000;
 
 /// A task to evaluate the final model of a recently finished experiment with a file
-/// model, which this client has not evaluated yet: the rounds' own reports cover every
+/// model that this client took part in and has not evaluated yet: the rounds' own reports cover every
 /// model version but the last, since each client evaluates the model it receives.
 async fn evaluation_task(state: &AppState, client: Uuid) -> Result<Option<Task>, ApiError> {
     let since = now_millis() - FINAL_EVALUATION_WINDOW_MS;
@@ -454,17 +490,38 @@ async fn checkin(
     }
 }
 
+/// Refuses a client that takes no part in `experiment` (see
+/// [`Store::takes_part`](crate::store::Store::takes_part)).
+///
+/// The answer is a 404 worded exactly as for an experiment that does not exist, not a
+/// 403: a client must not learn from it which other experiments there are.
+pub(super) async fn require_participant(
+    state: &AppState,
+    experiment: Uuid,
+    client: Uuid,
+) -> Result<(), ApiError> {
+    if state.store.takes_part(experiment, client).await? {
+        Ok(())
+    } else {
+        Err(ApiError::NotFound(format!("experiment {experiment}")))
+    }
+}
+
 /// The experiment's current global model as little-endian `f32`; the round that
-/// produced it is in the `x-cohort-round` header.
+/// produced it is in the `x-cohort-round` header. Only for a client that takes part in
+/// the experiment; to any other, the experiment does not exist.
 #[utoipa::path(get, path = "/api/v1/clients/experiments/{id}/model", tag = "client",
     security(("client_credential" = [])), params(("id" = String, Path, description = "Experiment id")),
     responses((status = 200, description = "The model", content_type = "application/octet-stream"),
-              (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)))]
+              (status = 401, body = ErrorBody),
+              (status = 404, description = "No such experiment, or the client takes no part in it", body = ErrorBody)))]
 async fn model(
     State(state): State<AppState>,
     client: AuthenticatedClient,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<axum::response::Response, ApiError> {
+    let experiment = super::admin::parse_id(&id, "experiment")?;
+    require_participant(&state, experiment, client.0.id).await?;
     let (exp, round, bytes) = super::admin::current_model(&state, &id).await?;
     client.seen(&state).await?;
     super::fedbuff::note_download(&state, &exp, client.0.id, round).await;
@@ -475,8 +532,9 @@ async fn model(
 #[derive(Debug, Clone, PartialEq, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
 pub struct UploadQuery {
-    /// Samples behind the update (the FedAvg weight), at least 1. Required for a plain
-    /// round; refused for a secure one, whose weight travels inside the masked vector.
+    /// Samples behind the update (the FedAvg weight), at least 1; counted as at most the
+    /// experiment's `max_weight`. Required for a plain round; refused for a secure one,
+    /// whose weight travels inside the masked vector.
     #[serde(default)]
     pub num_samples: Option<i64>,
     /// The client's mean training loss.
@@ -580,13 +638,21 @@ async fn upload(
     );
     let info = receive_update(&state, &headers, body, expected, &path).await?;
     let path = info.path.clone();
+    // A secure upload's weight is masked; the row records none. A plain one's is the
+    // client's own claim, counted up to the experiment's cap.
+    let claimed = query.num_samples.unwrap_or(0);
+    let num_samples = if secure {
+        claimed
+    } else {
+        spec.sample_weight(claimed)
+    };
     let new_upload = crate::store::NewUpload {
         client_id: client.id,
         blob_path: &info.path,
         bytes: info.bytes as i64,
         sha256: &info.sha256,
-        // A secure upload's weight is masked; the row records none.
-        num_samples: query.num_samples.unwrap_or(0),
+        num_samples,
+        claimed_samples: (num_samples != claimed).then_some(claimed),
         train_loss: query.train_loss,
         client_upload_id: query.upload_id,
     };

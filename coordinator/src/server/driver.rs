@@ -752,6 +752,9 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
     let layout = model.layout().clone();
     let reducer = state.reducer.clone();
     let aggregator = spec.aggregator;
+    // Uploads are capped when they are recorded; capping again here covers rows recorded
+    // before the cap existed.
+    let cap = spec.weight_cap();
     let (published, tested) = tokio::task::spawn_blocking(
         move || -> Result<(PublishedModel, RoundMetrics), DriverError> {
             let bad = |e: &dyn std::fmt::Display| DriverError::Aggregation(e.to_string());
@@ -797,7 +800,7 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
                     for batch in uploads.chunks(FOLD_BATCH) {
                         let updates = batch
                             .iter()
-                            .map(|upload| Ok((read(upload)?, upload.num_samples as f64)))
+                            .map(|upload| Ok((read(upload)?, upload.num_samples.min(cap) as f64)))
                             .collect::<Result<Vec<_>, DriverError>>()?;
                         let pairs: Vec<(&cohort_aggregation::ModelVector, f64)> =
                             updates.iter().map(|(u, w)| (u, *w)).collect();
@@ -813,7 +816,7 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
     .map_err(|e| DriverError::Aggregation(e.to_string()))??;
     let (weighted, samples) = participations
         .iter()
-        .filter_map(|p| Some((p.train_loss?, p.num_samples? as f64)))
+        .filter_map(|p| Some((p.train_loss?, p.num_samples?.min(cap) as f64)))
         .fold((0.0, 0.0), |(l, n), (loss, s)| (l + loss * s, n + s));
     let metrics = RoundMetrics {
         train_loss: (samples > 0.0).then(|| weighted / samples),

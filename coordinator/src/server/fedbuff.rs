@@ -392,9 +392,12 @@ async fn aggregate_buffer(
     current: PublishedModel,
 ) -> Result<(), DriverError> {
     let uploads = state.store.buffer_uploads(exp.id, round.round).await?;
+    // Uploads are capped when they are recorded; capping again here covers rows recorded
+    // before the cap existed.
+    let cap = spec.weight_cap();
     let (weighted, samples) = uploads
         .iter()
-        .filter_map(|u| Some((u.train_loss?, u.upload.num_samples as f64)))
+        .filter_map(|u| Some((u.train_loss?, u.upload.num_samples.min(cap) as f64)))
         .fold((0.0, 0.0), |(l, n), (loss, s)| (l + loss * s, n + s));
     let step = driver::ModelStep::new(state, exp.id, spec, model, round.round);
     let blobs = state.blobs.clone();
@@ -430,7 +433,7 @@ async fn aggregate_buffer(
                         (
                             t,
                             &bases[&u.base_version],
-                            u.upload.num_samples.max(1) as u64,
+                            u.upload.num_samples.clamp(1, cap.max(1)) as u64,
                             u32::try_from(u.staleness).unwrap_or(u32::MAX),
                         )
                     })

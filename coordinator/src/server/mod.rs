@@ -195,7 +195,7 @@ pub fn app_with_admin(state: AppState, admin: Router<AppState>) -> Router {
         ));
     // Every API answer, errors included, is JSON; the dashboard answers in HTML, so the
     // rewriting of non-JSON errors stays on the API's side.
-    let api = api::public_router()
+    let api = api::public_router(&state)
         .nest(ADMIN_PREFIX, admin)
         .layer(middleware::map_response(error::json_errors));
     Router::new()

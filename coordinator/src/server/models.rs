@@ -373,12 +373,14 @@ pub fn valid_metric_name(name: &str) -> bool {
 }
 
 /// Records a client's evaluation of a model version of an experiment with a file model.
-/// A repeated report (a retry) is accepted and changes nothing.
+/// A repeated report (a retry) is accepted and changes nothing. Only from a client that
+/// takes part in the experiment; to any other, the experiment does not exist.
 #[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/evaluations", tag = "client",
     security(("client_credential" = [])), params(("id" = String, Path, description = "Experiment id")),
     request_body = EvaluationReport,
     responses((status = 201, description = "Recorded"), (status = 200, description = "Already recorded"),
-              (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+              (status = 401, body = ErrorBody),
+              (status = 404, description = "No such experiment, or the client takes no part in it", body = ErrorBody),
               (status = 409, description = "The experiment does not take client evaluations", body = ErrorBody),
               (status = 422, body = ErrorBody)))]
 async fn report_evaluation(
@@ -388,6 +390,7 @@ async fn report_evaluation(
     Json(report): Json<EvaluationReport>,
 ) -> Result<StatusCode, ApiError> {
     let id = parse_id(&id, "experiment")?;
+    super::client_api::require_participant(&state, id, client.id).await?;
     if report.num_examples < 1 {
         return Err(ApiError::unprocessable(
             "invalid_evaluation",
@@ -497,8 +500,9 @@ async fn report_failure(
         ));
     }
     // Only a client the round selected may speak for it; attempt 0 is the evaluation of
-    // a finished experiment's final model, which any client may be asked for.
+    // a finished experiment's final model, which its clients are asked for.
     let selected = if attempt == 0 {
+        super::client_api::require_participant(&state, id, client.id).await?;
         let exp = state.store.experiment(id).await?;
         let spec = super::driver::experiment_spec(&exp).map_err(ApiError::internal)?;
         exp.state == crate::store::ExperimentState::Finished

@@ -1,7 +1,13 @@
-//! Rate limits on the client routes a stranger or a misbehaving device can hammer:
-//! enrolment per address, uploads per client and per address. Token buckets, one per
-//! key, in this replica's memory: each replica enforces its own share, which bounds what
-//! one caller can cost it.
+//! Rate limits on what a stranger or a misbehaving device can hammer: enrolment per
+//! address; uploads per client and per address; a client's other messages (secure
+//! aggregation, evaluation and failure reports) per client; failed authentications
+//! (bearer tokens, client credentials, dashboard sign-ins) per address, and failed
+//! sign-ins per account. Token buckets, one per key, in this replica's memory: each
+//! replica enforces its own share, which bounds what one caller can cost it.
+//!
+//! Addresses are limited on failures only: many honest devices may share one address
+//! (a NAT, the test suites' 127.0.0.1), and what they send with valid credentials is
+//! limited per client instead.
 //!
 //! The number of buckets is bounded: when the table is full, buckets that have filled up
 //! again (their caller has been quiet) are dropped; if none has, a new key is refused
@@ -91,6 +97,28 @@ impl<K: Eq + Hash + Copy> KeyedLimiter<K> {
         }
     }
 
+    /// Whether `key` has a request left at `now`, without taking it: `Ok`, or
+    /// `Err(seconds)` until it has. A key not tracked has its whole burst left.
+    pub fn peek(&self, key: K, now: Instant) -> Result<(), u64> {
+        let PerMinute(per_minute) = self.rate;
+        if per_minute == 0 {
+            return Ok(());
+        }
+        let capacity = f64::from(per_minute);
+        let per_second = capacity / 60.0;
+        let buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(bucket) = buckets.get(&key) else {
+            return Ok(());
+        };
+        let elapsed = now.saturating_duration_since(bucket.at).as_secs_f64();
+        let tokens = (bucket.tokens + elapsed * per_second).min(capacity);
+        if tokens >= 1.0 {
+            Ok(())
+        } else {
+            Err(((1.0 - tokens) / per_second).ceil().max(1.0) as u64)
+        }
+    }
+
     /// Keys tracked now.
     pub fn len(&self) -> usize {
         self.buckets.lock().unwrap_or_else(|e| e.into_inner()).len()
@@ -107,24 +135,41 @@ impl<K: Eq + Hash + Copy> KeyedLimiter<K> {
 pub struct RateSettings {
     /// Enrolments per minute from one address.
     pub enrol_per_address: PerMinute,
-    /// Uploads (model updates and secure-aggregation messages) per minute from one
-    /// client.
+    /// Model update uploads per minute from one client.
     pub uploads_per_client: PerMinute,
     /// Uploads per minute from one address, all its clients together.
     pub uploads_per_address: PerMinute,
+    /// A client's other messages per minute: secure-aggregation keys, shares and unmask
+    /// answers, evaluation reports and failure reports.
+    pub messages_per_client: PerMinute,
+    /// Failed authentications per minute from one address: wrong bearer tokens (admin or
+    /// client credentials) and failed dashboard sign-ins together. Past it, the address's
+    /// requests are refused before their credentials are even looked at.
+    pub auth_failures_per_address: PerMinute,
+    /// Failed dashboard sign-ins per minute for one account (there is one, the admin),
+    /// from every address together: what a guesser with many addresses gets.
+    pub sign_in_failures_per_account: PerMinute,
 }
 
 impl Default for RateSettings {
     /// Generous for real fleets: a site re-enrolling devices, a client retrying an
-    /// upload, a hospital's many devices behind one NAT.
+    /// upload, a hospital's many devices behind one NAT. A secure round is four messages
+    /// per client; an honest caller fails to authenticate only when misconfigured.
     fn default() -> Self {
         Self {
             enrol_per_address: PerMinute(600),
             uploads_per_client: PerMinute(120),
             uploads_per_address: PerMinute(60_000),
+            messages_per_client: PerMinute(600),
+            auth_failures_per_address: PerMinute(120),
+            sign_in_failures_per_account: PerMinute(600),
         }
     }
 }
+
+/// The dashboard's one account: it signs in with the admin token and has no name to
+/// type, so its failures are counted under this one.
+pub const ADMIN_ACCOUNT: &str = "admin";
 
 /// This replica's limiters.
 #[derive(Debug)]
@@ -132,6 +177,9 @@ pub struct RateLimits {
     enrol_per_address: KeyedLimiter<IpAddr>,
     uploads_per_client: KeyedLimiter<Uuid>,
     uploads_per_address: KeyedLimiter<IpAddr>,
+    messages_per_client: KeyedLimiter<Uuid>,
+    auth_failures_per_address: KeyedLimiter<IpAddr>,
+    sign_in_failures_per_account: KeyedLimiter<&'static str>,
 }
 
 impl RateLimits {
@@ -141,7 +189,65 @@ impl RateLimits {
             enrol_per_address: KeyedLimiter::new(settings.enrol_per_address, MAX_KEYS),
             uploads_per_client: KeyedLimiter::new(settings.uploads_per_client, MAX_KEYS),
             uploads_per_address: KeyedLimiter::new(settings.uploads_per_address, MAX_KEYS),
+            messages_per_client: KeyedLimiter::new(settings.messages_per_client, MAX_KEYS),
+            auth_failures_per_address: KeyedLimiter::new(
+                settings.auth_failures_per_address,
+                MAX_KEYS,
+            ),
+            sign_in_failures_per_account: KeyedLimiter::new(
+                settings.sign_in_failures_per_account,
+                MAX_KEYS,
+            ),
         }
+    }
+
+    /// A secure-aggregation message, evaluation report or failure report by `client`.
+    pub fn message(&self, client: Uuid) -> Result<(), ApiError> {
+        self.messages_per_client
+            .check(client, Instant::now())
+            .map_err(|seconds| limited("messages from this client", seconds))
+    }
+
+    /// Refuses `peer` while its failed authentications are past the limit; called
+    /// before a credential is checked, so that a guesser learns nothing more.
+    pub fn authentication_allowed(&self, peer: Option<IpAddr>) -> Result<(), ApiError> {
+        match peer {
+            Some(ip) => self
+                .auth_failures_per_address
+                .peek(ip, Instant::now())
+                .map_err(|seconds| limited("failed authentications from this address", seconds)),
+            None => Ok(()),
+        }
+    }
+
+    /// Counts a credential from `peer` that was presented and refused.
+    pub fn authentication_failed(&self, peer: Option<IpAddr>) {
+        if let Some(ip) = peer {
+            // Past the limit already: the next request is refused by
+            // `authentication_allowed` anyway.
+            let _ = self.auth_failures_per_address.check(ip, Instant::now());
+        }
+    }
+
+    /// Refuses a dashboard sign-in to `account` from `peer` while either has failed too
+    /// often; called before the token is checked.
+    pub fn sign_in_allowed(
+        &self,
+        peer: Option<IpAddr>,
+        account: &'static str,
+    ) -> Result<(), ApiError> {
+        self.authentication_allowed(peer)?;
+        self.sign_in_failures_per_account
+            .peek(account, Instant::now())
+            .map_err(|seconds| limited("failed sign-ins to this account", seconds))
+    }
+
+    /// Counts a failed dashboard sign-in to `account` from `peer`.
+    pub fn sign_in_failed(&self, peer: Option<IpAddr>, account: &'static str) {
+        self.authentication_failed(peer);
+        let _ = self
+            .sign_in_failures_per_account
+            .check(account, Instant::now());
     }
 
     /// An enrolment from `peer` (unknown in tests that call the router directly: not
@@ -266,6 +372,52 @@ mod tests {
         assert_eq!(client_address(proxy, &headers, &[proxy]), proxy);
         let empty = axum::http::HeaderMap::new();
         assert_eq!(client_address(proxy, &empty, &[proxy]), proxy);
+    }
+
+    /// Peeking takes nothing: a key is refused only once `check` has used its burst,
+    /// and is told how long until a request is taken again.
+    #[test]
+    fn peeking_takes_nothing() {
+        let limiter = KeyedLimiter::new(PerMinute(2), 10);
+        let t0 = Instant::now();
+        for _ in 0..5 {
+            assert_eq!(limiter.peek(1, t0), Ok(()));
+        }
+        assert!(limiter.is_empty(), "peeking tracks nothing new");
+        assert_eq!(limiter.check(1, t0), Ok(()));
+        assert_eq!(limiter.check(1, t0), Ok(()));
+        assert_eq!(limiter.peek(1, t0), Err(30));
+        assert_eq!(limiter.peek(1, t0 + Duration::from_secs(30)), Ok(()));
+        assert_eq!(limiter.peek(2, t0), Ok(()), "another key is not affected");
+    }
+
+    /// Failed sign-ins count against the address and the account; the address's share
+    /// is the one its failed bearer tokens use too.
+    #[test]
+    fn sign_in_failures_count_per_address_and_per_account() {
+        let limits = RateLimits::new(RateSettings {
+            auth_failures_per_address: PerMinute(2),
+            sign_in_failures_per_account: PerMinute(3),
+            ..RateSettings::default()
+        });
+        let a: IpAddr = "203.0.113.7".parse().unwrap();
+        let b: IpAddr = "198.51.100.1".parse().unwrap();
+        limits.authentication_failed(Some(a));
+        limits.sign_in_failed(Some(a), ADMIN_ACCOUNT);
+        assert!(limits.sign_in_allowed(Some(a), ADMIN_ACCOUNT).is_err());
+        assert!(limits.authentication_allowed(Some(a)).is_err());
+        assert!(limits.sign_in_allowed(Some(b), ADMIN_ACCOUNT).is_ok());
+        limits.sign_in_failed(Some(b), ADMIN_ACCOUNT);
+        limits.sign_in_failed(None, ADMIN_ACCOUNT);
+        assert!(limits.authentication_allowed(Some(b)).is_ok());
+        let refused = limits.sign_in_allowed(Some(b), ADMIN_ACCOUNT).unwrap_err();
+        assert!(matches!(
+            refused,
+            ApiError::TooManyRequests {
+                retry_after_seconds: 1..,
+                ..
+            }
+        ));
     }
 
     #[test]

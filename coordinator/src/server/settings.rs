@@ -107,7 +107,7 @@ pub struct ServeSettings {
     /// Mutual TLS: a PEM file of the CA certificates every TLS client must present a
     /// certificate from.
     pub client_ca: Option<PathBuf>,
-    /// Rate limits on enrolment and uploads.
+    /// Rate limits on enrolment, uploads, client messages and failed authentications.
     pub rate_limits: super::rate_limit::RateSettings,
     /// Load balancers in front of the coordinator: a request from one of these
     /// addresses is taken to come from the address it names in `X-Forwarded-For`.
@@ -256,6 +256,22 @@ pub struct ServeFlags {
     /// limit [env: COHORT_ADDRESS_UPLOAD_RATE] [default: 60000]
     #[arg(long, value_name = "N")]
     pub address_upload_rate: Option<u32>,
+    /// A client's other messages per minute (secure-aggregation keys, shares and unmask
+    /// answers, evaluation and failure reports), 0 for no limit [env: COHORT_MESSAGE_RATE]
+    /// [default: 600]
+    #[arg(long, value_name = "N")]
+    pub message_rate: Option<u32>,
+    /// Failed authentications per minute from one address (wrong admin tokens, client
+    /// credentials and dashboard sign-ins together); past it the address gets 429 before
+    /// its credentials are checked. 0 for no limit [env: COHORT_AUTH_FAILURE_RATE]
+    /// [default: 120]
+    #[arg(long, value_name = "N")]
+    pub auth_failure_rate: Option<u32>,
+    /// Failed dashboard sign-ins per minute to the admin account from all addresses
+    /// together; past it every sign-in waits (the API's bearer token still works). 0 for
+    /// no limit [env: COHORT_SIGN_IN_FAILURE_RATE] [default: 600]
+    #[arg(long, value_name = "N")]
+    pub sign_in_failure_rate: Option<u32>,
     /// Comma-separated IP addresses of load balancers in front of the coordinator: their
     /// requests count as coming from the address they name in X-Forwarded-For (for the
     /// per-address rate limits) [env: COHORT_TRUSTED_PROXIES]
@@ -297,6 +313,9 @@ struct Layer {
     enrol_rate: Option<u32>,
     upload_rate: Option<u32>,
     address_upload_rate: Option<u32>,
+    message_rate: Option<u32>,
+    auth_failure_rate: Option<u32>,
+    sign_in_failure_rate: Option<u32>,
     trusted_proxies: Option<String>,
     job_lease_seconds: Option<u64>,
 }
@@ -320,6 +339,9 @@ impl Layer {
             enrol_rate: over.enrol_rate.or(self.enrol_rate),
             upload_rate: over.upload_rate.or(self.upload_rate),
             address_upload_rate: over.address_upload_rate.or(self.address_upload_rate),
+            message_rate: over.message_rate.or(self.message_rate),
+            auth_failure_rate: over.auth_failure_rate.or(self.auth_failure_rate),
+            sign_in_failure_rate: over.sign_in_failure_rate.or(self.sign_in_failure_rate),
             trusted_proxies: over.trusted_proxies.or(self.trusted_proxies),
             job_lease_seconds: over.job_lease_seconds.or(self.job_lease_seconds),
         }
@@ -408,6 +430,9 @@ impl Layer {
             enrol_rate: rate("COHORT_ENROL_RATE")?,
             upload_rate: rate("COHORT_UPLOAD_RATE")?,
             address_upload_rate: rate("COHORT_ADDRESS_UPLOAD_RATE")?,
+            message_rate: rate("COHORT_MESSAGE_RATE")?,
+            auth_failure_rate: rate("COHORT_AUTH_FAILURE_RATE")?,
+            sign_in_failure_rate: rate("COHORT_SIGN_IN_FAILURE_RATE")?,
             trusted_proxies: get("COHORT_TRUSTED_PROXIES").map(str::to_string),
             job_lease_seconds: get("COHORT_JOB_LEASE_SECONDS")
                 .map(|v| {
@@ -438,6 +463,9 @@ impl Layer {
             enrol_rate: flags.enrol_rate,
             upload_rate: flags.upload_rate,
             address_upload_rate: flags.address_upload_rate,
+            message_rate: flags.message_rate,
+            auth_failure_rate: flags.auth_failure_rate,
+            sign_in_failure_rate: flags.sign_in_failure_rate,
             trusted_proxies: flags.trusted_proxies,
             job_lease_seconds: flags.job_lease_seconds,
         }
@@ -559,6 +587,15 @@ impl ServeSettings {
                     uploads_per_address: layer
                         .address_upload_rate
                         .map_or(d.uploads_per_address, PerMinute),
+                    messages_per_client: layer
+                        .message_rate
+                        .map_or(d.messages_per_client, PerMinute),
+                    auth_failures_per_address: layer
+                        .auth_failure_rate
+                        .map_or(d.auth_failures_per_address, PerMinute),
+                    sign_in_failures_per_account: layer
+                        .sign_in_failure_rate
+                        .map_or(d.sign_in_failures_per_account, PerMinute),
                 }
             },
         })
@@ -567,8 +604,11 @@ impl ServeSettings {
 
 /// Maps an arbitrary `COHORT_*` name to the static name used in errors.
 fn known_var(key: &str) -> &'static str {
-    const KNOWN: [&str; 17] = [
+    const KNOWN: [&str; 20] = [
         "COHORT_JOB_LEASE_SECONDS",
+        "COHORT_MESSAGE_RATE",
+        "COHORT_AUTH_FAILURE_RATE",
+        "COHORT_SIGN_IN_FAILURE_RATE",
         "COHORT_TRUSTED_PROXIES",
         "COHORT_ENROL_RATE",
         "COHORT_UPLOAD_RATE",
@@ -795,6 +835,33 @@ mod tests {
             err.to_string().contains("COHORT_JOB_LEASE_SECONDS"),
             "{err}"
         );
+    }
+
+    /// The limits on messages and failed authentications come from any layer, with
+    /// defaults that leave honest fleets alone, and 0 turns one off.
+    #[test]
+    fn message_and_failure_limits_come_from_any_layer() {
+        use crate::server::rate_limit::PerMinute;
+        let s = ServeSettings::from_sources(None, &env(&[]), insecure()).unwrap();
+        assert_eq!(s.rate_limits.messages_per_client, PerMinute(600));
+        assert_eq!(s.rate_limits.auth_failures_per_address, PerMinute(120));
+        assert_eq!(s.rate_limits.sign_in_failures_per_account, PerMinute(600));
+        let file = write_config("insecure-http = true\nmessage-rate = 5\n");
+        let e = env(&[
+            ("COHORT_AUTH_FAILURE_RATE", "7"),
+            ("COHORT_SIGN_IN_FAILURE_RATE", "0"),
+        ]);
+        let flags = ServeFlags {
+            auth_failure_rate: Some(9),
+            ..ServeFlags::default()
+        };
+        let s = ServeSettings::from_sources(Some(file.path()), &e, flags).unwrap();
+        assert_eq!(s.rate_limits.messages_per_client, PerMinute(5));
+        assert_eq!(s.rate_limits.auth_failures_per_address, PerMinute(9));
+        assert_eq!(s.rate_limits.sign_in_failures_per_account, PerMinute(0));
+        let e = env(&[("COHORT_MESSAGE_RATE", "lots")]);
+        let err = ServeSettings::from_sources(None, &e, insecure()).unwrap_err();
+        assert!(err.to_string().contains("COHORT_MESSAGE_RATE"), "{err}");
     }
 
     #[test]

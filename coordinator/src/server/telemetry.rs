@@ -279,9 +279,10 @@ pub async fn record_requests(
 /// counts are the operator's business.
 pub async fn metrics(
     State(state): State<AppState>,
+    super::rate_limit::PeerAddr(peer): super::rate_limit::PeerAddr,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    super::api::check_admin(&state, &headers)?;
+    super::api::check_admin(&state, &headers, peer)?;
     let counts = state
         .store
         .counts(now_millis() - ACTIVE_CLIENT_WINDOW_MS)

@@ -522,6 +522,10 @@ impl Store {
             .bind(upload.client_upload_id.map(|u| u.to_string()))
             .execute(&mut *tx)
             .await?;
+            if let Some(claimed) = upload.claimed_samples {
+                audit!(tx, now, &client, "upload.weight_capped", exp.as_str(),
+                    super::rounds::capped_detail(round, attempt, claimed, upload.num_samples));
+            }
             let closed = reported + 1 >= rules.buffer_size;
             sqlx::query(
                 "UPDATE rounds SET reported = reported + 1, \

@@ -187,8 +187,10 @@ impl Store {
         })
     }
 
-    /// Experiments finished since `since` (Unix ms) whose final model `client` has neither
-    /// evaluated nor failed to evaluate (a failure of attempt 0), newest first (at most 20): `(experiment, final model version, spec)`.
+    /// Experiments that `client` took part in ([`takes_part`](Self::takes_part)),
+    /// finished since `since` (Unix ms), whose final model it has neither evaluated nor
+    /// failed to evaluate (a failure of attempt 0), newest first (at most 20):
+    /// `(experiment, final model version, spec)`.
     pub async fn final_models_to_evaluate(
         &self,
         client: Uuid,
@@ -197,7 +199,10 @@ impl Store {
         with_pool!(self, p => {
             let rows: Vec<(String, i64, String)> = sqlx::query_as(
                 "SELECT e.id, e.current_round, e.spec FROM experiments e \
-                 WHERE e.state = 'finished' AND e.updated_at >= $1 AND NOT EXISTS ( \
+                 WHERE e.state = 'finished' AND e.updated_at >= $1 AND EXISTS ( \
+                   SELECT 1 FROM participations p WHERE p.experiment_id = e.id \
+                   AND p.client_id = $2) \
+                 AND NOT EXISTS ( \
                    SELECT 1 FROM client_evaluations c WHERE c.experiment_id = e.id \
                    AND c.model_version = e.current_round AND c.client_id = $2) \
                  AND NOT EXISTS ( \

@@ -286,8 +286,12 @@ pub struct NewUpload<'a> {
     pub bytes: i64,
     /// SHA-256 of the blob.
     pub sha256: &'a [u8],
-    /// Samples behind the update (the FedAvg weight).
+    /// Samples behind the update (the FedAvg weight), as counted: at most the
+    /// experiment's cap.
     pub num_samples: i64,
+    /// What the client claimed when it was more than the cap, so `num_samples` holds the
+    /// cap instead: recorded in the audit log with the upload.
+    pub claimed_samples: Option<i64>,
     /// The client's mean training loss.
     pub train_loss: Option<f64>,
     /// The id the client chose for this upload, if it sent one: a retry with the same id
@@ -582,6 +586,25 @@ impl Store {
         })
     }
 
+    /// Whether `client` takes part in experiment `experiment_id`: it was selected for
+    /// one of its rounds (or, under FedBuff, handed one of its tasks), whatever became
+    /// of that. Only such a client may fetch the experiment's model or report on it:
+    /// nothing else ties a client to an experiment (any available client may be
+    /// selected), so this is the whole of eligibility.
+    pub async fn takes_part(&self, experiment_id: Uuid, client: Uuid) -> Result<bool, StoreError> {
+        with_pool!(self, p => {
+            let row: Option<(String,)> = sqlx::query_as(
+                "SELECT client_id FROM participations WHERE client_id = $1 \
+                 AND experiment_id = $2 LIMIT 1",
+            )
+            .bind(client.to_string())
+            .bind(experiment_id.to_string())
+            .fetch_optional(p)
+            .await?;
+            Ok(row.is_some())
+        })
+    }
+
     /// Records a durable upload. Refused, with nothing changed, unless the round attempt
     /// is collecting, its deadline has not passed, and the client is selected and has not
     /// uploaded yet (a replay is a conflict).
@@ -710,6 +733,10 @@ impl Store {
             .bind(attempt)
             .execute(&mut *tx)
             .await?;
+            if let (Some(claimed), false) = (upload.claimed_samples, secure) {
+                audit!(tx, now, &client, "upload.weight_capped", exp.as_str(),
+                    capped_detail(round, attempt, claimed, upload.num_samples));
+            }
             tx.commit().await?;
         });
         Ok(Upload {
@@ -1042,6 +1069,14 @@ impl Store {
             row.map(Round::from_row).transpose()
         })
     }
+}
+
+/// The audit detail of an upload whose claimed sample count was capped.
+pub(crate) fn capped_detail(round: i64, attempt: i64, claimed: i64, counted: i64) -> String {
+    format!(
+        "round {round} attempt {attempt}: {claimed} samples claimed, counted as {counted} \
+         (the experiment's max_weight)"
+    )
 }
 
 fn participation_from_row(
