@@ -167,6 +167,12 @@ struct SimulateArgs {
     /// exceed it
     #[arg(long, value_name = "E")]
     dp_epsilon: Option<f64>,
+    /// Differential privacy: whom --dp-epsilon is enforced against: observers (of the
+    /// published models; epsilon amplified by sampling) | coordinator (which knows who was
+    /// sampled: the worst sampled client's own rounds, unamplified; needs
+    /// --secure-aggregation) [default: observers]
+    #[arg(long, value_name = "WHOM")]
+    dp_budget_against: Option<cohort_coordinator::server::privacy::BudgetAgainst>,
     /// Differential privacy, central noise: adapt the clip (starting at --dp-clip) to this
     /// quantile of the update norms, from a noised count (Andrew et al. 2021)
     #[arg(long, value_name = "Q")]
@@ -262,6 +268,7 @@ impl SimulateArgs {
             attack,
             dp_clip,
             dp_delta,
+            dp_budget_against,
             mode,
             straggler,
             seed
@@ -519,7 +526,16 @@ fn run_simulate(args: SimulateArgs) -> ExitCode {
         simulate(&cfg, |r| report("", r)).map(|(summary, dir)| {
             let privacy = summary
                 .epsilon
-                .map(|e| format!(", epsilon {e:.3} at delta {}", cfg.dp_delta))
+                .map(|e| {
+                    let coordinator = match summary.epsilon_coordinator {
+                        Some(Some(c)) => format!("{c:.3}"),
+                        _ => "none".into(),
+                    };
+                    format!(
+                        ", epsilon {e:.3} at delta {} ({coordinator} against the coordinator)",
+                        cfg.dp_delta
+                    )
+                })
                 .unwrap_or_default();
             let stopped = summary
                 .stopped

@@ -2,14 +2,19 @@
 
 use cohort_aggregation::privacy::rdp;
 
+use crate::server::privacy::BudgetAgainst;
+
 /// `cohort privacy` subcommands.
 #[derive(Debug, Clone, clap::Subcommand)]
 pub enum PrivacyCommand {
     /// Epsilon spent by T rounds of the Poisson-subsampled Gaussian mechanism (RDP
-    /// accountant); the last line is the bare number.
+    /// accountant), against observers of the published models and against the
+    /// coordinator (which knows who was sampled: no amplification); the last line is the
+    /// bare number, against observers unless --against coordinator.
     Epsilon(EpsilonArgs),
-    /// The smallest noise multiplier that keeps T rounds within (epsilon, delta); the last
-    /// line is the bare number.
+    /// The smallest noise multiplier that keeps T rounds within (epsilon, delta), against
+    /// observers or (--against coordinator) against the coordinator; the last line is the
+    /// bare number.
     Noise(NoiseArgs),
     /// Test accuracy against epsilon spent, for `cohort simulate` runs (their --out
     /// directories) under different budgets, as PNG and SVG; a run without differential
@@ -48,6 +53,14 @@ pub enum PrivacyCliError {
     /// The plot could not be written.
     #[error("{0}")]
     Plot(String),
+    /// A client cannot take part in more rounds than there are.
+    #[error("--participations {participations} is more than --rounds {rounds}")]
+    Participations {
+        /// The rounds the client was said to take part in.
+        participations: u64,
+        /// The rounds.
+        rounds: u64,
+    },
 }
 
 /// Flags of `cohort privacy epsilon`.
@@ -65,6 +78,35 @@ pub struct EpsilonArgs {
     /// Delta, in (0, 1)
     #[arg(long, value_name = "D")]
     pub delta: f64,
+    /// Whom the figure on the last line is against.
+    #[command(flatten)]
+    pub against: AgainstArgs,
+}
+
+/// Whom a `cohort privacy` figure is against.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AgainstArgs {
+    /// observers (of the published models: amplified by sampling) | coordinator (draws
+    /// the sample and knows who took part: each of a client's rounds at q = 1)
+    #[arg(long, value_name = "WHOM", default_value = "observers")]
+    pub against: crate::server::privacy::BudgetAgainst,
+    /// Against the coordinator: the rounds the client took part in [default: T, the
+    /// worst case; a client is in q*T of them on average]
+    #[arg(long, value_name = "K")]
+    pub participations: Option<u64>,
+}
+
+impl AgainstArgs {
+    /// The rounds a client takes part in, of `rounds`, for the coordinator's figure.
+    fn participations(&self, rounds: u64) -> Result<u64, PrivacyCliError> {
+        match self.participations {
+            Some(k) if k > rounds => Err(PrivacyCliError::Participations {
+                participations: k,
+                rounds,
+            }),
+            k => Ok(k.unwrap_or(rounds)),
+        }
+    }
 }
 
 /// Flags of `cohort privacy noise`.
@@ -82,6 +124,9 @@ pub struct NoiseArgs {
     /// Delta, in (0, 1)
     #[arg(long, value_name = "D")]
     pub delta: f64,
+    /// Whom the figure on the last line is against.
+    #[command(flatten)]
+    pub against: AgainstArgs,
 }
 
 /// Runs a `cohort privacy` command: its lines, or why it was refused.
@@ -91,25 +136,58 @@ pub fn run(command: &PrivacyCommand) -> Result<Vec<String>, PrivacyCliError> {
             let mut accountant = rdp::RdpAccountant::new();
             accountant.compose(a.sampling_rate, a.noise_multiplier, a.rounds)?;
             let (eps, order) = accountant.epsilon_and_order(a.delta)?;
+            let k = a.against.participations(a.rounds)?;
+            // Without sampling, the coordinator's figure is the accountant's at q = 1
+            // over the client's own rounds.
+            let coordinator = rdp::epsilon(1.0, a.noise_multiplier, k, a.delta)?;
             Ok(vec![
                 format!(
                     "# RDP accountant, Poisson-subsampled Gaussian: q={} sigma={} T={} delta={} (best order {order})",
                     a.sampling_rate, a.noise_multiplier, a.rounds, a.delta
                 ),
-                format!("{eps}"),
-            ])
-        }
-        PrivacyCommand::Noise(a) => {
-            let sigma = rdp::noise_multiplier(a.sampling_rate, a.rounds, a.epsilon, a.delta)?;
-            let spent = rdp::epsilon(a.sampling_rate, sigma, a.rounds, a.delta)?;
-            Ok(vec![
+                format!("# against observers of the published models: {eps}"),
                 format!(
-                    "# smallest noise multiplier for epsilon <= {} at delta={} over T={} rounds at q={} (spends {spent})",
-                    a.epsilon, a.delta, a.rounds, a.sampling_rate
+                    "# against the coordinator, which knows who took part (no amplification), for a client in {k} of the rounds: {coordinator}"
                 ),
-                format!("{sigma}"),
+                format!(
+                    "{}",
+                    match a.against.against {
+                        BudgetAgainst::Observers => eps,
+                        BudgetAgainst::Coordinator => coordinator,
+                    }
+                ),
             ])
         }
+        PrivacyCommand::Noise(a) => match a.against.against {
+            BudgetAgainst::Observers => {
+                let sigma = rdp::noise_multiplier(a.sampling_rate, a.rounds, a.epsilon, a.delta)?;
+                let spent = rdp::epsilon(a.sampling_rate, sigma, a.rounds, a.delta)?;
+                let k = a.against.participations(a.rounds)?;
+                let coordinator = rdp::epsilon(1.0, sigma, k, a.delta)?;
+                Ok(vec![
+                    format!(
+                        "# smallest noise multiplier for epsilon <= {} at delta={} over T={} rounds at q={} (spends {spent})",
+                        a.epsilon, a.delta, a.rounds, a.sampling_rate
+                    ),
+                    format!(
+                        "# against the coordinator it spends {coordinator} for a client in {k} of the rounds"
+                    ),
+                    format!("{sigma}"),
+                ])
+            }
+            BudgetAgainst::Coordinator => {
+                let k = a.against.participations(a.rounds)?;
+                let sigma = rdp::noise_multiplier(1.0, k, a.epsilon, a.delta)?;
+                let spent = rdp::epsilon(1.0, sigma, k, a.delta)?;
+                Ok(vec![
+                    format!(
+                        "# smallest noise multiplier for epsilon <= {} at delta={} against the coordinator, for a client in {k} rounds (no amplification; spends {spent})",
+                        a.epsilon, a.delta
+                    ),
+                    format!("{sigma}"),
+                ])
+            }
+        },
         PrivacyCommand::Plot(a) => plot(a),
     }
 }

@@ -17,6 +17,8 @@ struct Server {
     stop: oneshot::Sender<()>,
     task: tokio::task::JoinHandle<Result<(), cohort_coordinator::server::ServeError>>,
     dir: tempfile::TempDir,
+    /// The server's store, for clients that only need to be there.
+    store: cohort_coordinator::store::Store,
 }
 
 async fn start() -> Server {
@@ -64,6 +66,7 @@ async fn start_configured(max_body_bytes: Option<usize>, env: &[(&str, &str)]) -
         .timeout(Duration::from_secs(20))
         .build()
         .unwrap();
+    let store = prepared.state().store.clone();
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(prepared.serve(async move {
         let _ = stopped.await;
@@ -75,6 +78,7 @@ async fn start_configured(max_body_bytes: Option<usize>, env: &[(&str, &str)]) -
         stop,
         task,
         dir,
+        store,
     }
 }
 
@@ -832,6 +836,192 @@ async fn privacy_settings_go_from_the_form_to_the_experiment_page() {
 }
 
 /// A small valid safetensors model: two tensors, 8 parameters.
+/// The experiment page states epsilon against observers of the published models and
+/// against the coordinator (which knows who took part), on the card and per attempt; the
+/// form takes whom the budget holds against, and the big figure is that one. Under
+/// central noise the card says no epsilon holds against the coordinator.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_experiment_page_shows_epsilon_against_observers_and_the_coordinator() {
+    let server = start().await;
+    let session = server.sign_in().await;
+    let html = server
+        .get("/experiments/new", Some(&session))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(html.contains("name=\"privacy.budget_against\""));
+    let csrf = hidden(&html, "csrf");
+    let quantization = cohort_aggregation::secagg::QuantizationParams::default();
+    let mut form = experiment_form(&csrf);
+    form.retain(|(k, _)| !matches!(*k, "clients_per_round" | "max_round_attempts"));
+    form.extend([
+        ("clients_per_round", "4".to_string()),
+        ("max_round_attempts", "100".to_string()),
+        ("secure_aggregation", "on".to_string()),
+        ("secure_aggregation.colluding_fraction", "0".to_string()),
+        ("secure_aggregation.clip", quantization.clip.to_string()),
+        (
+            "secure_aggregation.max_weight",
+            quantization.max_weight.to_string(),
+        ),
+        ("secure_aggregation.advertise_seconds", "1".to_string()),
+        ("secure_aggregation.share_seconds", "30".to_string()),
+        ("secure_aggregation.unmask_seconds", "30".to_string()),
+        ("privacy", "on".to_string()),
+        ("privacy.noise_multiplier", "1".to_string()),
+        ("privacy.clip", "0.5".to_string()),
+        ("privacy.delta", "0.00001".to_string()),
+        ("privacy.epsilon_budget", "1000".to_string()),
+        ("privacy.budget_against", "coordinator".to_string()),
+    ]);
+    let r = server
+        .post("/experiments", Some(&session), &pairs(&form))
+        .await;
+    assert_eq!(
+        r.status(),
+        StatusCode::SEE_OTHER,
+        "{}",
+        r.text().await.unwrap()
+    );
+    let page = r.headers()[LOCATION].to_str().unwrap().to_string();
+    let id = page.rsplit('/').next().unwrap().to_string();
+    let spec = server
+        .api(Method::GET, &format!("/experiments/{id}"), None)
+        .await;
+    assert_eq!(
+        spec["spec"]["privacy"]["budget_against"], "coordinator",
+        "{spec}"
+    );
+
+    // Twelve clients that check in and never answer: each secure attempt samples about
+    // four, fails at its advertise deadline and stays charged to them.
+    let now = cohort_coordinator::store::now_millis();
+    let mut clients = Vec::new();
+    for i in 0..12 {
+        let hash = format!("dashboard-token-{i}").into_bytes();
+        server
+            .store
+            .create_enrolment_token(&hash, "site", None)
+            .await
+            .unwrap();
+        let c = server.store.enrol(&hash, b"secret", now).await.unwrap();
+        clients.push(c.id);
+    }
+    server
+        .api(Method::POST, &format!("/experiments/{id}/start"), None)
+        .await;
+    let started = std::time::Instant::now();
+    let report = loop {
+        let now = cohort_coordinator::store::now_millis();
+        for c in &clients {
+            server.store.touch_client(*c, now).await.unwrap();
+        }
+        let report = server
+            .api(Method::GET, &format!("/experiments/{id}/privacy"), None)
+            .await;
+        if report["attempts_charged"].as_u64().unwrap() >= 2 {
+            // Paused, nothing more is charged: the page and the report agree.
+            server
+                .api(Method::POST, &format!("/experiments/{id}/pause"), None)
+                .await;
+            break server
+                .api(Method::GET, &format!("/experiments/{id}/privacy"), None)
+                .await;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "{report:#}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let observers = report["epsilon_spent"].as_f64().unwrap();
+    let coordinator = report["epsilon_spent_coordinator"].as_f64().unwrap();
+    assert!(coordinator > observers, "{report:#}");
+    let html = askama_unescape(
+        &server
+            .get(&page, Some(&session))
+            .await
+            .text()
+            .await
+            .unwrap(),
+    );
+    let card = &html[html.find("id=\"privacy\"").unwrap()..];
+    let card = &card[..card.find("</div>").unwrap()];
+    // The budget holds against the coordinator: its figure is the big one.
+    assert!(
+        card.contains(&format!("id=\"privacy\">ε {coordinator:.3} of 1000</p>")),
+        "{card}"
+    );
+    assert!(
+        card.contains(&format!(
+            "against observers of the published models: ε {observers:.3}"
+        )),
+        "{card}"
+    );
+    assert!(
+        card.contains(&format!(
+            "against the coordinator, which knows who took part: ε {coordinator:.3}"
+        )),
+        "{card}"
+    );
+    assert!(
+        card.contains("(the budget of 1000 is enforced on this)"),
+        "{card}"
+    );
+    assert!(html.contains("Epsilon vs coordinator"));
+    let last = report["rounds"].as_array().unwrap().last().unwrap().clone();
+    assert!(
+        html.contains(&format!(
+            "<td class=\"num\">{:.3}</td><td class=\"num\">{:.3}</td>",
+            last["epsilon"].as_f64().unwrap(),
+            last["epsilon_coordinator"].as_f64().unwrap()
+        )),
+        "{}",
+        &html[html.find("id=\"rounds\"").unwrap()..][..1500]
+    );
+
+    // Central noise: the coordinator sees every update; no number is made up.
+    let mut central = experiment_form(&csrf);
+    central.extend([
+        ("privacy", "on".to_string()),
+        ("privacy.noise_multiplier", "1".to_string()),
+        ("privacy.clip", "0.5".to_string()),
+        ("privacy.delta", "0.00001".to_string()),
+        ("privacy.epsilon_budget", "8".to_string()),
+    ]);
+    let r = server
+        .post("/experiments", Some(&session), &pairs(&central))
+        .await;
+    assert_eq!(r.status(), StatusCode::SEE_OTHER);
+    let page = r.headers()[LOCATION].to_str().unwrap().to_string();
+    let html = askama_unescape(
+        &server
+            .get(&page, Some(&session))
+            .await
+            .text()
+            .await
+            .unwrap(),
+    );
+    assert!(
+        html.contains(
+            "id=\"privacy-coordinator\">against the coordinator: none holds (central noise"
+        ),
+        "{}",
+        &html[html.find("id=\"privacy\"").unwrap()..][..600]
+    );
+    let id = page.rsplit('/').next().unwrap();
+    let report = server
+        .api(Method::GET, &format!("/experiments/{id}/privacy"), None)
+        .await;
+    assert!(report["epsilon_spent_coordinator"].is_null(), "{report:#}");
+    assert!(
+        report["epsilon_coordinator_unbounded"]
+            .as_str()
+            .unwrap()
+            .contains("sees each one in the clear"),
+        "{report:#}"
+    );
+    server.shut_down().await;
+}
+
 fn tiny_model() -> Vec<u8> {
     use cohort_aggregation::{Layout, ModelVector, TensorSpec};
     let layout = Layout::new(vec![

@@ -3,6 +3,8 @@
 
 use std::process::Command;
 
+use cohort_aggregation::privacy::rdp;
+
 fn privacy(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_cohort"))
         .arg("privacy")
@@ -138,6 +140,65 @@ fn bad_arguments_are_refused_with_a_message() {
             .code(),
         Some(2)
     );
+}
+
+/// The coordinator draws the sample, so its figure has no amplification: `epsilon` says
+/// both, keeps the observers' figure on its last line unless `--against coordinator`,
+/// and the coordinator's figure for a client in K rounds is the accountant's at q = 1.
+#[test]
+fn epsilon_and_noise_give_the_coordinator_s_figure_without_amplification() {
+    let base = [
+        "epsilon",
+        "--sampling-rate",
+        "0.01",
+        "--noise-multiplier",
+        "1.1",
+        "--rounds",
+        "1000",
+        "--delta",
+        "1e-5",
+    ];
+    let out = privacy(&base);
+    assert!((last_number(&out) - 1.7118).abs() < 1e-3);
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(stdout.contains("# against the coordinator"), "{stdout}");
+    let mut against = base.to_vec();
+    against.extend(["--against", "coordinator", "--participations", "10"]);
+    let eps = last_number(&privacy(&against));
+    let expected = rdp::epsilon(1.0, 1.1, 10, 1e-5).unwrap();
+    assert!(
+        (eps - expected).abs() < 1e-9 * expected,
+        "{eps} vs {expected}"
+    );
+    assert!(
+        eps > 1.7118,
+        "ten rounds unamplified cost more than 1000 sampled at 1%"
+    );
+    // The noise for a budget against the coordinator spends it back.
+    let sigma = last_number(&privacy(&[
+        "noise",
+        "--sampling-rate",
+        "0.01",
+        "--rounds",
+        "1000",
+        "--epsilon",
+        "8",
+        "--delta",
+        "1e-5",
+        "--against",
+        "coordinator",
+        "--participations",
+        "10",
+    ]));
+    assert!(rdp::epsilon(1.0, sigma, 10, 1e-5).unwrap() <= 8.0);
+    assert!(rdp::epsilon(1.0, sigma * 0.999, 10, 1e-5).unwrap() > 8.0);
+    // More participations than rounds, or an unknown adversary, are refused.
+    let mut too_many = base.to_vec();
+    too_many.extend(["--against", "coordinator", "--participations", "1001"]);
+    assert_eq!(privacy(&too_many).status.code(), Some(2));
+    let mut unknown = base.to_vec();
+    unknown.extend(["--against", "server"]);
+    assert_eq!(privacy(&unknown).status.code(), Some(2));
 }
 
 fn simulate(out: &std::path::Path, extra: &[&str]) {

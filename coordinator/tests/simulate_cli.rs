@@ -626,6 +626,119 @@ fn differential_privacy_reports_epsilon_per_round_and_keeps_to_the_budget() {
     );
 }
 
+/// The coordinator samples the clients, so against it nothing is amplified:
+/// `metrics.csv` gains `epsilon_coordinator` (the worst client's own rounds) before the
+/// last three columns, above the observers' `epsilon` in every row; `inf` under central
+/// noise, where the coordinator sees every update; empty without DP. A budget against
+/// the coordinator stops a run that the same budget against observers lets finish.
+#[test]
+fn metrics_csv_reports_epsilon_against_the_coordinator_and_its_budget_stops_the_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let column = |out: &Path, name: &str| -> Vec<String> {
+        let csv = fs::read_to_string(out.join("metrics.csv")).unwrap();
+        let mut lines = csv.lines();
+        let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+        assert_eq!(
+            &header[header.len() - 4..],
+            ["epsilon_coordinator", "sim_seconds", "epsilon", "strategy"]
+        );
+        let col = header.iter().position(|c| *c == name).unwrap();
+        lines
+            .map(|l| l.split(',').nth(col).unwrap().to_string())
+            .collect()
+    };
+    let numbers = |v: Vec<String>| -> Vec<f64> { v.iter().map(|e| e.parse().unwrap()).collect() };
+    let args = [
+        "--dataset",
+        "breast-cancer",
+        "--model",
+        "logreg",
+        "--clients",
+        "40",
+        "--clients-per-round",
+        "8",
+        "--rounds",
+        "5",
+        "--local-epochs",
+        "1",
+        "--dp-noise-multiplier",
+        "1.5",
+        "--dp-clip",
+        "0.5",
+    ];
+    let mut secure = args.to_vec();
+    secure.push("--secure-aggregation");
+    let out = tmp.path().join("secure");
+    let summary = simulate_ok(tmp.path(), &out, &secure);
+    let observers = numbers(column(&out, "epsilon"));
+    let coordinator = numbers(column(&out, "epsilon_coordinator"));
+    assert_eq!(coordinator.len(), 5);
+    assert!(
+        coordinator.windows(2).all(|w| w[0] <= w[1]),
+        "{coordinator:?}"
+    );
+    for (c, o) in coordinator.iter().zip(&observers) {
+        assert!(
+            c > o,
+            "against the coordinator {c} <= against observers {o}"
+        );
+    }
+    assert_eq!(
+        summary["epsilon_coordinator"].as_f64(),
+        Some(coordinator[4])
+    );
+    assert!(summary.get("epsilon_coordinator_unbounded").is_none());
+
+    // Central noise: the coordinator sees every update, no epsilon holds against it.
+    let out = tmp.path().join("central");
+    let summary = simulate_ok(tmp.path(), &out, &args);
+    assert!(
+        column(&out, "epsilon_coordinator")
+            .iter()
+            .all(|e| e == "inf")
+    );
+    assert!(summary["epsilon_coordinator"].is_null(), "{summary}");
+    assert!(
+        summary["epsilon_coordinator_unbounded"]
+            .as_str()
+            .unwrap()
+            .contains("central noise")
+    );
+    let out = small_run(tmp.path(), "plain", &[]);
+    assert!(
+        column(&out, "epsilon_coordinator")
+            .iter()
+            .all(|e| e.is_empty())
+    );
+
+    // The same seed samples the same clients: at the full run's final figure as the
+    // budget, the check (at the worst-case multiplier of only the threshold surviving)
+    // refuses a round before the end against the coordinator, and none against observers.
+    let budget = coordinator[4].to_string();
+    let mut against = secure.clone();
+    against.extend_from_slice(&[
+        "--dp-epsilon",
+        &budget,
+        "--dp-budget-against",
+        "coordinator",
+    ]);
+    let summary = simulate_ok(tmp.path(), &tmp.path().join("against"), &against);
+    assert!(summary["rounds"].as_u64().unwrap() < 5, "{summary}");
+    assert!(summary["epsilon_coordinator"].as_f64().unwrap() <= coordinator[4]);
+    assert!(
+        summary["stopped"]
+            .as_str()
+            .unwrap()
+            .contains("against the coordinator"),
+        "{summary}"
+    );
+    assert_eq!(summary["config"]["dp-budget-against"], "coordinator");
+    let mut observers_budget = secure.clone();
+    observers_budget.extend_from_slice(&["--dp-epsilon", &budget]);
+    let summary = simulate_ok(tmp.path(), &tmp.path().join("observers"), &observers_budget);
+    assert_eq!(summary["rounds"], 5, "{summary}");
+}
+
 #[test]
 fn differential_privacy_settings_that_cannot_work_are_rejected() {
     assert_rejected(
@@ -689,6 +802,34 @@ fn differential_privacy_settings_that_cannot_work_are_rejected() {
     assert_rejected(
         &["--dp-noise-multiplier", "1", "--dp-delta", "1"],
         &["--dp-delta"],
+        &[],
+    );
+    assert_rejected(
+        &[
+            "--dp-noise-multiplier",
+            "1",
+            "--dp-epsilon",
+            "8",
+            "--dp-budget-against",
+            "coordinator",
+        ],
+        &["--dp-budget-against coordinator needs --secure-aggregation"],
+        &[],
+    );
+    assert_rejected(
+        &[
+            "--dp-noise-multiplier",
+            "1",
+            "--secure-aggregation",
+            "--dp-budget-against",
+            "coordinator",
+        ],
+        &["needs --dp-epsilon"],
+        &[],
+    );
+    assert_rejected(
+        &["--dp-budget-against", "server"],
+        &["observers or coordinator"],
         &[],
     );
 }

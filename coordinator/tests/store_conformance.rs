@@ -112,6 +112,7 @@ conformance!(
     a_capped_upload_is_stored_with_the_cap_and_its_claim_is_audited,
     only_a_selected_client_takes_part_in_an_experiment,
     round_without_quorum_fails_and_runs_again_as_next_attempt,
+    selections_list_who_was_selected_for_every_attempt,
     uploads_outside_collection_are_refused_and_change_nothing,
     a_round_opens_only_while_running_and_idle,
     closing_into_aggregation_queues_exactly_one_job,
@@ -722,6 +723,51 @@ async fn round_without_quorum_fails_and_runs_again_as_next_attempt(store: &Store
         attempts,
         vec![(1, RoundStage::Failed, 1), (2, RoundStage::Collecting, 1)]
     );
+}
+
+/// Who was selected for each attempt, failed ones included, in round and attempt order:
+/// what privacy against the coordinator is composed from.
+async fn selections_list_who_was_selected_for_every_attempt(store: &Store) {
+    let (e, c) = running_with_clients(store, 3).await;
+    // Another experiment's selections are not this one's.
+    let other = store
+        .create_experiment("other", &serde_json::json!({}))
+        .await
+        .unwrap();
+    store
+        .set_experiment_state(other.id, ExperimentState::Running, "admin")
+        .await
+        .unwrap();
+    let t0 = now_millis();
+    store
+        .open_round(other.id, 1, 1, &c[..1], t0 + 1_000, t0)
+        .await
+        .unwrap();
+    store
+        .open_round(e.id, 1, 1, &c[..2], t0 + 1_000, t0)
+        .await
+        .unwrap();
+    store
+        .close_collection(e.id, 1, 1, 2, 3, t0 + 1_001)
+        .await
+        .unwrap();
+    store
+        .open_round(e.id, 1, 2, &c[1..], t0 + 5_000, t0 + 1_002)
+        .await
+        .unwrap();
+    let got: Vec<(i64, i64, Uuid)> = store
+        .selections(e.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| (s.round, s.attempt, s.client_id))
+        .collect();
+    let mut first = vec![(1, 1, c[0]), (1, 1, c[1])];
+    let mut second = vec![(1, 2, c[1]), (1, 2, c[2])];
+    first.sort();
+    second.sort();
+    first.extend(second);
+    assert_eq!(got, first);
 }
 
 async fn uploads_outside_collection_are_refused_and_change_nothing(store: &Store) {

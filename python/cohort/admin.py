@@ -483,8 +483,10 @@ class Admin:
             A list of round attempts, each with ``round``, ``attempt``, ``stage``
             (``collecting``, ``aggregating``, ``published``, ``failed``, ...),
             ``selected``, ``reported``, ``dropped``, ``test_accuracy``, ``test_loss``,
-            ``train_loss``, ``started_at``, ``finished_at``, ``failure``, ``epsilon``,
-            ``failures`` and, for file models, ``client_evaluation``.
+            ``train_loss``, ``started_at``, ``finished_at``, ``failure``, ``epsilon``
+            (against observers of the published models), ``epsilon_coordinator``
+            (against the coordinator; ``None`` under central noise), ``failures`` and,
+            for file models, ``client_evaluation``.
 
         Raises:
             ApiError: 404 for an unknown id.
@@ -528,14 +530,17 @@ class Admin:
 
     def privacy(self, experiment_id: Id) -> Dict[str, Any]:
         """What a differentially private experiment has spent: epsilon against its budget,
-        round by round.
+        round by round, against observers of the published models and against the
+        coordinator (which knows who took part, so sampling amplifies nothing).
 
         Args:
             experiment_id: The experiment's id.
 
         Returns:
-            The privacy report (``mechanism``, ``epsilon_spent``, ``epsilon_budget``,
-            ``delta``, ``rounds``, ...).
+            The privacy report (``mechanism``, ``epsilon_spent`` (against observers),
+            ``epsilon_spent_coordinator`` (the worst client's; ``None`` under central
+            noise, with ``epsilon_coordinator_unbounded`` saying why),
+            ``budget_against``, ``epsilon_budget``, ``delta``, ``rounds``, ...).
 
         Raises:
             ApiError: 404 for an unknown experiment or one without differential privacy.

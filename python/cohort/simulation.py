@@ -33,9 +33,13 @@ class SimulationResult:
         rounds: One dict per round, the rows of ``metrics.csv``: ``round``,
             ``test_accuracy``, ``test_loss`` (NaN without ``evaluate``),
             ``participants``, ``dropped``, ``selected``, ``seconds``, ``train_loss``,
-            ``samples``, ``status``, ``sim_seconds`` and ``epsilon``.
+            ``samples``, ``status``, ``sim_seconds``, ``epsilon`` (against observers of
+            the published models) and ``epsilon_coordinator`` (against the coordinator,
+            which knows who was sampled: the worst client's own rounds, unamplified;
+            ``inf`` under central noise, where the coordinator sees every update).
         summary: The run's ``summary.json`` as a dict (resolved configuration, totals,
-            epsilon spent, ``total_failed``).
+            epsilon spent against observers and against the coordinator,
+            ``total_failed``).
         failures: The tasks that failed (each a dropout): ``client``, ``round`` and
             ``reason`` (the exception's message, or which tensor was wrong).
         out: The directory holding ``metrics.csv``, ``metrics.jsonl``,
@@ -129,8 +133,10 @@ def simulate(
             sees only the sum of the updates.
         dp: Central or distributed differential privacy, e.g.
             ``{"noise_multiplier": 1.0, "clip": 1.0, "delta": 1e-5, "epsilon": 8.0}``
-            (keys of ``cohort simulate``'s ``--dp-*`` flags without the prefix). Each
-            round's epsilon is in ``result.rounds``.
+            (keys of ``cohort simulate``'s ``--dp-*`` flags without the prefix;
+            ``"budget_against": "coordinator"`` enforces ``epsilon`` on the worst
+            client's epsilon against the coordinator, with secure aggregation). Each
+            round's two epsilons are in ``result.rounds``.
         dropout: Probability that a selected client drops out of a round.
         seed: Seed of every random choice (selection, partition, dropouts, task seeds).
         workers: Python worker processes training clients in parallel.

@@ -73,6 +73,7 @@ fn record_to_dict<'py>(py: Python<'py>, r: &RoundRecord) -> PyResult<Bound<'py, 
     d.set_item("status", r.status.as_str())?;
     d.set_item("sim_seconds", r.sim_seconds)?;
     d.set_item("epsilon", r.epsilon)?;
+    d.set_item("epsilon_coordinator", r.epsilon_coordinator)?;
     Ok(d)
 }
 

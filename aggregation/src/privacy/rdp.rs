@@ -10,6 +10,10 @@
 //! and every numerical choice (series length, when a series counts as converged, when
 //! an order is dropped) follow Google's `dp_accounting` RDP accountant, so the two agree
 //! to rounding; `tests/fixtures/rdp_grid.json` holds its answers on a grid.
+//!
+//! That figure is the privacy against whoever sees only the released results. The party
+//! that draws the sample knows who is in each round, so against it sampling amplifies
+//! nothing: [`ParticipantLedger`] keeps each participant's own rounds at `q = 1`.
 
 /// The orders the accountant evaluates, as `dp_accounting` does by default:
 /// 1.1, 1.2, ..., 10.9, then 11, ..., 63, then 128, 256, 512, 1024.
@@ -219,6 +223,112 @@ impl RdpAccountant {
     }
 }
 
+/// What one participant has spent against a party that knows it took part: the rounds,
+/// and their RDP without amplification by sampling.
+///
+/// Without sampling the Gaussian mechanism at multiplier `sigma` has RDP
+/// `alpha / (2 sigma^2)` at every order `alpha`, so rounds compose by adding
+/// `rho = sum 1 / (2 sigma_i^2)` and the curve is `alpha * rho`: one number per participant
+/// holds its whole curve, and the one with the largest `rho` has the largest epsilon.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Unamplified {
+    /// Rounds it took part in.
+    pub rounds: u64,
+    /// `sum 1 / (2 sigma_i^2)` over those rounds (infinite after a round without noise).
+    pub rho: f64,
+}
+
+impl Unamplified {
+    /// After one more round at noise multiplier `sigma`.
+    pub fn with_round(self, sigma: f64) -> Result<Self, PrivacyError> {
+        check(1.0, sigma)?;
+        Ok(Self {
+            rounds: self.rounds + 1,
+            rho: self.rho + 1.0 / (2.0 * sigma * sigma),
+        })
+    }
+
+    /// Epsilon at `delta`: the same conversion as [`RdpAccountant::epsilon`], over the
+    /// same orders, of the curve `alpha * rho`.
+    pub fn epsilon(&self, delta: f64) -> Result<f64, PrivacyError> {
+        check_delta(delta)?;
+        let orders = default_orders();
+        let rdp: Vec<f64> = orders.iter().map(|a| a * self.rho).collect();
+        Ok(epsilon_from_rdp(&orders, &rdp, delta).0)
+    }
+}
+
+/// Privacy spent by each participant against the party that draws every round's sample
+/// (the coordinator): it knows who is in a round, so sampling amplifies nothing, and a
+/// participant's epsilon composes only the rounds it took part in, each at the full
+/// Gaussian mechanism (`q = 1`). Participants never charged have spent nothing.
+#[derive(Debug, Clone)]
+pub struct ParticipantLedger<K> {
+    spent: std::collections::HashMap<K, Unamplified>,
+}
+
+impl<K> Default for ParticipantLedger<K> {
+    fn default() -> Self {
+        Self {
+            spent: std::collections::HashMap::new(),
+        }
+    }
+}
+
+impl<K: std::hash::Hash + Eq> ParticipantLedger<K> {
+    /// A ledger in which nobody has spent anything.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Charges `who` one round at noise multiplier `sigma`.
+    pub fn charge(&mut self, who: K, sigma: f64) -> Result<(), PrivacyError> {
+        let spent = self.spent.entry(who).or_default();
+        *spent = spent.with_round(sigma)?;
+        Ok(())
+    }
+
+    /// What `who` has spent.
+    pub fn spent(&self, who: &K) -> Unamplified {
+        self.spent.get(who).copied().unwrap_or_default()
+    }
+
+    /// Participants charged at least once.
+    pub fn participants(&self) -> usize {
+        self.spent.len()
+    }
+
+    /// The participant that has spent the most (ties: the one with more rounds), and
+    /// what; `None` when nobody has been charged.
+    pub fn worst(&self) -> Option<(&K, Unamplified)> {
+        self.spent
+            .iter()
+            .max_by(|a, b| {
+                a.1.rho
+                    .total_cmp(&b.1.rho)
+                    .then(a.1.rounds.cmp(&b.1.rounds))
+            })
+            .map(|(k, s)| (k, *s))
+    }
+
+    /// What the worst of `selected` would have spent after one more round at `sigma`:
+    /// the check before a round opens (`None` when `selected` is empty).
+    pub fn worst_after<'a>(
+        &self,
+        selected: impl IntoIterator<Item = &'a K>,
+        sigma: f64,
+    ) -> Result<Option<Unamplified>, PrivacyError>
+    where
+        K: 'a,
+    {
+        let worst = selected
+            .into_iter()
+            .map(|k| self.spent(k))
+            .max_by(|a, b| a.rho.total_cmp(&b.rho).then(a.rounds.cmp(&b.rounds)));
+        worst.map(|w| w.with_round(sigma)).transpose()
+    }
+}
+
 /// Epsilon at `delta` after `rounds` rounds with sampling rate `q` and noise multiplier
 /// `sigma`.
 pub fn epsilon(q: f64, sigma: f64, rounds: u64, delta: f64) -> Result<f64, PrivacyError> {
@@ -309,6 +419,88 @@ mod tests {
         assert!((sigma - 1.1).abs() < 1e-4, "{sigma}");
         assert!(epsilon(0.01, sigma, 1000, 1e-5).unwrap() <= 1.7117701662429012);
         assert!(epsilon(0.01, sigma * 0.999, 1000, 1e-5).unwrap() > 1.7117701662429012);
+    }
+
+    /// The accountant's figure against the coordinator, which knows who took part: each
+    /// participant composes its own rounds at `q = 1`.
+    fn unamplified(sigmas: &[f64]) -> Unamplified {
+        sigmas
+            .iter()
+            .fold(Unamplified::default(), |u, &s| u.with_round(s).unwrap())
+    }
+
+    proptest::proptest! {
+        /// Knowing who took part can only cost privacy: the epsilon of a participant's
+        /// rounds against the party that sampled them is never below the epsilon of the
+        /// same rounds against observers, whatever their sampling rates.
+        #[test]
+        fn the_coordinator_s_epsilon_is_never_below_the_observers(
+            rounds in proptest::collection::vec((0.001f64..=1.0, 0.3f64..20.0), 1..12),
+            delta in 1e-9f64..1e-2,
+        ) {
+            let mut observers = RdpAccountant::new();
+            for &(q, sigma) in &rounds {
+                observers.compose(q, sigma, 1).unwrap();
+            }
+            let sigmas: Vec<f64> = rounds.iter().map(|r| r.1).collect();
+            let coordinator = unamplified(&sigmas).epsilon(delta).unwrap();
+            let observed = observers.epsilon(delta).unwrap();
+            proptest::prop_assert!(
+                coordinator >= observed * (1.0 - 1e-9),
+                "coordinator {} < observers {}", coordinator, observed
+            );
+        }
+
+        /// At `q = 1` there is nothing to amplify: both figures are the same number.
+        #[test]
+        fn without_sampling_both_epsilons_agree(
+            sigmas in proptest::collection::vec(0.3f64..20.0, 1..12),
+            delta in 1e-9f64..1e-2,
+        ) {
+            let mut observers = RdpAccountant::new();
+            for &sigma in &sigmas {
+                observers.compose(1.0, sigma, 1).unwrap();
+            }
+            let observed = observers.epsilon(delta).unwrap();
+            let coordinator = unamplified(&sigmas).epsilon(delta).unwrap();
+            proptest::prop_assert!(
+                (coordinator - observed).abs() <= 1e-9 * observed.max(1e-12),
+                "coordinator {} vs observers {}", coordinator, observed
+            );
+        }
+    }
+
+    /// The ledger charges each participant only its own rounds, finds the worst one, and
+    /// checks a round before it opens against the worst of those selected for it.
+    #[test]
+    fn the_ledger_charges_only_the_rounds_each_participant_took_part_in() {
+        let mut ledger = ParticipantLedger::new();
+        assert_eq!(ledger.worst(), None);
+        for who in ["a", "b", "a"] {
+            ledger.charge(who, 2.0).unwrap();
+        }
+        ledger.charge("c", 1.0).unwrap();
+        assert_eq!(ledger.participants(), 3);
+        assert_eq!(ledger.spent(&"a"), unamplified(&[2.0, 2.0]));
+        assert_eq!(ledger.spent(&"never"), Unamplified::default());
+        assert_eq!(ledger.spent(&"never").epsilon(1e-5).unwrap(), 0.0);
+        // One round at sigma 1 spends what four at sigma 2 do; "c" is the worst.
+        let (who, worst) = ledger.worst().unwrap();
+        assert_eq!((*who, worst.rounds), ("c", 1));
+        let after = ledger.worst_after(&["a", "b"], 2.0).unwrap().unwrap();
+        assert_eq!(after, unamplified(&[2.0, 2.0, 2.0]));
+        assert_eq!(ledger.worst_after(&[], 2.0).unwrap(), None);
+        let a = ledger.spent(&"a").epsilon(1e-5).unwrap();
+        assert!((a - epsilon(1.0, 2.0, 2, 1e-5).unwrap()).abs() < 1e-9 * a);
+        assert!(matches!(
+            ledger.charge("a", f64::NAN),
+            Err(PrivacyError::NoiseMultiplier(_))
+        ));
+        assert_eq!(
+            unamplified(&[0.0]).epsilon(1e-5).unwrap(),
+            f64::INFINITY,
+            "a round without noise is not private at all"
+        );
     }
 
     #[test]

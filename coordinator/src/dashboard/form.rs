@@ -450,6 +450,14 @@ const GROUPS: &[(&str, &[FieldDef])] = &[
                 true,
             ),
             def(
+                "privacy.budget_against",
+                "Budget against",
+                "observers: epsilon against anyone who sees only the published models, amplified by sampling. coordinator: the worst selected client's epsilon against the coordinator, which knows who took part (no amplification; secure aggregation only: under central noise the coordinator sees every update).",
+                Text,
+                false,
+                true,
+            ),
+            def(
                 "privacy.clip_quantile",
                 "Adaptive clip quantile",
                 "Empty for a fixed clip; a quantile in (0, 1) of update norms for the bound to track (central noise only).",
@@ -478,6 +486,7 @@ fn default_privacy() -> PrivacySpec {
         epsilon_budget: 8.0,
         clip_quantile: None,
         clip_count_noise: None,
+        budget_against: crate::server::privacy::BudgetAgainst::Observers,
     }
 }
 
@@ -581,6 +590,7 @@ fn defaults() -> HashMap<&'static str, String> {
         ("privacy.clip", privacy.clip.to_string()),
         ("privacy.delta", privacy.delta.to_string()),
         ("privacy.epsilon_budget", privacy.epsilon_budget.to_string()),
+        ("privacy.budget_against", privacy.budget_against.to_string()),
         ("privacy.clip_quantile", String::new()),
         ("privacy.clip_count_noise", String::new()),
     ])
@@ -836,6 +846,12 @@ pub fn parse(fields: &[(String, String)]) -> Parsed {
                 .unwrap_or(p.epsilon_budget),
             clip_quantile: r.optional_number("privacy.clip_quantile").flatten(),
             clip_count_noise: r.optional_number("privacy.clip_count_noise").flatten(),
+            budget_against: if r.text("privacy.budget_against").is_empty() {
+                p.budget_against
+            } else {
+                r.parsed("privacy.budget_against")
+                    .unwrap_or(p.budget_against)
+            },
         })
     };
     let aggregator = if r.text("aggregator").is_empty() {
@@ -1057,6 +1073,35 @@ mod tests {
         ])));
         assert!(errs["privacy.delta"].contains("delta"), "{errs:?}");
         assert!(errs["privacy.clip"].contains("not a number"), "{errs:?}");
+        // Whom the budget holds against: read, named when misspelt, and refused where the
+        // coordinator sees every update.
+        match parse(&submitted(&[
+            ("privacy", "on"),
+            ("secure_aggregation", "on"),
+            ("privacy.budget_against", "coordinator"),
+        ])) {
+            Parsed::Spec(spec) => assert_eq!(
+                spec.privacy.unwrap().budget_against,
+                crate::server::privacy::BudgetAgainst::Coordinator
+            ),
+            Parsed::Invalid(sets) => panic!("{sets:?}"),
+        }
+        let errs = errors(parse(&submitted(&[
+            ("privacy", "on"),
+            ("privacy.budget_against", "server"),
+        ])));
+        assert!(
+            errs["privacy.budget_against"].contains("observers or coordinator"),
+            "{errs:?}"
+        );
+        let errs = errors(parse(&submitted(&[
+            ("privacy", "on"),
+            ("privacy.budget_against", "coordinator"),
+        ])));
+        assert!(
+            errs["privacy.budget_against"].contains("secure_aggregation"),
+            "{errs:?}"
+        );
         let errs = errors(parse(&submitted(&[
             ("aggregator", "median"),
             ("secure_aggregation", "on"),

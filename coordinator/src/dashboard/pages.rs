@@ -408,7 +408,10 @@ pub struct RoundRow {
     train_loss: String,
     test_loss: String,
     accuracy: String,
+    /// Against observers of the published models.
     epsilon: String,
+    /// Against the coordinator: the worst client's so far.
+    epsilon_coordinator: String,
     duration: String,
     failure: String,
     /// Tasks of this attempt that clients reported they could not complete.
@@ -479,6 +482,11 @@ struct ExperimentPage {
     latest_loss: String,
     privacy: String,
     privacy_detail: String,
+    /// Epsilon against observers of the published models, in a line (empty without
+    /// differential privacy).
+    privacy_observers: String,
+    /// Epsilon against the coordinator, in a line (empty without differential privacy).
+    privacy_coordinator: String,
     model_round: Option<i64>,
     accuracy_chart: String,
     loss_chart: String,
@@ -706,6 +714,7 @@ pub async fn experiment(
         _ => None,
     };
 
+    let privacy_report = PrivacyCard::of(&state, &exp, &rounds).await?;
     // Newest first, paged.
     let round_pages = rounds.len().div_ceil(ROUNDS_PER_PAGE).max(1);
     let round_page = query.number().min(round_pages);
@@ -725,6 +734,7 @@ pub async fn experiment(
             test_loss: number(test_loss(r)),
             accuracy: percent(test_accuracy(r)),
             epsilon: r.epsilon.map_or_else(|| "–".into(), |e| format!("{e:.3}")),
+            epsilon_coordinator: privacy_report.round_figure(r),
             duration: r
                 .finished_at
                 .map(|f| format!("{:.1} s", (f - r.started_at) as f64 / 1000.0))
@@ -744,7 +754,8 @@ pub async fn experiment(
             Some(best.map_or(a, |b| b.max(a)))
         });
     let latest = published.last();
-    let (privacy, privacy_detail) = privacy_summary(&exp.spec, &rounds);
+    let (privacy, privacy_detail) = privacy_summary(&exp.spec, &rounds, &privacy_report);
+    let (privacy_observers, privacy_coordinator) = privacy_report.lines();
     let state_now = exp.state;
     let page = ExperimentPage {
         page: Chrome::signed_in(&session, "experiments"),
@@ -780,6 +791,8 @@ pub async fn experiment(
         latest_loss: number(latest.and_then(|r| test_loss(r))),
         privacy,
         privacy_detail,
+        privacy_observers,
+        privacy_coordinator,
         model_round: model.map(|m| m.round),
         accuracy_chart,
         loss_chart,
@@ -877,9 +890,120 @@ fn shown_evaluation(
     )
 }
 
+/// The privacy card's two figures: epsilon against observers of the published models
+/// and against the coordinator, now and after each attempt.
+struct PrivacyCard {
+    /// `None` without differential privacy.
+    figures: Option<PrivacyFigures>,
+}
+
+struct PrivacyFigures {
+    budget: f64,
+    against: crate::server::privacy::BudgetAgainst,
+    observers: f64,
+    coordinator: crate::server::privacy::CoordinatorEpsilon,
+    by_attempt: HashMap<(i64, i64), Option<f64>>,
+}
+
+impl PrivacyCard {
+    async fn of(
+        state: &AppState,
+        exp: &crate::store::Experiment,
+        rounds: &[Round],
+    ) -> Result<Self, PageError> {
+        let spec: Option<crate::server::admin::ExperimentSpec> =
+            serde_json::from_value(exp.spec.clone()).ok();
+        let Some((spec, privacy)) = spec.and_then(|s| Some((s.clone(), s.privacy?))) else {
+            return Ok(Self { figures: None });
+        };
+        let selections = state.store.selections(exp.id).await?;
+        let ledger = crate::server::privacy::CoordinatorLedger::new(rounds, &selections)
+            .map_err(PageError::internal)?;
+        let coordinator = if spec.secure_aggregation.is_some() {
+            ledger.epsilon(privacy.delta).map_err(PageError::internal)?
+        } else {
+            crate::server::privacy::CoordinatorEpsilon::Unbounded
+        };
+        Ok(Self {
+            figures: Some(PrivacyFigures {
+                budget: privacy.epsilon_budget,
+                against: privacy.budget_against,
+                observers: rounds.iter().rev().find_map(|r| r.epsilon).unwrap_or(0.0),
+                coordinator,
+                by_attempt: ledger
+                    .by_attempt(privacy.delta)
+                    .map_err(PageError::internal)?,
+            }),
+        })
+    }
+
+    /// The lines under the big figure: against observers, and against the coordinator.
+    fn lines(&self) -> (String, String) {
+        let Some(f) = &self.figures else {
+            return (String::new(), String::new());
+        };
+        let enforced = |whom| {
+            if f.against == whom {
+                format!(" (the budget of {} is enforced on this)", f.budget)
+            } else {
+                String::new()
+            }
+        };
+        use crate::server::privacy::{BudgetAgainst, CoordinatorEpsilon};
+        let coordinator = match f.coordinator {
+            CoordinatorEpsilon::Bounded { epsilon, rounds } => format!(
+                "against the coordinator, which knows who took part: ε {epsilon:.3}, the worst \
+                 client's, over the {rounds} attempts it was selected for, without \
+                 amplification{}",
+                enforced(BudgetAgainst::Coordinator)
+            ),
+            CoordinatorEpsilon::Unbounded => format!(
+                "against the coordinator: none holds ({})",
+                crate::server::privacy::CENTRAL_NOISE_UNBOUNDED
+            ),
+        };
+        (
+            format!(
+                "against observers of the published models: ε {:.3}, amplified by sampling{}",
+                f.observers,
+                enforced(BudgetAgainst::Observers)
+            ),
+            coordinator,
+        )
+    }
+
+    /// The figure the budget is enforced on.
+    fn budgeted(&self) -> f64 {
+        let Some(f) = &self.figures else { return 0.0 };
+        match f.against {
+            crate::server::privacy::BudgetAgainst::Observers => f.observers,
+            crate::server::privacy::BudgetAgainst::Coordinator => {
+                f.coordinator.epsilon().unwrap_or(f64::INFINITY)
+            }
+        }
+    }
+
+    /// The rounds table's coordinator figure for an attempt.
+    fn round_figure(&self, r: &Round) -> String {
+        match &self.figures {
+            Some(f) if r.privacy.is_some() => match f.by_attempt.get(&(r.round, r.attempt)) {
+                Some(Some(e)) => format!("{e:.3}"),
+                _ => "none holds".into(),
+            },
+            _ => "–".into(),
+        }
+    }
+}
+
 /// The privacy card: epsilon spent of the budget (the last charged attempt's figure,
-/// which composes every earlier charge), and how the noise is added.
-fn privacy_summary(spec: &serde_json::Value, rounds: &[Round]) -> (String, String) {
+/// which composes every earlier charge), and how the noise is added. The figure is the
+/// one the budget is enforced on: against observers unless the experiment says
+/// `budget_against: coordinator`; the card's lines below it give both.
+fn privacy_summary(
+    spec: &serde_json::Value,
+    rounds: &[Round],
+    card: &PrivacyCard,
+) -> (String, String) {
     let spec: Option<crate::server::admin::ExperimentSpec> =
         serde_json::from_value(spec.clone()).ok();
     let Some(spec) = spec else {
@@ -891,7 +1015,7 @@ fn privacy_summary(spec: &serde_json::Value, rounds: &[Round]) -> (String, Strin
             "no noise is added: the published models carry no privacy guarantee".into(),
         );
     };
-    let spent = rounds.iter().rev().find_map(|r| r.epsilon).unwrap_or(0.0);
+    let spent = card.budgeted();
     let mechanism = if spec.secure_aggregation.is_some() {
         "distributed noise (each client's share, before masking)"
     } else {

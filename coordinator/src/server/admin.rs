@@ -659,8 +659,9 @@ async fn list_rounds(
     Path(id): Path<String>,
 ) -> Result<Json<Vec<RoundView>>, ApiError> {
     let id = parse_id(&id, "experiment")?;
-    state.store.experiment(id).await?;
+    let exp = state.store.experiment(id).await?;
     let rounds = state.store.rounds(id).await?;
+    let coordinator_epsilon = coordinator_epsilon_by_attempt(&state, &exp, &rounds).await?;
     let mut evaluations = super::models::summarise(&state.store.client_evaluations(id).await?);
     let mut failures = state.store.task_failures(id).await?;
     Ok(Json(
@@ -677,11 +678,34 @@ async fn list_rounds(
                         .then(|| evaluations.remove(&round.round))
                         .flatten(),
                     failures: mine,
+                    epsilon_coordinator: coordinator_epsilon
+                        .get(&(round.round, round.attempt))
+                        .copied()
+                        .flatten(),
                     round,
                 }
             })
             .collect(),
     ))
+}
+
+/// Epsilon against the coordinator after each charged attempt of a private experiment,
+/// by `(round, attempt)`; empty for one without differential privacy.
+pub(crate) async fn coordinator_epsilon_by_attempt(
+    state: &AppState,
+    exp: &crate::store::Experiment,
+    rounds: &[Round],
+) -> Result<std::collections::HashMap<(i64, i64), Option<f64>>, ApiError> {
+    let privacy = super::driver::experiment_spec(exp)
+        .ok()
+        .and_then(|spec| spec.privacy);
+    let Some(privacy) = privacy else {
+        return Ok(Default::default());
+    };
+    let selections = state.store.selections(exp.id).await?;
+    super::privacy::CoordinatorLedger::new(rounds, &selections)
+        .and_then(|ledger| ledger.by_attempt(privacy.delta))
+        .map_err(ApiError::internal)
 }
 
 /// A round attempt with what its clients reported.
@@ -699,6 +723,10 @@ pub struct RoundView {
     /// Tasks of this attempt that clients reported they could not complete, with why.
     #[schema(value_type = Vec<Object>)]
     pub failures: Vec<crate::store::TaskFailure>,
+    /// Differential privacy: epsilon spent against the coordinator up to and including
+    /// this attempt (the worst client's; `epsilon` is against observers). `null` without
+    /// differential privacy, and under central noise, where none holds.
+    pub epsilon_coordinator: Option<f64>,
 }
 
 /// What a differentially private experiment has spent.
@@ -711,8 +739,25 @@ pub struct PrivacyReport {
     pub delta: f64,
     /// The budget.
     pub epsilon_budget: f64,
-    /// Epsilon spent so far: the RDP composition of every round attempt's charge.
+    /// Whom the budget is enforced against: `observers` (`epsilon_spent`) or
+    /// `coordinator` (`epsilon_spent_coordinator`).
+    pub budget_against: super::privacy::BudgetAgainst,
+    /// Epsilon spent so far against observers of the published models: the RDP
+    /// composition of every round attempt's charge, amplified by the sampling.
     pub epsilon_spent: f64,
+    /// Epsilon spent so far against the coordinator, which draws the sample and knows
+    /// who took part: the worst client's, its own attempts composed without
+    /// amplification. `null` under central noise, where the coordinator sees every update
+    /// and no epsilon holds (`epsilon_coordinator_unbounded` says so).
+    pub epsilon_spent_coordinator: Option<f64>,
+    /// Why `epsilon_spent_coordinator` is `null`; absent when it is a number.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epsilon_coordinator_unbounded: Option<String>,
+    /// Attempts the worst client (the one `epsilon_spent_coordinator` is for) was
+    /// selected for.
+    pub worst_client_attempts: u64,
+    /// Clients selected for at least one charged attempt.
+    pub clients_charged: usize,
     /// Round attempts charged (a failed attempt stays charged).
     pub attempts_charged: usize,
     /// The configured noise multiplier.
@@ -739,11 +784,15 @@ pub struct PrivacyRound {
     pub noise_multiplier: f64,
     /// The L2 clip of the round.
     pub clip: f64,
-    /// Epsilon spent up to and including it.
+    /// Epsilon spent against observers up to and including it.
     pub epsilon: f64,
+    /// Epsilon spent against the coordinator up to and including it: the worst client's
+    /// so far; `null` where none holds (central noise).
+    pub epsilon_coordinator: Option<f64>,
 }
 
-/// Differential privacy: epsilon spent against the budget, round by round. 404 names an
+/// Differential privacy: epsilon spent against the budget, round by round, against
+/// observers of the published models and against the coordinator. 404 names an
 /// experiment without differential privacy as well as an unknown one.
 #[utoipa::path(get, path = "/api/v1/admin/experiments/{id}/privacy", tag = "admin",
     security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
@@ -762,6 +811,12 @@ async fn get_privacy(
         )));
     };
     let rounds = state.store.rounds(id).await?;
+    let selections = state.store.selections(id).await?;
+    let ledger =
+        super::privacy::CoordinatorLedger::new(&rounds, &selections).map_err(ApiError::internal)?;
+    let by_attempt = ledger
+        .by_attempt(privacy.delta)
+        .map_err(ApiError::internal)?;
     let charged: Vec<PrivacyRound> = rounds
         .iter()
         .filter_map(|r| {
@@ -773,9 +828,17 @@ async fn get_privacy(
                 noise_multiplier: p.noise_multiplier,
                 clip: p.clip,
                 epsilon: p.epsilon,
+                epsilon_coordinator: by_attempt.get(&(r.round, r.attempt)).copied().flatten(),
             })
         })
         .collect();
+    let coordinator = ledger.epsilon(privacy.delta).map_err(ApiError::internal)?;
+    let (epsilon_spent_coordinator, worst_client_attempts) = match coordinator {
+        super::privacy::CoordinatorEpsilon::Bounded { epsilon, rounds } => (Some(epsilon), rounds),
+        super::privacy::CoordinatorEpsilon::Unbounded => (None, 0),
+    };
+    // Central noise is a property of the experiment: say so before its first charge too.
+    let unbounded = epsilon_spent_coordinator.is_none() || spec.secure_aggregation.is_none();
     let published = rounds
         .iter()
         .filter(|r| r.stage == crate::store::RoundStage::Published)
@@ -791,7 +854,13 @@ async fn get_privacy(
         .into(),
         delta: privacy.delta,
         epsilon_budget: privacy.epsilon_budget,
+        budget_against: privacy.budget_against,
         epsilon_spent: charged.last().map_or(0.0, |r| r.epsilon),
+        epsilon_spent_coordinator: epsilon_spent_coordinator.filter(|_| !unbounded),
+        epsilon_coordinator_unbounded: unbounded
+            .then(|| super::privacy::CENTRAL_NOISE_UNBOUNDED.to_string()),
+        worst_client_attempts,
+        clients_charged: ledger.clients(),
         attempts_charged: charged.len(),
         noise_multiplier: privacy.noise_multiplier,
         clip: super::privacy::current_clip(privacy, &rounds),
@@ -1181,6 +1250,7 @@ pub(crate) fn routes() -> Router<AppState> {
         IssuedEnrolmentToken,
         super::secure_rounds::SecureAggregationSpec,
         super::privacy::PrivacySpec,
+        super::privacy::BudgetAgainst,
         PrivacyReport,
         PrivacyRound,
         RoundDetail,

@@ -436,8 +436,10 @@ struct RoundToOpen {
 }
 
 /// Opens an attempt of a differentially private round: Poisson sampling among the
-/// available clients, and the budget check against the attempt's worst-case charge. An
-/// attempt that could take epsilon past the budget never opens: the experiment finishes.
+/// available clients, and the budget check against the attempt's worst-case charge, as
+/// epsilon against observers or, when the experiment says so, as the worst selected
+/// client's epsilon against the coordinator. An attempt that could take it past the
+/// budget never opens: the experiment finishes.
 async fn open_private(
     state: &AppState,
     exp: &Experiment,
@@ -491,16 +493,23 @@ async fn open_private(
         None => None,
     };
     let rounds = state.store.rounds(exp.id).await?;
+    let selections = state.store.selections(exp.id).await?;
     let threshold = secure_config.as_ref().map(|c| c.threshold);
-    let charge =
-        super::privacy::charge_round(privacy, &rounds, q, denominator, selected.len(), threshold)
-            .map_err(|e| DriverError::Spec(exp.id, format!("differential privacy: {e}")))?;
-    if charge.epsilon > privacy.epsilon_budget {
-        let why = format!(
-            "finished: privacy budget: round {round} could bring epsilon to {:.4} > {}",
-            charge.epsilon, privacy.epsilon_budget
-        );
-        tracing::info!(experiment = %exp.id, round, epsilon = charge.epsilon, "{why}");
+    let dp_error = |e| DriverError::Spec(exp.id, format!("differential privacy: {e}"));
+    let ledger = super::privacy::CoordinatorLedger::new(&rounds, &selections).map_err(dp_error)?;
+    let charge = super::privacy::charge_round(
+        privacy,
+        &rounds,
+        &ledger,
+        q,
+        denominator,
+        &selected,
+        threshold,
+    )
+    .map_err(dp_error)?;
+    if let Some(why) = charge.over_budget(privacy, round) {
+        let epsilon = charge.against(privacy.budget_against);
+        tracing::info!(experiment = %exp.id, round, epsilon, "{why}");
         return match state
             .store
             .set_experiment_state_because(exp.id, ExperimentState::Finished, "coordinator", &why)

@@ -12,6 +12,7 @@ use cohort_edge::partition::PartitionScheme;
 use serde::{Deserialize, Serialize};
 
 use super::straggler::StragglerModel;
+use crate::server::privacy::BudgetAgainst;
 
 /// Which data a simulation trains on.
 #[derive(Debug, Clone, PartialEq)]
@@ -197,6 +198,12 @@ pub struct SimulationConfig {
     /// more. `None` is no limit (epsilon is still reported).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dp_epsilon: Option<f64>,
+    /// Differential privacy: whom `dp_epsilon` is enforced against: `observers` of the
+    /// published models (epsilon amplified by sampling) or the `coordinator`, which
+    /// knows who was sampled (the worst sampled client's own rounds, unamplified;
+    /// needs secure aggregation). Both figures are reported either way.
+    #[serde(skip_serializing_if = "BudgetAgainst::is_observers")]
+    pub dp_budget_against: BudgetAgainst,
     /// Differential privacy: when set, the clip starts at `dp_clip` and tracks this
     /// quantile of the clients' update norms (Andrew et al. 2021, geometric step 0.2),
     /// from a noised count of the clients within it. Central noise only.
@@ -268,6 +275,7 @@ impl Default for SimulationConfig {
             dp_clip: 1.0,
             dp_delta: 1e-5,
             dp_epsilon: None,
+            dp_budget_against: BudgetAgainst::Observers,
             dp_clip_quantile: None,
             dp_clip_count_noise: None,
             mode: Mode::Sync,
@@ -444,6 +452,19 @@ impl SimulationConfig {
             {
                 return bad(format!("--dp-epsilon must be > 0, got {e}"));
             }
+            if self.dp_budget_against == BudgetAgainst::Coordinator {
+                if !self.secure_aggregation {
+                    return bad(
+                        "--dp-budget-against coordinator needs --secure-aggregation: under \
+                         central noise the coordinator sees every update, so no epsilon holds \
+                         against it"
+                            .into(),
+                    );
+                }
+                if self.dp_epsilon.is_none() {
+                    return bad("--dp-budget-against coordinator needs --dp-epsilon".into());
+                }
+            }
             if sigma > cohort_aggregation::privacy::distributed::MAX_NOISE_MULTIPLIER {
                 return bad(format!(
                     "--dp-noise-multiplier must be at most {}, got {sigma}",
@@ -479,6 +500,8 @@ impl SimulationConfig {
             );
         } else if self.dp_epsilon.is_some() {
             return bad("--dp-epsilon needs --dp-noise-multiplier".into());
+        } else if !self.dp_budget_against.is_observers() {
+            return bad("--dp-budget-against needs --dp-noise-multiplier".into());
         }
         if let Some(rule) = self.aggregator {
             if self.secure_aggregation {

@@ -343,6 +343,7 @@ pub(super) fn run(
                 status: RoundStatus::Published,
                 sim_seconds: now,
                 epsilon: None,
+                epsilon_coordinator: None,
             };
             on_round(&record)?;
             records.push(record);

@@ -170,9 +170,19 @@ pub struct Summary {
     pub config: serde_json::Value,
     /// Version of Cohort that produced the run.
     pub cohort_version: &'static str,
-    /// Differential privacy: epsilon spent over the run (at the configured delta).
+    /// Differential privacy: epsilon spent over the run (at the configured delta) against
+    /// observers of the published models.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub epsilon: Option<f64>,
+    /// Differential privacy: epsilon spent over the run against the coordinator, which
+    /// knows who was sampled (the worst client's own rounds, unamplified). `null` under
+    /// central noise, where no epsilon holds (`epsilon_coordinator_unbounded` says why);
+    /// absent without differential privacy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub epsilon_coordinator: Option<Option<f64>>,
+    /// Why `epsilon_coordinator` is `null`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub epsilon_coordinator_unbounded: Option<String>,
     /// Why the run ended before its last round, if it did.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stopped: Option<String>,
@@ -253,6 +263,20 @@ impl Summary {
             config: serde_json::to_value(&resolved).unwrap_or_default(),
             cohort_version: env!("CARGO_PKG_VERSION"),
             epsilon: last.and_then(|r| r.epsilon),
+            epsilon_coordinator: last
+                .and_then(|r| r.epsilon_coordinator)
+                .map(|e| e.is_finite().then_some(e)),
+            epsilon_coordinator_unbounded: last
+                .and_then(|r| r.epsilon_coordinator)
+                .filter(|e| e.is_infinite())
+                .map(|_| {
+                    if cfg.secure_aggregation {
+                        "a round without noise (noise multiplier 0) released its sum exactly"
+                            .to_string()
+                    } else {
+                        crate::server::privacy::CENTRAL_NOISE_UNBOUNDED.to_string()
+                    }
+                }),
             stopped: result.stopped.clone(),
             sim_seconds: last.map_or(0.0, |r| r.sim_seconds),
             mean_staleness: result.mean_staleness,

@@ -107,8 +107,9 @@ pub struct MetricsWriter {
 }
 
 /// Column names of `metrics.csv`, in order (also the keys of each `metrics.jsonl` line).
-/// New columns go before `epsilon`: `epsilon` and `strategy` stay the last two.
-pub const METRICS_COLUMNS: [&str; 13] = [
+/// New columns go before `sim_seconds`: `sim_seconds`, `epsilon` and `strategy` stay the
+/// last three, as tools that read them from the end expect.
+pub const METRICS_COLUMNS: [&str; 14] = [
     "round",
     "test_accuracy",
     "test_loss",
@@ -119,6 +120,7 @@ pub const METRICS_COLUMNS: [&str; 13] = [
     "train_loss",
     "samples",
     "status",
+    "epsilon_coordinator",
     "sim_seconds",
     "epsilon",
     "strategy",
@@ -166,7 +168,7 @@ impl MetricsWriter {
     /// Appends one round of `strategy` to both files.
     pub fn write(&mut self, r: &RoundRecord, strategy: &str) -> Result<(), SimulationError> {
         let line = format!(
-            "{},{},{},{},{},{:.6},{},{},{},{},{},{},{}",
+            "{},{},{},{},{},{:.6},{},{},{},{},{},{},{},{}",
             r.round,
             r.test_accuracy,
             r.test_loss,
@@ -177,6 +179,10 @@ impl MetricsWriter {
             r.train_loss.map(|l| l.to_string()).unwrap_or_default(),
             r.samples,
             r.status.as_str(),
+            // `inf` under central noise: the coordinator sees every update.
+            r.epsilon_coordinator
+                .map(|e| e.to_string())
+                .unwrap_or_default(),
             r.sim_seconds,
             r.epsilon.map(|e| e.to_string()).unwrap_or_default(),
             strategy

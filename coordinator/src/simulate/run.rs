@@ -21,6 +21,7 @@ use crate::engine::{
     RoundStatus, SecureMean,
 };
 use crate::seeds::{Stream, derive_seed, derive_seed_bytes};
+use crate::server::privacy::BudgetAgainst;
 use cohort_aggregation::secagg::{self, Stage, local};
 
 /// One row of `metrics.csv`: the state after a round.
@@ -51,8 +52,15 @@ pub struct RoundRecord {
     /// client; a FedBuff step happens when the update that fills the buffer arrives.
     pub sim_seconds: f64,
     /// Differential privacy: epsilon spent up to and including this round (at the run's
-    /// delta); `None` without differential privacy.
+    /// delta) against observers of the published models; `None` without differential
+    /// privacy.
     pub epsilon: Option<f64>,
+    /// Differential privacy: epsilon spent up to and including this round against the
+    /// coordinator, which knows who was sampled: the worst client's, its own rounds
+    /// composed without amplification. Infinite under central noise, where the
+    /// coordinator sees every update (`inf` in `metrics.csv`; JSON has no infinity, so
+    /// `null` in `metrics.jsonl`); `None` without differential privacy.
+    pub epsilon_coordinator: Option<f64>,
 }
 
 /// Facts about the data a run used, for the summary.
@@ -345,6 +353,8 @@ pub fn run_rounds(
     let mut total_updates = 0;
     let mut training_seconds = 0.0;
     let mut accountant = cohort_aggregation::privacy::rdp::RdpAccountant::new();
+    // Against the coordinator: each client's own rounds, unamplified.
+    let mut clients_spent = cohort_aggregation::privacy::rdp::ParticipantLedger::new();
     let mut adaptive_clip = match cfg.dp_clip_quantile {
         Some(quantile) => Some(cohort_aggregation::privacy::clip::AdaptiveClip {
             bound: cfg.dp_clip,
@@ -385,14 +395,34 @@ pub fn run_rounds(
             if let Some(budget) = cfg.dp_epsilon
                 && worst.is_finite()
             {
-                let mut next = accountant.clone();
-                next.compose(cfg.sampling_rate(), worst, 1)
-                    .map_err(dp_error)?;
-                let eps = next.epsilon(cfg.dp_delta).map_err(dp_error)?;
-                if eps > budget {
-                    stopped = Some(format!(
-                        "privacy budget: round {round_no} could bring epsilon to {eps:.4} > {budget}"
-                    ));
+                let why = match cfg.dp_budget_against {
+                    BudgetAgainst::Observers => {
+                        let mut next = accountant.clone();
+                        next.compose(cfg.sampling_rate(), worst, 1)
+                            .map_err(dp_error)?;
+                        let eps = next.epsilon(cfg.dp_delta).map_err(dp_error)?;
+                        (eps > budget).then(|| {
+                            format!(
+                                "privacy budget: round {round_no} could bring epsilon to {eps:.4} > {budget}"
+                            )
+                        })
+                    }
+                    BudgetAgainst::Coordinator => {
+                        let next = clients_spent
+                            .worst_after(&sampled, worst)
+                            .map_err(dp_error)?
+                            .unwrap_or_default();
+                        let eps = next.epsilon(cfg.dp_delta).map_err(dp_error)?;
+                        (eps > budget).then(|| {
+                            format!(
+                                "privacy budget against the coordinator: round {round_no} could \
+                                 bring a sampled client's epsilon to {eps:.4} > {budget}"
+                            )
+                        })
+                    }
+                };
+                if why.is_some() {
+                    stopped = why;
                     break;
                 }
             }
@@ -441,6 +471,13 @@ pub fn run_rounds(
                 accountant
                     .compose(cfg.sampling_rate(), spent, 1)
                     .map_err(dp_error)?;
+                // Every sampled client, dropped or not: one that dropped after masking is
+                // still in the sum, and the coordinator knows it was asked.
+                if cfg.secure_aggregation {
+                    for &client in &plan.selected {
+                        clients_spent.charge(client, spent).map_err(dp_error)?;
+                    }
+                }
             }
             (outcome, reporting)
         } else {
@@ -475,11 +512,14 @@ pub fn run_rounds(
         let sim = tick(&reporting);
         let mut record = record_round(pop, &engine, &outcome, round_start, sim)?;
         if cfg.dp_noise_multiplier.is_some() {
-            record.epsilon = Some(
-                accountant
-                    .epsilon(cfg.dp_delta)
-                    .map_err(|e| ConfigError(format!("differential privacy: {e}")))?,
-            );
+            let dp_error = |e| ConfigError(format!("differential privacy: {e}"));
+            record.epsilon = Some(accountant.epsilon(cfg.dp_delta).map_err(dp_error)?);
+            record.epsilon_coordinator = Some(if cfg.secure_aggregation {
+                let worst = clients_spent.worst().map(|(_, w)| w).unwrap_or_default();
+                worst.epsilon(cfg.dp_delta).map_err(dp_error)?
+            } else {
+                f64::INFINITY
+            });
         }
         on_round(&record)?;
         records.push(record);
@@ -845,6 +885,7 @@ fn record_round(
         status: outcome.status,
         sim_seconds,
         epsilon: None,
+        epsilon_coordinator: None,
     })
 }
 

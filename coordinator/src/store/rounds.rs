@@ -261,6 +261,17 @@ pub struct Participation {
     pub dropped_stage: Option<String>,
 }
 
+/// One client selected for one round attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Selection {
+    /// Round number.
+    pub round: i64,
+    /// Attempt.
+    pub attempt: i64,
+    /// The client.
+    pub client_id: Uuid,
+}
+
 /// A participation row: client_id, state, selected_at, uploaded_at, num_samples,
 /// train_loss, secagg_index, secagg_stage, dropped_stage.
 type ParticipationRow = (
@@ -555,6 +566,30 @@ impl Store {
                 .fetch_all(p)
                 .await?;
             rows.into_iter().map(participation_from_row).collect()
+        })
+    }
+
+    /// Who was selected for every attempt of an experiment, in round and attempt order:
+    /// what the coordinator knows about each client, and so what its privacy against the
+    /// coordinator is composed from.
+    pub async fn selections(&self, experiment_id: Uuid) -> Result<Vec<Selection>, StoreError> {
+        with_pool!(self, p => {
+            let rows: Vec<(i64, i64, String)> = sqlx::query_as(
+                "SELECT round, attempt, client_id FROM participations WHERE experiment_id = $1 \
+                 ORDER BY round, attempt, client_id",
+            )
+            .bind(experiment_id.to_string())
+            .fetch_all(p)
+            .await?;
+            rows.into_iter()
+                .map(|(round, attempt, client)| {
+                    Ok(Selection {
+                        round,
+                        attempt,
+                        client_id: parse_uuid(&client)?,
+                    })
+                })
+                .collect()
         })
     }
 
