@@ -13,7 +13,6 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -22,76 +21,11 @@ use cohort_edge::partition::PartitionScheme;
 use common::{admin, free_port, spawn_serve, wait_healthy};
 use reqwest::Method;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// The directory holding the freshest `libcohort_edge.so` this build made (cargo builds
-/// the library's C form alongside its Rust form).
-fn library_dir() -> PathBuf {
-    let exe = PathBuf::from(env!("CARGO_BIN_EXE_cohort"));
-    let profile = exe.parent().unwrap().to_path_buf();
-    let mut found: Vec<(std::time::SystemTime, PathBuf)> = Vec::new();
-    for dir in [profile.clone(), profile.join("deps")] {
-        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if name.starts_with("libcohort_edge") && name.ends_with(".so") {
-                let modified = entry.metadata().unwrap().modified().unwrap();
-                found.push((modified, entry.path()));
-            }
-        }
-    }
-    found.sort();
-    let (_, newest) = found
-        .pop()
-        .expect("the build made libcohort_edge.so (crate-type cdylib)");
-    newest
-}
-
-/// Compiles the C program; its path.
-fn compile(dir: &Path) -> PathBuf {
-    let library = library_dir();
-    // Link against a copy with the plain name, whichever file cargo left.
-    let libdir = dir.join("lib");
-    std::fs::create_dir_all(&libdir).unwrap();
-    std::fs::copy(&library, libdir.join("libcohort_edge.so")).unwrap();
-    let out = dir.join("edge_app");
-    let status = Command::new("cc")
-        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-g"])
-        .arg("-I")
-        .arg(repo().join("edge-client/include"))
-        .arg(repo().join("tests/c/edge_app.c"))
-        .arg("-L")
-        .arg(&libdir)
-        .args(["-lcohort_edge", "-lm", "-o"])
-        .arg(&out)
-        .status()
-        .expect("a C compiler (cc) is installed");
-    assert!(status.success(), "the C program compiles");
-    out
-}
-
-fn valgrind_available() -> bool {
-    let found = Command::new("valgrind")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !found {
-        assert!(
-            std::env::var_os("COHORT_REQUIRE_VALGRIND").is_none(),
-            "COHORT_REQUIRE_VALGRIND is set but valgrind is not installed"
-        );
-        eprintln!("valgrind is not installed: the leak check is skipped");
-    }
-    found
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_c_app_completes_rounds_through_the_c_api() {
     cohort_coordinator::server::install_crypto_provider();
     let dir = tempfile::tempdir().unwrap();
-    let app = compile(dir.path());
+    let app = common::compile_c_app(dir.path(), "edge_app");
     let data_dir = dir.path().join("coordinator");
     let ca = data_dir.join("tls/ca.pem");
     let port = free_port();
@@ -127,24 +61,12 @@ async fn a_c_app_completes_rounds_through_the_c_api() {
     }
     let issued = common::issue_token(&http, &base, "c-app").await;
     let token = issued;
-    let mut command = if valgrind_available() {
-        let mut c = Command::new("valgrind");
-        c.args([
-            "--leak-check=full",
-            "--errors-for-leak-kinds=definite",
-            "--error-exitcode=99",
-        ])
-        .arg(format!(
-            "--suppressions={}",
-            repo().join("tests/c/valgrind.supp").display()
-        ))
-        .arg(format!(
-            "--log-file={}",
-            dir.path().join("valgrind.log").display()
-        ))
-        .arg(&app);
+    let mut command = if common::valgrind_available() {
+        let mut c = common::valgrind_command(&dir.path().join("valgrind.log"));
+        c.arg(&app);
         c
     } else {
+        eprintln!("valgrind is not installed: the leak check is skipped");
         Command::new(&app)
     };
     command

@@ -2,6 +2,7 @@
 //! to data that never leaves the machine. Only model parameters are ever sent.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use rand::RngExt;
@@ -225,6 +226,14 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
         }
         None => None,
     };
+    // Every trainer call this agent starts is counted until it returns; each task below
+    // ends only once its calls have, and so does this function, however it ends.
+    let runs = TrainerRuns::default();
+    let _wait_on_exit = runs.wait_on_drop();
+    let trainer = TrackedTrainer {
+        trainer: config.trainer.clone(),
+        runs: runs.clone(),
+    };
     let mut idle_since = Instant::now();
     loop {
         if config
@@ -262,7 +271,7 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
         let round_seed = task_seed(config.seed, task.round);
         let outcome = match task.kind {
             TaskKind::Evaluate => {
-                serve_evaluation(&client, &cred, config.trainer.clone(), &task, round_seed).await
+                serve_evaluation(&client, &cred, trainer.clone(), &task, round_seed).await
             }
             TaskKind::Train => {
                 let how = HowToServe {
@@ -271,9 +280,13 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
                     local_dp: config.local_dp.as_ref(),
                     floors: &config.floors,
                 };
-                serve_task(&client, &cred, config.trainer.clone(), &task, &how).await
+                serve_task(&client, &cred, trainer.clone(), &task, &how).await
             }
         };
+        // A task can end (a secure round abandoned, an error) while the training it
+        // started still runs; the next task, and the caller once this returns, must not
+        // see it go on: an app's C callback cannot be cancelled, so it is waited for.
+        runs.settled().await;
         match outcome {
             Ok(()) if task.kind == TaskKind::Evaluate => {
                 report.evaluations += 1;
@@ -364,17 +377,110 @@ fn task_layout(task: &Task) -> Result<std::sync::Arc<cohort_aggregation::Layout>
         .map_err(|e| AgentError::Task(e.to_string()))
 }
 
-/// Starts the trainer off the async threads; its output is checked before it is
-/// returned.
-fn spawn_trainer(
+/// The trainer calls an agent has started and that have not returned yet. A call is
+/// counted from the moment it is spawned (not when the blocking pool gets to it) until
+/// its closure ends, so that nothing counted as finished can still start.
+#[derive(Debug, Clone, Default)]
+struct TrainerRuns(Arc<RunCount>);
+
+#[derive(Debug, Default)]
+struct RunCount {
+    running: Mutex<usize>,
+    /// For the blocking wait of [`WaitOnDrop`].
+    none_running: Condvar,
+    /// For the async wait of [`TrainerRuns::settled`].
+    settled: tokio::sync::Notify,
+}
+
+/// One counted trainer call; dropping it (when the call's closure ends, or if the
+/// closure is dropped unrun) ends the count.
+struct Run(Arc<RunCount>);
+
+impl TrainerRuns {
+    fn start(&self) -> Run {
+        *lock(&self.0.running) += 1;
+        Run(self.0.clone())
+    }
+
+    /// Returns once no trainer call started by this agent is running.
+    async fn settled(&self) {
+        loop {
+            let notified = self.0.settled.notified();
+            let mut notified = std::pin::pin!(notified);
+            // Registered before the count is read, so a call ending in between still
+            // wakes this one.
+            notified.as_mut().enable();
+            if *lock(&self.0.running) == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// A guard that, when dropped, blocks until no call is running: what keeps the
+    /// promise when the agent's future is dropped mid-task (cancelled, or unwound by a
+    /// panic) instead of reaching [`settled`](Self::settled).
+    fn wait_on_drop(&self) -> WaitOnDrop {
+        WaitOnDrop(self.0.clone())
+    }
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        let mut running = lock(&self.0.running);
+        *running -= 1;
+        if *running == 0 {
+            self.0.none_running.notify_all();
+            self.0.settled.notify_waiters();
+        }
+    }
+}
+
+/// See [`TrainerRuns::wait_on_drop`].
+struct WaitOnDrop(Arc<RunCount>);
+
+impl Drop for WaitOnDrop {
+    fn drop(&mut self) {
+        // Blocking a thread here is the lesser evil: the alternative is a callback
+        // running into memory its app freed once the call that started it returned.
+        let mut running = lock(&self.0.running);
+        while *running > 0 {
+            running = self
+                .0
+                .none_running
+                .wait(running)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+}
+
+/// A lock that a panic elsewhere does not poison: the count stays right whatever
+/// panicked, since it is only ever changed by one step under the lock.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The agent's trainer, with its calls counted ([`TrainerRuns`]).
+#[derive(Debug, Clone)]
+struct TrackedTrainer {
     trainer: SharedTrainer,
+    runs: TrainerRuns,
+}
+
+/// Starts the trainer off the async threads; its output is checked before it is
+/// returned. The call is counted until it returns, whether or not the handle is awaited.
+fn spawn_trainer(
+    trainer: TrackedTrainer,
     task: &Task,
     global: ModelVector,
     version: i64,
     seed: u64,
 ) -> tokio::task::JoinHandle<Result<TrainerOutput, TrainerFailure>> {
     let task = task.clone();
+    let run = trainer.runs.start();
     tokio::task::spawn_blocking(move || {
+        let _run = run;
+        let trainer = trainer.trainer;
         let job = TrainerJob {
             task: &task,
             global: &global,
@@ -401,7 +507,7 @@ async fn trained(
 
 /// Runs the trainer and checks what it returns.
 async fn run_trainer(
-    trainer: SharedTrainer,
+    trainer: TrackedTrainer,
     task: &Task,
     global: ModelVector,
     version: i64,
@@ -435,7 +541,7 @@ async fn send_evaluation(
 async fn serve_evaluation(
     client: &CoordinatorClient,
     cred: &Credential,
-    trainer: SharedTrainer,
+    trainer: TrackedTrainer,
     task: &Task,
     seed: u64,
 ) -> Result<(), AgentError> {
@@ -466,7 +572,7 @@ struct HowToServe<'a> {
 async fn serve_task(
     client: &CoordinatorClient,
     cred: &Credential,
-    trainer: SharedTrainer,
+    trainer: TrackedTrainer,
     task: &Task,
     how: &HowToServe<'_>,
 ) -> Result<(), AgentError> {
@@ -548,7 +654,7 @@ where
 async fn serve_secure_task(
     client: &CoordinatorClient,
     cred: &Credential,
-    trainer: SharedTrainer,
+    trainer: TrackedTrainer,
     task: &Task,
     secure: &crate::protocol::SecureTask,
     how: &HowToServe<'_>,
@@ -718,6 +824,57 @@ mod tests {
         assert!(experiment_labels(&data, 5).is_err(), "8 is outside 0..4");
         let text = crate::data::parse_csv("a,label\n1,cat\n2,dog\n".as_bytes(), "t.csv").unwrap();
         assert!(experiment_labels(&text, 10).is_err());
+    }
+
+    /// A trainer that takes its time and counts the calls that have returned.
+    #[derive(Debug, Default)]
+    struct Slow(std::sync::atomic::AtomicUsize);
+
+    impl crate::trainer::TaskTrainer for Slow {
+        fn run(&self, job: &TrainerJob<'_>) -> Result<TrainerOutput, TrainerFailure> {
+            std::thread::sleep(Duration::from_millis(300));
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok(TrainerOutput {
+                update: Some(job.global.clone()),
+                num_examples: 1,
+                train_loss: None,
+                evaluation: None,
+            })
+        }
+    }
+
+    /// A trainer call whose handle is dropped (its task abandoned) is still waited for:
+    /// by the agent's next step, and by a guard dropped with the agent's future.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn abandoned_trainer_calls_are_waited_for() {
+        let task: Task = serde_json::from_value(serde_json::json!({
+            "experiment_id": "00000000-0000-0000-0000-000000000001",
+            "round": 1, "attempt": 1, "deadline_ms": null, "model": "file",
+            "features": 0, "classes": 0,
+            "train": {"local_epochs": 1, "batch_size": 8, "lr": 0.1, "momentum": 0.0,
+                      "weight_decay": 0.0, "proximal_mu": null},
+            "tensors": [{"name": "w", "shape": [2]}]
+        }))
+        .unwrap();
+        let layout = task_layout(&task).unwrap();
+        let global = ModelVector::new(layout, vec![1.0, 2.0]).unwrap();
+        let slow = Arc::new(Slow::default());
+        let tracked = TrackedTrainer {
+            trainer: slow.clone(),
+            runs: TrainerRuns::default(),
+        };
+        let returned = || slow.0.load(std::sync::atomic::Ordering::SeqCst);
+
+        drop(spawn_trainer(tracked.clone(), &task, global.clone(), 0, 1));
+        tracked.runs.settled().await;
+        assert_eq!(returned(), 1, "settled before the call returned");
+
+        let guard = tracked.runs.wait_on_drop();
+        drop(spawn_trainer(tracked.clone(), &task, global, 0, 1));
+        tokio::task::spawn_blocking(move || drop(guard))
+            .await
+            .unwrap();
+        assert_eq!(returned(), 2, "the guard let go before the call returned");
     }
 
     #[test]

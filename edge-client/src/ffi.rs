@@ -16,8 +16,10 @@
 //! allocates is left for the caller to free except the client itself.
 //!
 //! Threads: `cohort_client_run_pending` blocks its caller; the callback runs on one of
-//! the library's worker threads, one task at a time, while it does. A client must not be
-//! used from two threads at once.
+//! the library's worker threads, one task at a time, while it does, and never after it
+//! has returned: a task that ends early (a secure round abandoned while the callback
+//! trains) waits for the callback before the next task starts or the call returns. A
+//! client must not be used from two threads at once.
 
 // The boundary with C is unsafe by nature; each block says what the caller promised.
 #![allow(unsafe_code)]
@@ -309,7 +311,8 @@ struct CallbackTrainer {
 // `cohort_client_run_pending`, which calls back one task at a time; the documented
 // contract is that the callback may run on a library thread.
 unsafe impl Send for CallbackTrainer {}
-// SAFETY: as above; calls never overlap (the agent serves one task at a time).
+// SAFETY: as above; calls never overlap: the agent serves one task at a time, and a
+// task ends only once its callback has returned.
 unsafe impl Sync for CallbackTrainer {}
 
 impl TaskTrainer for CallbackTrainer {

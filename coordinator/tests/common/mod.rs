@@ -228,3 +228,90 @@ pub fn blob_data(n: usize, shift: f32) -> cohort_edge::data::Dataset {
         groups: None,
     }
 }
+
+/// The repository's root.
+pub fn repo() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The directory holding the freshest `libcohort_edge.so` this build made (cargo builds
+/// the library's C form alongside its Rust form).
+pub fn edge_library() -> std::path::PathBuf {
+    let exe = std::path::PathBuf::from(env!("CARGO_BIN_EXE_cohort"));
+    let profile = exe.parent().unwrap().to_path_buf();
+    let mut found: Vec<(std::time::SystemTime, std::path::PathBuf)> = Vec::new();
+    for dir in [profile.clone(), profile.join("deps")] {
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with("libcohort_edge") && name.ends_with(".so") {
+                let modified = entry.metadata().unwrap().modified().unwrap();
+                found.push((modified, entry.path()));
+            }
+        }
+    }
+    found.sort();
+    let (_, newest) = found
+        .pop()
+        .expect("the build made libcohort_edge.so (crate-type cdylib)");
+    newest
+}
+
+/// Compiles the C program `tests/c/<name>.c` against the edge library and its header
+/// into `dir/<name>`; its path. The library is copied to `dir/lib`, for
+/// `LD_LIBRARY_PATH`.
+pub fn compile_c_app(dir: &Path, name: &str) -> std::path::PathBuf {
+    let library = edge_library();
+    // Link against a copy with the plain name, whichever file cargo left.
+    let libdir = dir.join("lib");
+    std::fs::create_dir_all(&libdir).unwrap();
+    std::fs::copy(&library, libdir.join("libcohort_edge.so")).unwrap();
+    let out = dir.join(name);
+    let status = Command::new("cc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-g"])
+        .arg("-I")
+        .arg(repo().join("edge-client/include"))
+        .arg(repo().join(format!("tests/c/{name}.c")))
+        .arg("-L")
+        .arg(&libdir)
+        .args(["-lcohort_edge", "-lm", "-o"])
+        .arg(&out)
+        .status()
+        .expect("a C compiler (cc) is installed");
+    assert!(status.success(), "the C program {name} compiles");
+    out
+}
+
+/// Whether valgrind is installed; panics when `COHORT_REQUIRE_VALGRIND` is set (CI) and
+/// it is not.
+pub fn valgrind_available() -> bool {
+    let found = Command::new("valgrind")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !found {
+        assert!(
+            std::env::var_os("COHORT_REQUIRE_VALGRIND").is_none(),
+            "COHORT_REQUIRE_VALGRIND is set but valgrind is not installed"
+        );
+    }
+    found
+}
+
+/// `valgrind` with the tests' settings (leaks checked, any error exits 99, the known
+/// false positives of ring's assembly suppressed), its report in `log`; the caller adds
+/// the program and its arguments.
+pub fn valgrind_command(log: &Path) -> Command {
+    let mut c = Command::new("valgrind");
+    c.args([
+        "--leak-check=full",
+        "--errors-for-leak-kinds=definite",
+        "--error-exitcode=99",
+    ])
+    .arg(format!(
+        "--suppressions={}",
+        repo().join("tests/c/valgrind.supp").display()
+    ))
+    .arg(format!("--log-file={}", log.display()));
+    c
+}
