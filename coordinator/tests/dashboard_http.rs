@@ -1306,6 +1306,7 @@ async fn a_file_model_experiment_is_created_from_the_form_and_shows_client_repor
                     .into_iter()
                     .collect(),
                 at: 1,
+                withheld: None,
             },
         )
         .await

@@ -127,6 +127,7 @@ conformance!(
     concurrent_fedbuff_uploads_fill_each_buffer_exactly,
     fedbuff_first_buffer_opens_once_and_only_while_running,
     a_failed_task_is_not_handed_out_again_and_frees_a_fedbuff_slot,
+    a_withheld_evaluation_is_kept_with_its_reason_and_no_figures,
     counts_for_metrics_cover_every_table,
 );
 
@@ -1848,6 +1849,51 @@ fn failure(round: i64, client: Uuid, reason: &str) -> TaskFailure {
 /// A client whose trainer fails reports it: the round counts it (so that it can close
 /// without waiting for the deadline), never offers it the same task again, and a
 /// FedBuff task's slot goes to the next client at once.
+async fn a_withheld_evaluation_is_kept_with_its_reason_and_no_figures(store: &Store) {
+    use cohort_coordinator::store::ClientEvaluation;
+    let (e, c) = running_with_clients_named(store, "evaluations", 2).await;
+    let reported = ClientEvaluation {
+        model_version: 0,
+        client_id: c[0],
+        num_examples: 40,
+        metrics: [("accuracy".to_string(), 0.75)].into_iter().collect(),
+        at: 1,
+        withheld: None,
+    };
+    let withheld = ClientEvaluation {
+        model_version: 0,
+        client_id: c[1],
+        num_examples: 0,
+        metrics: Default::default(),
+        at: 2,
+        withheld: Some("local_differential_privacy".into()),
+    };
+    assert!(
+        store
+            .record_client_evaluation(e.id, &reported)
+            .await
+            .unwrap()
+    );
+    assert!(
+        store
+            .record_client_evaluation(e.id, &withheld)
+            .await
+            .unwrap()
+    );
+    // A second report for the same version (a retry, or figures after all) changes
+    // nothing.
+    let again = ClientEvaluation {
+        num_examples: 5,
+        metrics: reported.metrics.clone(),
+        withheld: None,
+        ..withheld.clone()
+    };
+    assert!(!store.record_client_evaluation(e.id, &again).await.unwrap());
+    let mut stored = store.client_evaluations(e.id).await.unwrap();
+    stored.sort_by_key(|s| s.at);
+    assert_eq!(stored, [reported, withheld]);
+}
+
 async fn a_failed_task_is_not_handed_out_again_and_frees_a_fedbuff_slot(store: &Store) {
     let (e, c) = running_with_clients_named(store, "failures", 2).await;
     let t0 = now_millis();

@@ -106,6 +106,9 @@ pub struct AgentReport {
     pub evaluations: usize,
     /// The fingerprint of this client's identity, as the coordinator's admin sees it.
     pub identity_fingerprint: Option<String>,
+    /// Evaluation tasks answered without metrics: under local differential privacy no
+    /// metric of this client's data leaves the machine.
+    pub evaluations_withheld: usize,
 }
 
 /// Delay before retry number `attempt` (from 0): exponential from 0.5 s, capped at 30 s,
@@ -248,9 +251,12 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
         });
         let task = with_retries(|| client.checkin(&cred, wait)).await?;
         let Some(task) = task else { continue };
-        if let (Some(dp), Some(ledger)) = (&config.local_dp, &mut ledger) {
+        if let (TaskKind::Train, Some(dp), Some(ledger)) =
+            (task.kind, &config.local_dp, &mut ledger)
+        {
             // Charged, and the ledger on disk, before the update can leave: a crash after
-            // the upload cannot forget what it spent.
+            // the upload cannot forget what it spent. Only updates are charged: nothing
+            // else of this client's data leaves under local DP (see `withhold_metrics`).
             match ledger.charge(dp) {
                 Ok(epsilon) => {
                     ledger.store(&config.state_dir)?;
@@ -269,29 +275,36 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
             }
         }
         let round_seed = task_seed(config.seed, task.round);
+        let how = HowToServe {
+            seed: round_seed,
+            slowdown: config.slowdown,
+            local_dp: config.local_dp.as_ref(),
+            floors: &config.floors,
+        };
         let outcome = match task.kind {
             TaskKind::Evaluate => {
-                serve_evaluation(&client, &cred, trainer.clone(), &task, round_seed).await
+                serve_evaluation(&client, &cred, trainer.clone(), &task, &how).await
             }
-            TaskKind::Train => {
-                let how = HowToServe {
-                    seed: round_seed,
-                    slowdown: config.slowdown,
-                    local_dp: config.local_dp.as_ref(),
-                    floors: &config.floors,
-                };
-                serve_task(&client, &cred, trainer.clone(), &task, &how).await
-            }
+            TaskKind::Train => serve_task(&client, &cred, trainer.clone(), &task, &how)
+                .await
+                .map(|()| Served::Uploaded),
         };
         // A task can end (a secure round abandoned, an error) while the training it
         // started still runs; the next task, and the caller once this returns, must not
         // see it go on: an app's C callback cannot be cancelled, so it is waited for.
         runs.settled().await;
         match outcome {
-            Ok(()) if task.kind == TaskKind::Evaluate => {
+            Ok(Served::Evaluated) => {
                 report.evaluations += 1;
                 note(&format!(
                     "evaluated experiment={} model_version={}",
+                    task.experiment_id, task.round
+                ));
+            }
+            Ok(Served::Withheld) => {
+                report.evaluations_withheld += 1;
+                note(&format!(
+                    "withheld the evaluation (local dp) experiment={} model_version={}",
                     task.experiment_id, task.round
                 ));
             }
@@ -309,7 +322,7 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
                     note(&format!("could not report the failure: {e}"));
                 }
             }
-            Ok(()) => {
+            Ok(Served::Uploaded) => {
                 report.uploads += 1;
                 report
                     .acknowledged
@@ -516,6 +529,32 @@ async fn run_trainer(
     trained(spawn_trainer(trainer, task, global, version, seed)).await
 }
 
+/// How a task ended well.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Served {
+    /// A training task's update is acknowledged.
+    Uploaded,
+    /// An evaluation task's metrics are reported.
+    Evaluated,
+    /// An evaluation task is answered without metrics ([`withhold_metrics`]).
+    Withheld,
+}
+
+/// Whether this client keeps its metrics to itself: under local differential privacy
+/// no metric of its data leaves the machine, not even noised.
+///
+/// Noising them was the other way: each metric clipped to a range (accuracy in [0, 1],
+/// the loss and the example count to a stated bound), noised at the client's multiplier
+/// and charged to its ledger. But every report would then cost as much epsilon as an
+/// update, the noise (the bound times the multiplier) would drown any one client's
+/// figure, and a budget the user sized for its updates would run out on telemetry. A
+/// user who asks for local DP expects the budget to buy model updates and nothing else
+/// of the data to leave; so the client says only that it withheld them, which tells
+/// nothing of its data, costs nothing, and keeps the coordinator from asking again.
+fn withhold_metrics(local_dp: Option<&crate::local_dp::LocalDp>) -> bool {
+    local_dp.is_some()
+}
+
 /// Sends the trainer's evaluation of the model it received, when the experiment takes
 /// one. A report that does not get through is logged, not fatal: it is a report, and
 /// the update matters more.
@@ -537,14 +576,36 @@ async fn send_evaluation(
     }
 }
 
+/// Tells the coordinator, when the experiment takes evaluations, that this client
+/// withholds its own of model `version` ([`withhold_metrics`]). Logged, not fatal, as
+/// [`send_evaluation`].
+async fn send_withheld(client: &CoordinatorClient, cred: &Credential, task: &Task, version: i64) {
+    if !task.report_metrics || task.secure_aggregation.is_some() {
+        return;
+    }
+    if let Err(e) =
+        with_retries(|| client.withhold_evaluation(cred, task.experiment_id, version)).await
+    {
+        note(&format!("could not report the withheld evaluation: {e}"));
+    }
+}
+
 /// An evaluation task: the trainer evaluates the current model; only metrics are sent.
+/// A client that withholds its metrics ([`withhold_metrics`]) neither fetches the model
+/// nor runs the trainer: it answers that it withheld them.
 async fn serve_evaluation(
     client: &CoordinatorClient,
     cred: &Credential,
     trainer: TrackedTrainer,
     task: &Task,
-    seed: u64,
-) -> Result<(), AgentError> {
+    how: &HowToServe<'_>,
+) -> Result<Served, AgentError> {
+    if withhold_metrics(how.local_dp) {
+        // The task's round is the model version to evaluate.
+        with_retries(|| client.withhold_evaluation(cred, task.experiment_id, task.round)).await?;
+        return Ok(Served::Withheld);
+    }
+    let seed = how.seed;
     let layout = task_layout(task)?;
     let (global, version) =
         with_retries(|| client.versioned_model(cred, task.experiment_id, &layout)).await?;
@@ -556,7 +617,7 @@ async fn serve_evaluation(
     };
     with_retries(|| client.report_evaluation(cred, task.experiment_id, version, evaluation))
         .await?;
-    Ok(())
+    Ok(Served::Evaluated)
 }
 
 /// This client's settings for one task.
@@ -590,7 +651,9 @@ async fn serve_task(
         with_retries(|| client.versioned_model(cred, task.experiment_id, &layout)).await?;
     let base = global.clone();
     let output = run_trainer(trainer, task, global, version, seed).await?;
-    if local_dp.is_none() {
+    if withhold_metrics(local_dp) {
+        send_withheld(client, cred, task, version).await;
+    } else {
         send_evaluation(client, cred, task, version, &output).await;
     }
     let update = output

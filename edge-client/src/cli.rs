@@ -73,7 +73,8 @@ pub struct EdgeArgs {
     )]
     pub slowdown_ms: u64,
     /// Local differential privacy: clip every update to --local-dp-clip and add Gaussian
-    /// noise of this multiple of the clip before it leaves (default: off)
+    /// noise of this multiple of the clip before it leaves; no metric of the local data
+    /// is sent (default: off)
     #[arg(long, value_name = "Z", requires = "local_dp_clip")]
     pub local_dp_noise_multiplier: Option<f64>,
     /// Local differential privacy: L2 bound on each update

@@ -9,6 +9,10 @@
 //! know that the coordinator keeps its selection secret, so it counts every upload at
 //! sampling rate 1). With a budget, the client refuses to send an update that would take
 //! it past the budget; it stays enrolled and simply stops contributing.
+//!
+//! Updates are all that leaves: the agent sends no metric of the local data (no
+//! evaluation, no training loss, no example count), so nothing else needs a place in
+//! the ledger.
 
 use std::path::{Path, PathBuf};
 

@@ -433,6 +433,27 @@ impl CoordinatorClient {
         .await
     }
 
+    /// Tells the coordinator this client keeps its evaluation of model `version` of
+    /// `experiment` to itself, because it runs under local differential privacy: the
+    /// report carries no number of its data, and the client is not asked again.
+    pub async fn withhold_evaluation(
+        &self,
+        cred: &Credential,
+        experiment: Uuid,
+        version: i64,
+    ) -> Result<(), ProtocolError> {
+        let body = serde_json::json!({
+            "model_version": version,
+            "withheld": "local_differential_privacy",
+        });
+        self.post_json(
+            cred,
+            &format!("/api/v1/clients/experiments/{experiment}/evaluations"),
+            &body,
+        )
+        .await
+    }
+
     /// Reports that this client could not complete `task`, and why.
     pub async fn report_failure(
         &self,

@@ -828,11 +828,17 @@ pub async fn experiment(
         file_model,
         initial_evaluation: match client_metrics.get(&0) {
             Some(s) => format!(
-                "accuracy {}, loss {} ({} clients, {} examples)",
+                "accuracy {}, loss {} ({} clients, {} examples{})",
                 percent(s.metrics.get("accuracy").copied()),
                 number(s.metrics.get("loss").copied()),
                 s.clients,
-                s.num_examples
+                s.num_examples,
+                // Clients under local DP answer without figures: say so, rather than
+                // leave the reader to wonder where they went.
+                match s.withheld {
+                    0 => String::new(),
+                    n => format!("; {n} withheld theirs under local differential privacy"),
+                }
             ),
             None => "not reported yet".into(),
         },
@@ -1388,6 +1394,7 @@ mod tests {
                 clients: 2,
                 num_examples: 50,
                 metrics: BTreeMap::from([("accuracy".into(), 0.8), ("loss".into(), 0.4)]),
+                withheld: 0,
             },
         )]);
         let server = (Some(0.1), Some(2.0));

@@ -350,17 +350,42 @@ pub const MAX_REASON_CHARS: usize = 2000;
 /// Most metrics one evaluation report may carry.
 pub const MAX_METRICS: usize = 32;
 
-/// A client's evaluation of a model version it received.
+/// A client's evaluation of a model version it received, or its word that it keeps its
+/// metrics to itself.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct EvaluationReport {
     /// The published round whose model was evaluated (0: the initial model).
     pub model_version: i64,
-    /// Examples the metrics are over, at least 1.
-    pub num_examples: i64,
+    /// Examples the metrics are over, at least 1; absent when `withheld`.
+    #[serde(default)]
+    pub num_examples: Option<i64>,
     /// Metric name (letters, digits, `_`, `.`, `-`; up to 64) to a finite value; at most
-    /// 32.
+    /// 32; none when `withheld`.
+    #[serde(default)]
     pub metrics: BTreeMap<String, f64>,
+    /// Set when the client answers without metrics, and why: it is then not asked
+    /// again, and the summaries count it apart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub withheld: Option<WithheldReason>,
+}
+
+/// Why a client answered an evaluation without its metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum WithheldReason {
+    /// The client runs under local differential privacy, whose guarantee covers only
+    /// what it noises: its updates. Metrics of its data stay on the machine.
+    LocalDifferentialPrivacy,
+}
+
+impl WithheldReason {
+    /// The reason as the API and the store spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WithheldReason::LocalDifferentialPrivacy => "local_differential_privacy",
+        }
+    }
 }
 
 /// Checks a metric name: the names end up as JSON keys and dashboard labels.
@@ -391,12 +416,22 @@ async fn report_evaluation(
 ) -> Result<StatusCode, ApiError> {
     let id = parse_id(&id, "experiment")?;
     super::client_api::require_participant(&state, id, client.id).await?;
-    if report.num_examples < 1 {
-        return Err(ApiError::unprocessable(
-            "invalid_evaluation",
-            "num_examples must be at least 1",
-        ));
-    }
+    let num_examples = match (report.withheld, report.num_examples) {
+        (Some(_), None) if report.metrics.is_empty() => 0,
+        (Some(_), _) => {
+            return Err(ApiError::unprocessable(
+                "invalid_evaluation",
+                "a report that withholds its metrics carries none: no num_examples, no metrics",
+            ));
+        }
+        (None, Some(n)) if n >= 1 => n,
+        (None, _) => {
+            return Err(ApiError::unprocessable(
+                "invalid_evaluation",
+                "num_examples must be at least 1",
+            ));
+        }
+    };
     if report.metrics.len() > MAX_METRICS {
         return Err(ApiError::unprocessable(
             "invalid_evaluation",
@@ -438,9 +473,10 @@ async fn report_evaluation(
             &ClientEvaluation {
                 model_version: report.model_version,
                 client_id: client.id,
-                num_examples: report.num_examples,
+                num_examples,
                 metrics: report.metrics,
                 at: now_millis(),
+                withheld: report.withheld.map(|w| w.as_str().to_string()),
             },
         )
         .await?;
@@ -556,21 +592,29 @@ pub(crate) fn client_routes() -> Router<AppState> {
 /// The clients' evaluations of one model version: sample-weighted means.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct EvaluationSummary {
-    /// Clients that reported.
+    /// Clients that reported metrics.
     pub clients: usize,
     /// Examples in all.
     pub num_examples: i64,
     /// Each metric's mean over the clients that reported it, weighted by their examples.
     pub metrics: BTreeMap<String, f64>,
+    /// Clients that answered without metrics (local differential privacy keeps them on
+    /// the client), counted in nothing above.
+    #[serde(default)]
+    pub withheld: usize,
 }
 
 /// The weighted means of every model version's evaluations.
 pub fn summarise(evaluations: &[ClientEvaluation]) -> BTreeMap<i64, EvaluationSummary> {
     /// Per metric: the example-weighted sum and the weight.
     type MetricSums = BTreeMap<String, (f64, f64)>;
-    let mut sums: BTreeMap<i64, (usize, i64, MetricSums)> = BTreeMap::new();
+    let mut sums: BTreeMap<i64, (usize, i64, MetricSums, usize)> = BTreeMap::new();
     for e in evaluations {
         let entry = sums.entry(e.model_version).or_default();
+        if e.withheld.is_some() {
+            entry.3 += 1;
+            continue;
+        }
         entry.0 += 1;
         entry.1 += e.num_examples;
         for (name, value) in &e.metrics {
@@ -580,7 +624,7 @@ pub fn summarise(evaluations: &[ClientEvaluation]) -> BTreeMap<i64, EvaluationSu
         }
     }
     sums.into_iter()
-        .map(|(version, (clients, num_examples, metrics))| {
+        .map(|(version, (clients, num_examples, metrics, withheld))| {
             (
                 version,
                 EvaluationSummary {
@@ -591,6 +635,7 @@ pub fn summarise(evaluations: &[ClientEvaluation]) -> BTreeMap<i64, EvaluationSu
                         .filter(|(_, (_, weight))| *weight > 0.0)
                         .map(|(name, (sum, weight))| (name, sum / weight))
                         .collect(),
+                    withheld,
                 },
             )
         })
@@ -608,7 +653,13 @@ pub fn summarise(evaluations: &[ClientEvaluation]) -> BTreeMap<i64, EvaluationSu
         report_evaluation,
         report_failure
     ),
-    components(schemas(EvaluationReport, FailureReport, EvaluationSummary, VersionEvaluation))
+    components(schemas(
+        EvaluationReport,
+        WithheldReason,
+        FailureReport,
+        EvaluationSummary,
+        VersionEvaluation
+    ))
 )]
 pub(crate) struct ModelsDoc;
 
@@ -623,20 +674,36 @@ mod tests {
             num_examples: n,
             metrics: BTreeMap::from([("accuracy".into(), accuracy)]),
             at: 0,
+            withheld: None,
         }
     }
 
     #[test]
     fn summaries_weigh_each_client_by_its_examples() {
+        let withheld = ClientEvaluation {
+            num_examples: 0,
+            metrics: BTreeMap::new(),
+            withheld: Some(WithheldReason::LocalDifferentialPrivacy.as_str().into()),
+            ..evaluation(1, 0, 0.0)
+        };
         let s = summarise(&[
             evaluation(1, 100, 0.9),
             evaluation(1, 300, 0.5),
+            withheld.clone(),
             evaluation(2, 10, 1.0),
+            ClientEvaluation {
+                model_version: 3,
+                ..withheld
+            },
         ]);
         assert_eq!(s[&1].clients, 2);
         assert_eq!(s[&1].num_examples, 400);
         assert!((s[&1].metrics["accuracy"] - 0.6).abs() < 1e-12);
+        assert_eq!(s[&1].withheld, 1, "counted apart, weighing nothing");
         assert_eq!(s[&2].metrics["accuracy"], 1.0);
+        assert_eq!(s[&2].withheld, 0);
+        assert_eq!((s[&3].clients, s[&3].withheld), (0, 1));
+        assert!(s[&3].metrics.is_empty());
     }
 
     #[test]

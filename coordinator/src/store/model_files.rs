@@ -54,12 +54,16 @@ pub struct ClientEvaluation {
     pub model_version: i64,
     /// The client.
     pub client_id: Uuid,
-    /// Examples the metrics are over.
+    /// Examples the metrics are over (0 when withheld).
     pub num_examples: i64,
-    /// Metric name to value.
+    /// Metric name to value (none when withheld).
     pub metrics: BTreeMap<String, f64>,
     /// When it was reported, Unix ms.
     pub at: i64,
+    /// Why the client kept its metrics to itself, when it did (as the API names the
+    /// reason, e.g. `local_differential_privacy`): the report then says only that it
+    /// answered.
+    pub withheld: Option<String>,
 }
 
 /// A task a client reported it could not complete.
@@ -143,8 +147,8 @@ impl Store {
         with_pool!(self, p => {
             let done = sqlx::query(
                 "INSERT INTO client_evaluations \
-                 (experiment_id, model_version, client_id, num_examples, metrics, at) \
-                 VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+                 (experiment_id, model_version, client_id, num_examples, metrics, at, withheld) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
             )
             .bind(experiment.to_string())
             .bind(evaluation.model_version)
@@ -152,6 +156,7 @@ impl Store {
             .bind(evaluation.num_examples)
             .bind(&metrics)
             .bind(evaluation.at)
+            .bind(evaluation.withheld.as_deref())
             .execute(p)
             .await?;
             Ok(done.rows_affected() == 1)
@@ -164,8 +169,8 @@ impl Store {
         experiment: Uuid,
     ) -> Result<Vec<ClientEvaluation>, StoreError> {
         with_pool!(self, p => {
-            let rows: Vec<(i64, String, i64, String, i64)> = sqlx::query_as(
-                "SELECT model_version, client_id, num_examples, metrics, at \
+            let rows: Vec<(i64, String, i64, String, i64, Option<String>)> = sqlx::query_as(
+                "SELECT model_version, client_id, num_examples, metrics, at, withheld \
                  FROM client_evaluations WHERE experiment_id = $1 \
                  ORDER BY model_version, client_id",
             )
@@ -173,7 +178,7 @@ impl Store {
             .fetch_all(p)
             .await?;
             rows.into_iter()
-                .map(|(model_version, client, num_examples, metrics, at)| {
+                .map(|(model_version, client, num_examples, metrics, at, withheld)| {
                     Ok(ClientEvaluation {
                         model_version,
                         client_id: parse_uuid(&client)?,
@@ -181,6 +186,7 @@ impl Store {
                         metrics: serde_json::from_str(&metrics)
                             .map_err(|e| StoreError::Corrupt(format!("metrics: {e}")))?,
                         at,
+                        withheld,
                     })
                 })
                 .collect()
