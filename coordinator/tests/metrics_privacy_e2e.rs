@@ -9,7 +9,11 @@
 //!   the evaluation after training, not the evaluation task of a finished experiment.
 //!   The coordinator records only that it withheld them (so it is not asked again), and
 //!   the client's ledger is charged for its update alone; a report that withholds and
-//!   still carries figures is refused.
+//!   still carries figures is refused;
+//! - in a secure-aggregation experiment no per-client metric travels in the clear: the
+//!   clients send none, the coordinator hands out no evaluation task, refuses a
+//!   plaintext report (409) and a weight or loss beside a masked input (422), and stores
+//!   nothing; the round's mean loss still arrives, inside the masked sum.
 
 mod common;
 
@@ -22,7 +26,7 @@ use cohort_aggregation::{Layout, ModelVector, TensorSpec};
 use cohort_coordinator::store::Store;
 use cohort_edge::agent::{AgentConfig, AgentReport, run_agent};
 use cohort_edge::local_dp::{Ledger, LocalDp};
-use cohort_edge::protocol::{Credential, TaskKind};
+use cohort_edge::protocol::{CoordinatorClient, Credential, ProtocolError, TaskKind};
 use cohort_edge::trainer::{
     ReportedEvaluation, TaskTrainer, TrainerFailure, TrainerJob, TrainerOutput,
 };
@@ -280,4 +284,86 @@ async fn a_local_dp_client_sends_no_metric_of_its_data() {
         assert_eq!(r.status(), 422, "{bad}: {}", r.text().await.unwrap());
     }
     assert_eq!(server.stored_evaluations(&id).await, stored);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_secure_experiment_takes_no_plaintext_per_client_metric() {
+    const CLIENTS: usize = 3;
+    let dir = tempfile::tempdir().unwrap();
+    let server = serve(dir.path()).await;
+    let id = server
+        .experiment(
+            CLIENTS,
+            serde_json::json!({"secure_aggregation": {
+                "advertise_seconds": 20, "share_seconds": 20, "unmask_seconds": 20
+            }}),
+        )
+        .await;
+    let mut configs = Vec::new();
+    for site in 0..CLIENTS {
+        let token = common::issue_token(&server.http, &server.base, &format!("site-{site}")).await;
+        configs.push(server.agent(&dir.path().join(format!("agent-{site}")), token, None));
+    }
+    let reports = server.run(&id, configs).await;
+    // Nothing per client was stored or shown; the round's loss came masked.
+    let stored = server.stored_evaluations(&id).await;
+    assert!(
+        stored.is_empty(),
+        "per-client metrics of a secure round were stored: {stored:?}"
+    );
+    for report in &reports {
+        assert_eq!(report.uploads, 1, "{report:?}");
+        assert_eq!(report.evaluations, 0, "no evaluation task: {report:?}");
+    }
+    let shown = server
+        .admin(Method::GET, &format!("/experiments/{id}/evaluations"), None)
+        .await;
+    assert_eq!(shown, serde_json::json!([]));
+    let rounds = common::rounds(&server.http, &server.base, &id).await;
+    assert_eq!(rounds.len(), 1, "{rounds:#?}");
+    assert!(rounds[0]["secagg"].is_object(), "{rounds:#?}");
+    assert!(rounds[0].get("client_evaluation").is_none(), "{rounds:#?}");
+    let loss = rounds[0]["train_loss"]
+        .as_f64()
+        .expect("the masked mean loss");
+    assert!((loss - TRAIN_LOSS).abs() < 1e-2, "{loss}");
+
+    // A client of the experiment that sends one anyway is refused, and nothing is
+    // stored.
+    let client = CoordinatorClient::new(&server.base, Some(&server.ca_pem)).unwrap();
+    let cred = credential(&dir.path().join("agent-0"));
+    let evaluation = ReportedEvaluation {
+        num_examples: 37,
+        metrics: BTreeMap::from([("accuracy".to_string(), ACCURACY)]),
+    };
+    match client
+        .report_evaluation(&cred, id.parse().unwrap(), 0, &evaluation)
+        .await
+    {
+        Err(ProtocolError::Refused {
+            status: 409,
+            code,
+            message,
+        }) => {
+            assert_eq!(code, "evaluations_not_taken");
+            assert!(message.contains("secure aggregation"), "{message}");
+        }
+        other => panic!("a plaintext metric of a secure round was taken: {other:?}"),
+    }
+    // The weight and loss of a secure round travel masked: beside the masked input they
+    // are refused before its body is read.
+    let r = server
+        .http
+        .post(format!(
+            "{}/api/v1/clients/experiments/{id}/rounds/1/attempts/1/update?num_samples=40&train_loss=0.25",
+            server.base
+        ))
+        .bearer_auth(format!("{}.{}", cred.client_id, cred.secret))
+        .header("content-type", "application/octet-stream")
+        .body(vec![0u8; 40])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 422, "{}", r.text().await.unwrap());
+    assert!(server.stored_evaluations(&id).await.is_empty());
 }

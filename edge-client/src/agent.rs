@@ -565,6 +565,12 @@ async fn send_evaluation(
     version: i64,
     output: &TrainerOutput,
 ) {
+    // Never in a secure round, whatever the coordinator asks: the update travels masked,
+    // and this client's metrics in the clear beside it would tell what the masking
+    // hides. Its weight and loss travel inside the masked vector instead.
+    if task.secure_aggregation.is_some() {
+        return;
+    }
     let (true, Some(evaluation)) = (task.report_metrics, &output.evaluation) else {
         return;
     };

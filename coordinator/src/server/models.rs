@@ -488,8 +488,11 @@ async fn report_evaluation(
 }
 
 /// Why an experiment takes no client evaluations, if it does not: only file models
-/// (whose metrics come from nowhere else), and never with differential privacy, whose
-/// guarantee covers the model and not per-client metrics sent in the clear.
+/// (whose metrics come from nowhere else); never with differential privacy, whose
+/// guarantee covers the model and not per-client metrics sent in the clear; and never
+/// with secure aggregation, which hides each client's update from the coordinator: a
+/// client's metrics in the clear beside its masked update would tell what the masking
+/// hides (the weight and loss it needs travel inside the masked vector instead).
 pub fn evaluation_refusal(spec: &super::admin::ExperimentSpec) -> Option<String> {
     if spec.model != SpecModel::File {
         return Some(
@@ -499,6 +502,11 @@ pub fn evaluation_refusal(spec: &super::admin::ExperimentSpec) -> Option<String>
     if spec.privacy.is_some() {
         return Some(
             "the experiment is differentially private: per-client metrics would be released without noise".into(),
+        );
+    }
+    if spec.secure_aggregation.is_some() {
+        return Some(
+            "the experiment uses secure aggregation: per-client metrics would travel in the clear while the updates are masked".into(),
         );
     }
     None
