@@ -37,7 +37,7 @@ use cohort_aggregation::{ModelVector, secagg::KeyDirectory};
 use cohort_edge::agent::{AgentConfig, run_agent};
 use cohort_edge::protocol::{CoordinatorClient, Credential, ProtocolError, Task};
 use cohort_edge::trainer::{TaskTrainer, TrainerFailure, TrainerJob, TrainerOutput};
-use common::{admin, free_port, spawn_serve, wait_healthy};
+use common::admin;
 use reqwest::Method;
 
 /// Where the scripted clients stop, so that the round fails there.
@@ -64,37 +64,10 @@ struct Timing {
     train: Duration,
 }
 
-/// A running `cohort serve`, killed when dropped.
-struct Server {
-    child: std::process::Child,
-    base: String,
-    http: reqwest::Client,
-    ca_pem: Vec<u8>,
-    ca: std::path::PathBuf,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use common::Served as Server;
 
 async fn serve(dir: &Path) -> Server {
-    cohort_coordinator::server::install_crypto_provider();
-    let data_dir = dir.join("coordinator");
-    let port = free_port();
-    let base = format!("https://127.0.0.1:{port}");
-    let child = spawn_serve(&data_dir, port, None);
-    let ca = data_dir.join("tls/ca.pem");
-    let http = wait_healthy(&base, &ca).await;
-    Server {
-        child,
-        base,
-        http,
-        ca_pem: std::fs::read(&ca).unwrap(),
-        ca,
-    }
+    common::serve_in(dir).await
 }
 
 /// A client the test drives by hand.

@@ -18,7 +18,7 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,7 +30,7 @@ use cohort_edge::protocol::{CoordinatorClient, Credential, ProtocolError, TaskKi
 use cohort_edge::trainer::{
     ReportedEvaluation, TaskTrainer, TrainerFailure, TrainerJob, TrainerOutput,
 };
-use common::{admin, free_port, spawn_serve, wait_healthy};
+use common::admin;
 use reqwest::Method;
 
 /// The accuracy every trainer here reports: a value no noise or average would land on.
@@ -75,37 +75,10 @@ fn credential(state_dir: &Path) -> Credential {
     serde_json::from_slice(&std::fs::read(state_dir.join("credential.json")).unwrap()).unwrap()
 }
 
-/// A `cohort serve` child on SQLite in its own data directory.
-struct Server {
-    child: std::process::Child,
-    base: String,
-    http: reqwest::Client,
-    ca_pem: Vec<u8>,
-    data_dir: PathBuf,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use common::Served as Server;
 
 async fn serve(dir: &Path) -> Server {
-    cohort_coordinator::server::install_crypto_provider();
-    let data_dir = dir.join("coordinator");
-    let port = free_port();
-    let base = format!("https://127.0.0.1:{port}");
-    let child = spawn_serve(&data_dir, port, None);
-    let ca = data_dir.join("tls/ca.pem");
-    let http = wait_healthy(&base, &ca).await;
-    Server {
-        child,
-        base,
-        http,
-        ca_pem: std::fs::read(&ca).unwrap(),
-        data_dir,
-    }
+    common::serve_in(dir).await
 }
 
 impl Server {

@@ -85,6 +85,29 @@ fn files(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
+/// Waits (at most a minute) until `n` clients have checked in, so that a round opened
+/// now selects them all.
+async fn wait_checked_in(http: &reqwest::Client, base: &str, n: usize) {
+    let start = Instant::now();
+    loop {
+        let clients = admin(http, base, Method::GET, "/clients", None).await;
+        let seen = clients
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|c| !c["last_seen_at"].is_null())
+            .count();
+        if seen == n {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "only {seen} clients checked in"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn secure_round_survives_two_clients_killed_mid_round() {
     cohort_coordinator::server::install_crypto_provider();
@@ -145,24 +168,7 @@ async fn secure_round_survives_two_clients_killed_mid_round() {
     drop(tx);
     // Start once all ten have enrolled and checked in, so that round 1 selects them all
     // (a round selects among the clients available when it opens).
-    let start = Instant::now();
-    loop {
-        let clients = admin(&http, &base, Method::GET, "/clients", None).await;
-        let seen = clients
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|c| !c["last_seen_at"].is_null())
-            .count();
-        if seen == CLIENTS {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "only {seen} clients checked in"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_checked_in(&http, &base, CLIENTS).await;
     admin(
         &http,
         &base,
@@ -517,24 +523,7 @@ async fn an_edge_client_refuses_a_round_below_its_floors_and_says_why() {
         edges.push(child);
     }
     drop(tx);
-    let start = Instant::now();
-    loop {
-        let clients = admin(&http, &base, Method::GET, "/clients", None).await;
-        let seen = clients
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|c| !c["last_seen_at"].is_null())
-            .count();
-        if seen == 3 {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "{seen} checked in"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_checked_in(&http, &base, 3).await;
     admin(
         &http,
         &base,

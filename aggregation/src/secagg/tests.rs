@@ -640,17 +640,16 @@ fn refused_messages_change_nothing() {
     assert_eq!(out.dropouts.masked, vec![8]);
 }
 
-/// Finding 5 of the security review: one forged share used to fail the round and name
-/// the share's owner (`ReconstructionFailed { client: 2 }`). Each share is committed to
-/// by its owner, so the forger is named, excluded, and the round finishes from the
-/// honest holders' shares.
-#[test]
-fn a_forged_share_excludes_its_holder_and_the_round_still_unmasks() {
-    let cfg = config(6, 5, 3, 2);
+/// A round of clients `1..=parties` through stage 2 (keys advertised, shares sent,
+/// sharing closed), with the RNG seeded from `seed`.
+fn through_sharing(
+    cfg: RoundConfig,
+    seed: u64,
+) -> (ServerSession, BTreeMap<u32, ClientSession>, ChaCha20Rng) {
     let mut server = ServerSession::new(cfg.clone()).unwrap();
-    let mut rng = ChaCha20Rng::seed_from_u64(8);
+    let mut rng = ChaCha20Rng::seed_from_u64(seed);
     let mut clients = BTreeMap::new();
-    for u in 1..=6 {
+    for u in 1..=cfg.parties {
         let (c, k) = ClientSession::new(cfg.clone(), u, &mut rng).unwrap();
         server.receive_keys(u, &k).unwrap();
         clients.insert(u, c);
@@ -661,6 +660,16 @@ fn a_forged_share_excludes_its_holder_and_the_round_still_unmasks() {
         server.receive_shares(u, &m).unwrap();
     }
     server.close_sharing().unwrap();
+    (server, clients, rng)
+}
+
+/// Finding 5 of the security review: one forged share used to fail the round and name
+/// the share's owner (`ReconstructionFailed { client: 2 }`). Each share is committed to
+/// by its owner, so the forger is named, excluded, and the round finishes from the
+/// honest holders' shares.
+#[test]
+fn a_forged_share_excludes_its_holder_and_the_round_still_unmasks() {
+    let (mut server, mut clients, mut rng) = through_sharing(config(6, 5, 3, 2), 8);
     for (&u, c) in clients.iter_mut() {
         let f = server.forwarded_for(u).unwrap();
         let m = c.mask(&f, &[1.0, -1.0], 2, 0.0, &mut rng).unwrap();
@@ -722,21 +731,7 @@ fn a_forged_share_excludes_its_holder_and_the_round_still_unmasks() {
 /// help rebuild.
 #[test]
 fn a_share_that_does_not_match_its_commitment_is_refused_on_arrival() {
-    let cfg = config(4, 3, 2, 1);
-    let mut server = ServerSession::new(cfg.clone()).unwrap();
-    let mut rng = ChaCha20Rng::seed_from_u64(9);
-    let mut clients = BTreeMap::new();
-    for u in 1..=4 {
-        let (c, k) = ClientSession::new(cfg.clone(), u, &mut rng).unwrap();
-        server.receive_keys(u, &k).unwrap();
-        clients.insert(u, c);
-    }
-    let dir = server.close_advertise().unwrap();
-    for (&u, c) in clients.iter_mut() {
-        let m = c.share_keys(&dir, &mut rng).unwrap();
-        server.receive_shares(u, &m).unwrap();
-    }
-    server.close_sharing().unwrap();
+    let (server, mut clients, mut rng) = through_sharing(config(4, 3, 2, 1), 9);
     let mut forwarded = server.forwarded_for(1).unwrap();
     forwarded.shares[0].key_share_commitment[0] ^= 1;
     let client = clients.get_mut(&1).unwrap();

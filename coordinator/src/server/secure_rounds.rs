@@ -81,20 +81,20 @@ impl SecureAggregationSpec {
     /// smallest safe one (never lowered). `Err` says why no threshold works: the round
     /// must not open.
     pub fn settings_for(&self, parties: usize) -> Result<(usize, usize), String> {
-        let sized = || {
-            sizing::size(parties, secagg::DESIGN_DROPOUT, self.colluding_fraction)
-                .map_err(|e| e.to_string())
-        };
-        let k = match self.neighbours {
-            Some(k) => k,
-            None => sized()?.neighbours,
+        // An unset k is sized once, with its threshold; a set k gets the smallest safe
+        // threshold for it.
+        let (k, sized_t) = match self.neighbours {
+            Some(k) => (k, None),
+            None => {
+                let s = sizing::size(parties, secagg::DESIGN_DROPOUT, self.colluding_fraction)
+                    .map_err(|e| e.to_string())?;
+                (s.neighbours, Some(s.threshold))
+            }
         };
         let floor = sizing::min_threshold(parties, k, self.colluding_fraction);
-        let t = match (self.threshold, self.neighbours) {
-            (Some(t), _) => t.max(floor),
-            (None, Some(_)) => floor,
-            (None, None) => sized()?.threshold,
-        };
+        let t = self
+            .threshold
+            .map_or(sized_t.unwrap_or(floor), |t| t.max(floor));
         let keff = effective_degree(parties, k);
         if t > keff {
             return Err(format!(

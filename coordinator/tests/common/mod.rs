@@ -315,3 +315,39 @@ pub fn valgrind_command(log: &Path) -> Command {
     .arg(format!("--log-file={}", log.display()));
     c
 }
+
+/// A `cohort serve` child on SQLite in its own data directory, killed when dropped.
+pub struct Served {
+    pub child: std::process::Child,
+    pub base: String,
+    pub http: reqwest::Client,
+    pub ca: std::path::PathBuf,
+    pub ca_pem: Vec<u8>,
+    pub data_dir: std::path::PathBuf,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `cohort serve` under `dir/coordinator` and waits until it answers over TLS.
+pub async fn serve_in(dir: &Path) -> Served {
+    cohort_coordinator::server::install_crypto_provider();
+    let data_dir = dir.join("coordinator");
+    let port = free_port();
+    let base = format!("https://127.0.0.1:{port}");
+    let child = spawn_serve(&data_dir, port, None);
+    let ca = data_dir.join("tls/ca.pem");
+    let http = wait_healthy(&base, &ca).await;
+    Served {
+        child,
+        base,
+        http,
+        ca_pem: std::fs::read(&ca).unwrap(),
+        ca,
+        data_dir,
+    }
+}
