@@ -67,7 +67,12 @@ fn secagg_round_corpus_scripts_never_panic_the_server() {
 #[test]
 fn honest_round_scripts_in_the_corpus_finish_the_round() {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/secagg_round");
-    for seed in ["seed-honest", "seed-external-sum"] {
+    for seed in [
+        "seed-honest",
+        "seed-external-sum",
+        "seed-honest-consistency-check",
+        "seed-external-sum-consistency-check",
+    ] {
         let script = std::fs::read(dir.join(seed)).expect("a committed seed");
         assert_eq!(
             harness::secagg_round_stage(&script),

@@ -377,6 +377,8 @@ impl Coordinator {
 struct Virtual {
     client: CoordinatorClient,
     cred: Credential,
+    /// Signs the client's keys and survivor lists, as a real edge client's does.
+    identity: cohort_aggregation::secagg::Identity,
 }
 
 /// Issues a token for each of `n` clients and enrols them, `concurrency` at a time,
@@ -406,7 +408,11 @@ async fn enrol(c: &Coordinator, n: usize, concurrency: usize) -> Vec<Arc<Virtual
             if so_far.is_multiple_of(1000) {
                 eprintln!("  enrolled {so_far}/{n}");
             }
-            Arc::new(Virtual { client, cred })
+            Arc::new(Virtual {
+                client,
+                cred,
+                identity,
+            })
         })
         .buffer_unordered(concurrency)
         .collect()
@@ -572,9 +578,17 @@ async fn one_round(
         .secure_aggregation
         .clone()
         .ok_or_else(|| StepError::Failed("a plain task in a secure experiment".into()))?;
-    let (session, keys) = ClientSession::new(secure.config.clone(), secure.index, &mut rand::rng())
-        .map_err(failed)?;
+    let (mut session, keys) = ClientSession::new(
+        secure.config.clone(),
+        secure.index,
+        &v.identity,
+        &mut rand::rng(),
+    )
+    .map_err(failed)?;
     retried("advertise", || c.advertise_keys(cred, task, &keys)).await?;
+    let roster = awaited("roster", || c.roster(cred, task, MAX_WAIT_SECONDS)).await?;
+    let reveal = session.reveal(&roster).map_err(failed)?;
+    retried("reveal", || c.send_reveal(cred, task, &reveal)).await?;
     let directory = awaited("key directory", || {
         c.key_directory(cred, task, MAX_WAIT_SECONDS)
     })
@@ -618,7 +632,17 @@ async fn one_round(
     // From here the input is in the sum: a round that goes on without this client's
     // shares is still this client's upload.
     let unmasked = async {
-        let request = awaited("survivors", || c.survivors(cred, task, MAX_WAIT_SECONDS)).await?;
+        let mut request =
+            awaited("survivors", || c.survivors(cred, task, MAX_WAIT_SECONDS)).await?;
+        let mut session = session;
+        if session.config().consistency_check {
+            let confirmation = session.confirm(&request, &v.identity).map_err(failed)?;
+            retried("confirm", || c.send_confirmation(cred, task, &confirmation)).await?;
+            request = awaited("unmask request", || {
+                c.unmask_request(cred, task, MAX_WAIT_SECONDS)
+            })
+            .await?;
+        }
         let (_, reveal) = on_pool(pool, move || {
             let mut session = session;
             let reveal = session.unmask(&request);
@@ -643,10 +667,12 @@ async fn one_round(
 }
 
 /// The stages of a secure round, in order.
-const STAGES: [&str; 6] = [
+const STAGES: [&str; 8] = [
     "advertising",
+    "revealing",
     "sharing",
     "collecting",
+    "confirming",
     "unmasking",
     "aggregating",
     "published",
@@ -706,7 +732,8 @@ fn stage_seconds(seen: &[(i64, i64, String, i64)], round: &Value) -> Vec<(String
     };
     let mut times: Vec<Option<i64>> = STAGES.iter().map(|s| at(s)).collect();
     times[0] = round["started_at"].as_i64();
-    times[5] = round["finished_at"].as_i64().or(times[5]);
+    let last = times.len() - 1;
+    times[last] = round["finished_at"].as_i64().or(times[last]);
     // An unseen stage began when the next seen one did.
     for i in (0..times.len() - 1).rev() {
         if times[i].is_none() {
@@ -786,7 +813,8 @@ async fn secure_run(args: &Args, probe: &Baseline) -> Value {
                 "collect_deadline_seconds": stage,
                 "max_round_attempts": 1,
                 "secure_aggregation": {
-                    "advertise_seconds": stage, "share_seconds": stage,
+                    "advertise_seconds": stage, "reveal_seconds": stage,
+                    "share_seconds": stage, "confirm_seconds": stage,
                     "unmask_seconds": stage
                 }
             })),
@@ -935,7 +963,7 @@ async fn secure_run(args: &Args, probe: &Baseline) -> Value {
                 .collect(),
         )
     };
-    let stages_median: serde_json::Map<String, Value> = STAGES[..5]
+    let stages_median: serde_json::Map<String, Value> = STAGES[..STAGES.len() - 1]
         .iter()
         .map(|s| {
             let name = if *s == "aggregating" {
@@ -982,15 +1010,17 @@ async fn secure_run(args: &Args, probe: &Baseline) -> Value {
         "ratio": uploads_per_s / probe.durable_writes_per_s,
     });
     eprintln!(
-        "\n{:>6} {:>8} {:>6} {:>10} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10}",
+        "\n{:>6} {:>8} {:>6} {:>10} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10}",
         "round",
         "uploads",
         "/s",
         "p50 ms",
         "p99 ms",
         "adv s",
+        "rev s",
         "share s",
         "collect s",
+        "confirm s",
         "unmask s",
         "agg s",
         "round s",
@@ -999,15 +1029,17 @@ async fn secure_run(args: &Args, probe: &Baseline) -> Value {
     for r in summary["per_round"].as_array().unwrap() {
         let s = &r["stages_s"];
         eprintln!(
-            "{:>6} {:>8} {:>6.1} {:>10.1} {:>8.1} {:>8.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>10.2}",
+            "{:>6} {:>8} {:>6.1} {:>10.1} {:>8.1} {:>8.2} {:>8.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>10.2}",
             r["round"].as_i64().unwrap(),
             r["uploads"].as_u64().unwrap(),
             r["uploads_per_s"].as_f64().unwrap(),
             r["upload_p50_ms"].as_f64().unwrap(),
             r["upload_p99_ms"].as_f64().unwrap(),
             s["advertising"].as_f64().unwrap_or(f64::NAN),
+            s["revealing"].as_f64().unwrap_or(f64::NAN),
             s["sharing"].as_f64().unwrap_or(f64::NAN),
             s["collecting"].as_f64().unwrap_or(f64::NAN),
+            s["confirming"].as_f64().unwrap_or(f64::NAN),
             s["unmasking"].as_f64().unwrap_or(f64::NAN),
             s["aggregate_publish"].as_f64().unwrap_or(f64::NAN),
             r["round_s"].as_f64().unwrap(),

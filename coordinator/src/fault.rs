@@ -20,14 +20,20 @@ use std::sync::OnceLock;
 pub enum FaultPoint {
     /// Clients are chosen for a round; the round is not stored yet.
     Selection,
-    /// A secure round's keys are all in; the round has not moved to sharing.
+    /// A secure round's keys are all in; the round has not moved to revealing.
     Advertised,
+    /// A secure round's graph nonces are all in; the round has not moved to sharing.
+    Revealed,
     /// A secure round's shares are all in; the round has not moved to collecting.
     Shared,
     /// An upload (plain or masked) is stored and committed; its answer is not sent.
     UploadStored,
-    /// A round's collection is complete; it has not moved to unmasking or aggregation.
+    /// A round's collection is complete; it has not moved to confirming, unmasking or
+    /// aggregation.
     Collected,
+    /// A secure round's signatures over the survivor list are all in; the round has not
+    /// moved to unmasking.
+    Confirmed,
     /// A secure round's shares are revealed; the round has not moved to aggregation.
     Unmasked,
     /// An aggregation job is claimed (its lease held); it has not started.
@@ -38,12 +44,14 @@ pub enum FaultPoint {
 
 impl FaultPoint {
     /// Every point, in the order a round meets them.
-    pub const ALL: [FaultPoint; 8] = [
+    pub const ALL: [FaultPoint; 10] = [
         FaultPoint::Selection,
         FaultPoint::Advertised,
+        FaultPoint::Revealed,
         FaultPoint::Shared,
         FaultPoint::UploadStored,
         FaultPoint::Collected,
+        FaultPoint::Confirmed,
         FaultPoint::Unmasked,
         FaultPoint::JobClaimed,
         FaultPoint::Publishing,
@@ -54,6 +62,8 @@ impl FaultPoint {
         match self {
             FaultPoint::Selection => "selection",
             FaultPoint::Advertised => "advertised",
+            FaultPoint::Revealed => "revealed",
+            FaultPoint::Confirmed => "confirmed",
             FaultPoint::Shared => "shared",
             FaultPoint::UploadStored => "upload-stored",
             FaultPoint::Collected => "collected",

@@ -45,15 +45,26 @@ use reqwest::Method;
 enum Stage {
     /// They never advertise keys: advertising closes short of the threshold.
     Advertise,
-    /// They advertise but send no shares: sharing closes short.
+    /// They advertise but never reveal their graph nonce: the attempt fails.
+    Reveal,
+    /// They reveal but send no shares: sharing closes short.
     Share,
     /// They share but upload no masked input: collection closes below the quorum.
     Masked,
-    /// They upload but never reveal: unmasking ends short of shares.
+    /// They upload but never sign the survivor list: confirming closes short.
+    Confirm,
+    /// They sign but never reveal their shares: unmasking ends short of shares.
     Unmask,
 }
 
-const STAGES: [Stage; 4] = [Stage::Advertise, Stage::Share, Stage::Masked, Stage::Unmask];
+const STAGES: [Stage; 6] = [
+    Stage::Advertise,
+    Stage::Reveal,
+    Stage::Share,
+    Stage::Masked,
+    Stage::Confirm,
+    Stage::Unmask,
+];
 
 /// Timing of one run of the scenario: `stage_seconds` for the stage that fails (the
 /// others close as soon as everyone has answered), and a trainer that takes
@@ -74,6 +85,7 @@ async fn serve(dir: &Path) -> Server {
 struct Scripted {
     client: CoordinatorClient,
     cred: Credential,
+    identity: std::sync::Arc<cohort_aggregation::secagg::Identity>,
 }
 
 impl Scripted {
@@ -82,26 +94,48 @@ impl Scripted {
         let token = common::issue_token(&server.http, &server.base, label).await;
         let identity = cohort_aggregation::secagg::identity::Identity::generate().unwrap();
         let cred = client.enrol(&token, &identity.public()).await.unwrap();
-        Self { client, cred }
+        Self {
+            client,
+            cred,
+            identity: std::sync::Arc::new(identity),
+        }
     }
 
     /// Checks in until selected, then takes the round's stages up to (not including)
     /// `stop`.
     async fn play(self, stop: Stage) -> Result<(), ProtocolError> {
-        let Scripted { client, cred } = self;
+        let Scripted {
+            client,
+            cred,
+            identity,
+        } = self;
         let task: Task = loop {
             if let Some(task) = client.checkin(&cred, 5).await? {
                 break task;
             }
         };
         let secure = task.secure_aggregation.clone().expect("a secure task");
-        let (mut session, keys) =
-            ClientSession::new(secure.config.clone(), secure.index, &mut rand::rng())
-                .expect("the round's settings are valid");
+        let (mut session, keys) = ClientSession::new(
+            secure.config.clone(),
+            secure.index,
+            &identity,
+            &mut rand::rng(),
+        )
+        .expect("the round's settings are valid");
         if stop == Stage::Advertise {
             return Ok(());
         }
         client.advertise_keys(&cred, &task, &keys).await?;
+        if stop == Stage::Reveal {
+            return Ok(());
+        }
+        let roster = loop {
+            if let Some(r) = client.roster(&cred, &task, 5).await? {
+                break r;
+            }
+        };
+        let reveal = session.reveal(&roster).unwrap();
+        client.send_reveal(&cred, &task, &reveal).await?;
         if stop == Stage::Share {
             return Ok(());
         }
@@ -126,7 +160,17 @@ impl Scripted {
             .unwrap();
         client
             .upload_masked(&cred, &task, &masked, uuid::Uuid::new_v4())
-            .await
+            .await?;
+        if stop == Stage::Confirm {
+            return Ok(());
+        }
+        let survivors = loop {
+            if let Some(r) = client.survivors(&cred, &task, 5).await? {
+                break r;
+            }
+        };
+        let confirmation = session.confirm(&survivors, &identity).unwrap();
+        client.send_confirmation(&cred, &task, &confirmation).await
     }
 }
 
@@ -158,7 +202,9 @@ async fn open_round(
             "collect_deadline_seconds": seconds(Stage::Masked),
             "secure_aggregation": {
                 "advertise_seconds": seconds(Stage::Advertise),
+                "reveal_seconds": seconds(Stage::Reveal),
                 "share_seconds": seconds(Stage::Share),
+                "confirm_seconds": seconds(Stage::Confirm),
                 "unmask_seconds": seconds(Stage::Unmask)
             }
         })),
@@ -171,6 +217,7 @@ async fn open_round(
             let s = Scripted {
                 client: s.client.clone(),
                 cred: s.cred.clone(),
+                identity: s.identity.clone(),
             };
             tokio::spawn(s.play(stage))
         })
@@ -211,8 +258,10 @@ async fn assert_failed_at(server: &Server, id: &str, stage: Stage) {
     let why = round["failure"].as_str().unwrap_or_default().to_lowercase();
     let expected = match stage {
         Stage::Advertise => "advertis",
+        Stage::Reveal => "reveal",
         Stage::Share => "shar",
         Stage::Masked => "masked",
+        Stage::Confirm => "confirm",
         Stage::Unmask => "unmasking",
     };
     assert!(why.contains(expected), "failed at {stage:?}? {round:#}");

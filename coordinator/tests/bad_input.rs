@@ -530,6 +530,8 @@ on_both_backends!(
 /// three clients selected, each with its protocol session, plus an outsider.
 struct SecureRound {
     clients: Vec<(String, cohort_aggregation::secagg::ClientSession)>,
+    /// Each client's registered identity, in the order of `clients`.
+    identities: Vec<cohort_aggregation::secagg::Identity>,
     outsider: String,
     task: Task,
 }
@@ -573,8 +575,11 @@ impl Harness {
             .unwrap();
         assert_eq!(r.status(), StatusCode::OK);
         let mut clients = Vec::new();
+        let mut identities = Vec::new();
         let mut task = None;
         for c in credentials {
+            let identity = cohort_aggregation::secagg::Identity::generate().unwrap();
+            self.register_identity(&c, &identity).await;
             let mut reply = serde_json::Value::Null;
             for _ in 0..10 {
                 reply = self.checkin(&c, 3).await;
@@ -586,7 +591,9 @@ impl Harness {
             let secure = &t["secure_aggregation"];
             let config: RoundConfig = serde_json::from_value(secure["config"].clone()).unwrap();
             let index = secure["index"].as_u64().unwrap() as u32;
-            let (session, _) = ClientSession::new(config, index, &mut rand::rng()).unwrap();
+            let (session, _) =
+                ClientSession::new(config, index, &identity, &mut rand::rng()).unwrap();
+            identities.push(identity);
             task = Some(Task {
                 experiment: t["experiment_id"].as_str().unwrap().to_string(),
                 round: t["round"].as_i64().unwrap(),
@@ -596,9 +603,29 @@ impl Harness {
         }
         SecureRound {
             clients,
+            identities,
             outsider,
             task: task.unwrap(),
         }
+    }
+
+    /// Registers `identity` as the client's, as an edge client does at start.
+    async fn register_identity(
+        &self,
+        credential: &str,
+        identity: &cohort_aggregation::secagg::Identity,
+    ) {
+        use base64::Engine;
+        let public = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(identity.public());
+        let r = self
+            .client
+            .put(self.url("/api/v1/clients/me/identity"))
+            .bearer_auth(credential)
+            .json(&serde_json::json!({ "identity": public }))
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "{}", r.text().await.unwrap());
     }
 
     fn secagg(&self, credential: &str, task: &Task, what: &str) -> reqwest::RequestBuilder {
@@ -635,25 +662,58 @@ impl Harness {
         );
     }
 
-    /// Fresh key pairs for every client of `round`, advertised; returns when the
-    /// directory is out.
+    /// Fresh key pairs for every client of `round`, advertised, and every graph nonce
+    /// revealed; returns when the directory is out.
     async fn advertise_all(
         &self,
         round: &mut SecureRound,
     ) -> cohort_aggregation::secagg::KeyDirectory {
         use cohort_aggregation::secagg::ClientSession;
-        for (c, session) in round.clients.iter_mut() {
-            let (fresh, keys) =
-                ClientSession::new(session.config().clone(), session.index(), &mut rand::rng())
-                    .unwrap();
+        for ((c, session), identity) in round.clients.iter_mut().zip(&round.identities) {
+            let (fresh, keys) = ClientSession::new(
+                session.config().clone(),
+                session.index(),
+                identity,
+                &mut rand::rng(),
+            )
+            .unwrap();
             *session = fresh;
             self.accepted(self.secagg(c, &round.task, "keys").json(&keys))
+                .await;
+        }
+        for (c, session) in round.clients.iter_mut() {
+            let reply = self.secagg_get(c, &round.task, "roster").await;
+            let roster =
+                serde_json::from_value(reply["roster"].clone()).expect("advertising closed");
+            let reveal = session.reveal(&roster).unwrap();
+            self.accepted(self.secagg(c, &round.task, "reveal").json(&reveal))
                 .await;
         }
         let reply = self
             .secagg_get(&round.clients[0].0, &round.task, "keys")
             .await;
-        serde_json::from_value(reply["directory"].clone()).expect("advertising closed")
+        serde_json::from_value(reply["directory"].clone()).expect("revealing closed")
+    }
+
+    /// Every survivor of a masked round signs the survivor list; returns each client's
+    /// unmask request (the list with its neighbours' signatures).
+    async fn confirm_all(
+        &self,
+        round: &mut SecureRound,
+    ) -> Vec<cohort_aggregation::secagg::UnmaskRequest> {
+        for ((c, session), identity) in round.clients.iter_mut().zip(&round.identities) {
+            let reply = self.secagg_get(c, &round.task, "survivors").await;
+            let request = serde_json::from_value(reply["request"].clone()).unwrap();
+            let confirmation = session.confirm(&request, identity).unwrap();
+            self.accepted(self.secagg(c, &round.task, "confirm").json(&confirmation))
+                .await;
+        }
+        let mut requests = Vec::new();
+        for (c, _) in &round.clients {
+            let reply = self.secagg_get(c, &round.task, "unmask").await;
+            requests.push(serde_json::from_value(reply["request"].clone()).expect("confirmed"));
+        }
+        requests
     }
 
     /// Advertises and shares for every client; returns when sharing has closed.
@@ -717,15 +777,41 @@ async fn secure_keys_that_are_not_valid_x25519_keys_are_422(h: &Harness) {
         "invalid_body",
     )
     .await;
-    // The all-zero point has low order: every agreement with it is public.
-    let zeros = "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA";
-    let weak = serde_json::json!({"cipher_pk": zeros, "mask_pk": zeros});
+    // The all-zero point has low order: every agreement with it is public. Signed by
+    // the client itself, so only the key check can refuse it.
+    let (_, session) = &round.clients[0];
+    let config = session.config();
+    let zeros = [0u8; 32];
+    let sign = |cipher: &[u8; 32], mask: &[u8; 32]| {
+        let statement = config.advertise_statement(session.index(), cipher, mask, &[7; 32]);
+        cohort_aggregation::secagg::AdvertiseKeys {
+            cipher_pk: *cipher,
+            mask_pk: *mask,
+            graph_commitment: [7; 32],
+            signature: round.identities[0].sign(&statement),
+        }
+    };
     h.refused(
-        h.secagg(c, &round.task, "keys").json(&weak),
+        h.secagg(c, &round.task, "keys").json(&sign(&zeros, &zeros)),
         StatusCode::UNPROCESSABLE_ENTITY,
         "invalid_message",
     )
     .await;
+    // Keys signed by another identity than the client's registered one (a coordinator
+    // substituting keys could only do this) are refused too.
+    let mut forged = sign(&[9; 32], &[9; 32]);
+    forged.signature = cohort_aggregation::secagg::Identity::generate()
+        .unwrap()
+        .sign(&config.advertise_statement(session.index(), &[9; 32], &[9; 32], &[7; 32]));
+    let r = h
+        .secagg(c, &round.task, "keys")
+        .json(&forged)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    let body = r.text().await.unwrap();
+    assert!(body.contains("does not verify"), "{body}");
 }
 
 async fn secure_message_for_another_stage_is_409(h: &Harness) {
@@ -758,15 +844,26 @@ async fn secure_replayed_message_is_409_already_sent(h: &Harness) {
     use cohort_aggregation::secagg::ClientSession;
     let round = h.secure_round().await;
     let (c, session) = &round.clients[0];
-    let (_, keys) =
-        ClientSession::new(session.config().clone(), session.index(), &mut rand::rng()).unwrap();
+    let identity = &round.identities[0];
+    let (_, keys) = ClientSession::new(
+        session.config().clone(),
+        session.index(),
+        identity,
+        &mut rand::rng(),
+    )
+    .unwrap();
     h.accepted(h.secagg(c, &round.task, "keys").json(&keys))
         .await;
     for replay in [
         keys.clone(),
-        ClientSession::new(session.config().clone(), session.index(), &mut rand::rng())
-            .unwrap()
-            .1,
+        ClientSession::new(
+            session.config().clone(),
+            session.index(),
+            identity,
+            &mut rand::rng(),
+        )
+        .unwrap()
+        .1,
     ] {
         h.refused(
             h.secagg(c, &round.task, "keys").json(&replay),
@@ -781,8 +878,13 @@ async fn secure_message_from_a_client_not_selected_is_409(h: &Harness) {
     use cohort_aggregation::secagg::ClientSession;
     let round = h.secure_round().await;
     let (_, session) = &round.clients[0];
-    let (_, keys) =
-        ClientSession::new(session.config().clone(), session.index(), &mut rand::rng()).unwrap();
+    let (_, keys) = ClientSession::new(
+        session.config().clone(),
+        session.index(),
+        &round.identities[0],
+        &mut rand::rng(),
+    )
+    .unwrap();
     h.refused(
         h.secagg(&round.outsider, &round.task, "keys").json(&keys),
         StatusCode::CONFLICT,
@@ -891,14 +993,10 @@ async fn secure_masked_input_from_a_client_that_did_not_share_is_409(h: &Harness
 async fn secure_unmask_with_shares_it_does_not_hold_is_422(h: &Harness) {
     let mut round = h.secure_round().await;
     h.mask_all(&mut round).await;
-    let reply = h
-        .secagg_get(&round.clients[0].0, &round.task, "survivors")
-        .await;
-    let request: cohort_aggregation::secagg::UnmaskRequest =
-        serde_json::from_value(reply["request"].clone()).unwrap();
+    let requests = h.confirm_all(&mut round).await;
     let mut answers = Vec::new();
-    for (_, session) in round.clients.iter_mut() {
-        answers.push(session.unmask(&request).unwrap());
+    for ((_, session), request) in round.clients.iter_mut().zip(&requests) {
+        answers.push(session.unmask(request).unwrap());
     }
     // Client 0 passes off client 1's shares as its own.
     let (c0, _) = &round.clients[0];
@@ -928,13 +1026,9 @@ async fn secure_unmask_with_shares_it_does_not_hold_is_422(h: &Harness) {
 async fn secure_unmask_with_a_forged_share_is_422_and_excludes_its_sender(h: &Harness) {
     let mut round = h.secure_round().await;
     h.mask_all(&mut round).await;
-    let reply = h
-        .secagg_get(&round.clients[0].0, &round.task, "survivors")
-        .await;
-    let request: cohort_aggregation::secagg::UnmaskRequest =
-        serde_json::from_value(reply["request"].clone()).unwrap();
+    let requests = h.confirm_all(&mut round).await;
     let (c0, session) = &mut round.clients[0];
-    let honest = session.unmask(&request).unwrap();
+    let honest = session.unmask(&requests[0]).unwrap();
     let mut forged = honest.clone();
     let share = &mut forged.seed_shares[0];
     share.share[20] ^= 0x10;

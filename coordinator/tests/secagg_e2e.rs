@@ -1,7 +1,9 @@
 //! Secure aggregation end to end, over TLS, with real processes: `cohort serve` and 10
 //! `cohort-edge` processes on Dirichlet(0.5) partitions of digits run a SecAgg+
 //! experiment, and two edge clients are killed with SIGKILL in round 1: one right after
-//! it sent its key shares, one right after it uploaded its masked input.
+//! it sent its key shares, one right after it uploaded its masked input; and a run with a
+//! client killed at each of the six stages of the protocol against a coordinator that
+//! cheats.
 //!
 //! What it protects:
 //! - the round completes (the first client's pairwise masks are removed with its
@@ -136,7 +138,8 @@ async fn secure_round_survives_two_clients_killed_mid_round() {
             "rounds": ROUNDS, "clients_per_round": CLIENTS, "min_participants": 6,
             "collect_deadline_seconds": 15,
             "secure_aggregation": {
-                "advertise_seconds": 8, "share_seconds": 15, "unmask_seconds": 15
+                "advertise_seconds": 8, "reveal_seconds": 8, "share_seconds": 15,
+                "confirm_seconds": 15, "unmask_seconds": 15
             }
         })),
     )
@@ -264,13 +267,16 @@ async fn secure_round_survives_two_clients_killed_mid_round() {
     assert_eq!(secure["progress"]["advertised"], 10, "{secure}");
     assert_eq!(secure["progress"]["shared"], 10, "{secure}");
     assert_eq!(secure["progress"]["masked"], 9, "{secure}");
+    assert_eq!(secure["progress"]["confirmed"], 8, "{secure}");
     assert_eq!(secure["progress"]["unmasked"], 8, "{secure}");
     assert_eq!(
         secure["dropped"]["masked"],
         serde_json::json!([client_of(killed_after_share)])
     );
+    // Killed before it could sign the survivor list: its input is in the sum, and it
+    // is recorded as dropped there.
     assert_eq!(
-        secure["dropped"]["unmask"],
+        secure["dropped"]["confirm"],
         serde_json::json!([client_of(killed_after_upload)])
     );
     let rounds = common::rounds(&http, &base, &id).await;
@@ -560,4 +566,301 @@ async fn an_edge_client_refuses_a_round_below_its_floors_and_says_why() {
     }
     let _ = server.kill();
     let _ = server.wait();
+}
+
+/// Issue 21: the protocol against a coordinator that cheats costs nothing in
+/// robustness. A secure experiment with the consistency check (the default) runs over
+/// TLS with 10 `cohort edge` processes, and one client is killed (SIGKILL) at each of the
+/// six stages, at the exact stage (`COHORT_EDGE_PAUSE` stops it just before it sends that
+/// stage's message): two in round 1 (advertise, reveal), two in round 2 (share, masked
+/// input), two in round 3 (signing the survivor list, unmask). A killed site comes back
+/// once a later round has begun, as a rebooted hospital server would: the same state
+/// directory, identity and credential, in a new process.
+///
+/// What it protects: every round publishes (a client lost before revealing its graph
+/// nonce fails that attempt, and the next attempt goes on without it); each killed
+/// client is recorded as dropped at its stage; and each round's model equals, within
+/// the quantisation bound, the plain FedAvg of that round's survivors (the clients
+/// whose masked input is in the sum), recomputed here from the previous round's
+/// published model, the sites' data and the agents' seeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_round_publishes_with_a_client_killed_at_each_stage() {
+    /// (site, stage it dies before sending, first round it may die in).
+    const KILLS: [(usize, &str, i64); 6] = [
+        (0, "advertise", 1),
+        (1, "reveal", 1),
+        (2, "share", 2),
+        (3, "masked", 2),
+        (4, "confirm", 3),
+        (5, "unmask", 3),
+    ];
+    cohort_coordinator::server::install_crypto_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let data_dir = dir.path().join("coordinator");
+    let ca = data_dir.join("tls/ca.pem");
+    let port = free_port();
+    let base = format!("https://127.0.0.1:{port}");
+    let mut server = spawn_serve(&data_dir, port, None);
+    let http = wait_healthy(&base, &ca).await;
+    let (csvs, _test) = write_digits_partitions(
+        &dir.path().join("sites"),
+        CLIENTS,
+        &PartitionScheme::Dirichlet { alpha: 0.5 },
+        0,
+    )
+    .unwrap();
+    let exp = admin(
+        &http,
+        &base,
+        Method::POST,
+        "/experiments",
+        Some(serde_json::json!({
+            "name": "secure, clients killed at every stage", "features": 64, "classes": 10,
+            "model": "logreg", "rounds": ROUNDS, "clients_per_round": CLIENTS,
+            "min_participants": 3, "max_round_attempts": 4,
+            "collect_deadline_seconds": 10,
+            "secure_aggregation": {
+                "consistency_check": true,
+                "advertise_seconds": 6, "reveal_seconds": 6, "share_seconds": 6,
+                "confirm_seconds": 6, "unmask_seconds": 6
+            }
+        })),
+    )
+    .await;
+    let id = exp["id"].as_str().unwrap().to_string();
+    let exp_id = uuid::Uuid::parse_str(&id).unwrap();
+    let (tx, rx) = mpsc::channel();
+    let mut tokens = Vec::new();
+    for site in 0..CLIENTS {
+        let issued = admin(
+            &http,
+            &base,
+            Method::POST,
+            "/enrolment-tokens",
+            Some(serde_json::json!({"label": format!("site-{site}")})),
+        )
+        .await;
+        tokens.push(issued["token"].as_str().unwrap().to_string());
+    }
+    let spawn = |site: usize, pause: Option<String>, life: usize| -> Child {
+        let mut command =
+            common::edge_command(site, &base, &ca, &csvs[site], dir.path(), &tokens[site], 25);
+        if let Some(pause) = pause {
+            command.env("COHORT_EDGE_PAUSE", pause);
+        }
+        let mut child = command.stderr(Stdio::piped()).spawn().unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let tx = tx.clone();
+        let log = dir.path().join(format!("edge-{site}-{life}.log"));
+        std::thread::spawn(move || {
+            use std::io::Write;
+            let mut file = std::fs::File::create(log).unwrap();
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = writeln!(file, "{line}");
+                let _ = tx.send((site, line));
+            }
+        });
+        child
+    };
+    let mut edges: Vec<Option<Child>> = (0..CLIENTS)
+        .map(|site| {
+            let pause = KILLS
+                .iter()
+                .find(|(s, _, _)| *s == site)
+                .map(|(_, stage, round)| format!("{stage}:{round}"));
+            Some(spawn(site, pause, 0))
+        })
+        .collect();
+    wait_checked_in(&http, &base, CLIENTS).await;
+    admin(
+        &http,
+        &base,
+        Method::POST,
+        &format!("/experiments/{id}/start"),
+        None,
+    )
+    .await;
+
+    // Each marked client pauses just before its stage's message; kill it there.
+    let mut killed_in: Vec<(usize, &str, i64)> = Vec::new();
+    let mut down: Vec<(usize, i64)> = Vec::new();
+    let start = Instant::now();
+    while killed_in.len() < KILLS.len() {
+        let Ok((site, line)) =
+            rx.recv_timeout(Duration::from_secs(300).saturating_sub(start.elapsed()))
+        else {
+            let rounds = common::rounds(&http, &base, &id).await;
+            panic!("killed only {killed_in:?}: {rounds:#?}");
+        };
+        // A site comes back once another has begun a later round than the one it died
+        // in (so that a client killed before advertising really misses its round).
+        let now_in = line
+            .split(" round=")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|r| r.parse::<i64>().ok());
+        if let Some(now_in) = now_in {
+            for (back, _) in down.extract_if(.., |(_, died)| now_in > *died) {
+                eprintln!("restarting site {back}");
+                edges[back] = Some(spawn(back, None, 1));
+            }
+        }
+        let Some(at) = line.split("paused before ").nth(1) else {
+            continue;
+        };
+        let (stage, round) = at.split_once(" in round ").expect("a pause line");
+        let (_, expected, _) = KILLS.iter().find(|(s, _, _)| *s == site).unwrap();
+        assert_eq!(stage, *expected, "site {site}: {line}");
+        let mut child = edges[site].take().unwrap();
+        child.kill().unwrap(); // SIGKILL
+        child.wait().unwrap();
+        eprintln!("killed site {site} before {stage} in round {round}");
+        let round: i64 = round.parse().unwrap();
+        down.push((site, round));
+        killed_in.push((site, expected, round));
+    }
+
+    let start = Instant::now();
+    loop {
+        let exp = admin(
+            &http,
+            &base,
+            Method::GET,
+            &format!("/experiments/{id}"),
+            None,
+        )
+        .await;
+        if exp["state"] == "finished" {
+            break;
+        }
+        let rounds = common::rounds(&http, &base, &id).await;
+        assert!(
+            exp["state"] == "running" && start.elapsed() < Duration::from_secs(300),
+            "experiment is {}: {rounds:#?}",
+            exp["state"]
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for child in edges.iter_mut().flatten() {
+        assert!(child.wait().unwrap().success(), "an edge client failed");
+    }
+    let rounds = common::rounds(&http, &base, &id).await;
+    let published: Vec<&serde_json::Value> = rounds
+        .iter()
+        .filter(|r| r["stage"] == "published")
+        .collect();
+    assert_eq!(published.len(), ROUNDS as usize, "{rounds:#?}");
+    let clients = admin(&http, &base, Method::GET, "/clients", None).await;
+    let site_of = |client: uuid::Uuid| -> usize {
+        let c = clients
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["id"] == client.to_string().as_str())
+            .unwrap();
+        c["label"].as_str().unwrap()["site-".len()..]
+            .parse()
+            .unwrap()
+    };
+    server.kill().unwrap();
+    server.wait().unwrap();
+
+    let store = Store::connect("sqlite://cohort.db", &data_dir)
+        .await
+        .unwrap();
+    let blobs = cohort_coordinator::blobs::BlobStore::open(&data_dir.join("blobs")).unwrap();
+    // Each killed client is recorded as dropped at its stage, in the round it died in.
+    let mut dropped: Vec<(i64, usize, String)> = Vec::new();
+    for a in store.rounds(exp_id).await.unwrap() {
+        for p in store
+            .participations(exp_id, a.round, a.attempt)
+            .await
+            .unwrap()
+        {
+            if let Some(stage) = p.dropped_stage {
+                dropped.push((a.round, site_of(p.client_id), stage));
+            }
+        }
+    }
+    for &(site, stage, round) in &killed_in {
+        assert!(
+            dropped.contains(&(round, site, stage.to_string())),
+            "site {site} is recorded as dropped at {stage} in round {round}: {dropped:?}"
+        );
+    }
+
+    // Every round's model is the FedAvg of its survivors' updates from the model before.
+    let spec = ModelSpec::new(&ModelKind::LogReg, 64, 10).unwrap();
+    let train = TrainConfig::default();
+    let q = QuantizationParams::default();
+    let mut base_model = spec.init(0);
+    for round in 1..=i64::from(ROUNDS) {
+        let attempt = published
+            .iter()
+            .find(|r| r["round"] == round)
+            .and_then(|r| r["attempt"].as_i64())
+            .unwrap();
+        let row = store.round(exp_id, round, attempt).await.unwrap();
+        let config: cohort_aggregation::secagg::RoundConfig =
+            serde_json::from_value(row.secagg.clone().unwrap()).unwrap();
+        assert!(config.consistency_check);
+        let parts = store.participations(exp_id, round, attempt).await.unwrap();
+        let survivors: Vec<usize> = parts
+            .iter()
+            .filter(|p| {
+                matches!(
+                    p.secagg_stage.as_deref(),
+                    Some("masked" | "confirmed" | "unmasked" | "excluded")
+                )
+            })
+            .map(|p| site_of(p.client_id))
+            .collect();
+        let mut updates = Vec::new();
+        for &site in &survivors {
+            let data = cohort_edge::data::load_csv(&csvs[site]).unwrap();
+            let labels = experiment_labels(&data, 10).unwrap();
+            let local =
+                LocalModel::from_parts(spec.clone(), data.features.clone(), labels).unwrap();
+            let u = local
+                .train(&base_model, &train, task_seed(site as u64, round))
+                .unwrap();
+            updates.push((u.params, u.num_samples as u64));
+        }
+        let weight = |w: u64| w.min(u64::from(q.max_weight)) as f64;
+        let total: f64 = updates.iter().map(|(_, w)| weight(*w)).sum();
+        let mut fedavg: Vec<f64> = base_model.values().iter().map(|&g| f64::from(g)).collect();
+        let clip = f64::from(q.clip);
+        for (params, w) in &updates {
+            for ((m, &p), &g) in fedavg
+                .iter_mut()
+                .zip(params.values())
+                .zip(base_model.values())
+            {
+                *m += weight(*w) * f64::from(p - g).clamp(-clip, clip) / total;
+            }
+        }
+        let model = floats(
+            &blobs
+                .get(&format!("models/{id}/round-{round}.bin"))
+                .unwrap(),
+        );
+        let quantizer = Quantizer::new(q, config.parties).unwrap();
+        let bound = quantizer.error_bound(survivors.len(), updates.iter().map(|(_, w)| *w).sum());
+        let largest = model.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let slack = 4.0 * f64::from(largest) * f64::from(f32::EPSILON) / 2.0;
+        let diff = fedavg
+            .iter()
+            .zip(&model)
+            .map(|(r, &m)| (r - f64::from(m)).abs())
+            .fold(0.0, f64::max);
+        eprintln!(
+            "round {round} attempt {attempt}: survivors {survivors:?}, largest difference \
+             from FedAvg {diff:.3e} (bound {bound:.3e} + {slack:.3e})"
+        );
+        assert!(
+            diff <= bound + slack,
+            "round {round}: differs from the FedAvg of its survivors by {diff}"
+        );
+        base_model = ModelVector::new(base_model.layout().clone(), model).unwrap();
+    }
 }

@@ -1062,7 +1062,7 @@ async fn advance(store: &Store, e: Uuid, from: RoundStage, next: SecureNext, at:
 }
 
 async fn secure_round_moves_through_its_stages_and_records_who_dropped_where(store: &Store) {
-    let (e, c) = running_with_clients(store, 4).await;
+    let (e, c) = running_with_clients(store, 5).await;
     let t0 = now_millis();
     let r = store
         .open_secure_round(e.id, 1, 1, &c, SECAGG, t0 + 60_000, t0)
@@ -1074,81 +1074,76 @@ async fn secure_round_moves_through_its_stages_and_records_who_dropped_where(sto
     let task = store.pending_task(c[2]).await.unwrap().unwrap();
     assert_eq!(task.secagg_index, Some(3));
     assert!(task.secagg.as_deref().unwrap().contains("\"threshold\":2"));
-    for &client in &c[..3] {
+    let send = |client: Uuid, kind: SecAggMessageKind, body: &'static str, at: i64| async move {
         store
-            .record_secagg_message(
-                e.id,
-                1,
-                1,
-                client,
-                SecAggMessageKind::Advertise,
-                "{}",
-                t0 + 1,
-            )
+            .record_secagg_message(e.id, 1, 1, client, kind, body, at)
             .await
             .unwrap();
+    };
+    // c[3] never advertises.
+    for client in [c[0], c[1], c[2], c[4]] {
+        send(client, SecAggMessageKind::Advertise, "{}", t0 + 1).await;
     }
     // An advertised client has no task left to start; the silent one still has.
     assert!(store.pending_task(c[0]).await.unwrap().is_none());
-    advance(
-        store,
-        e.id,
+    let stages = [
         RoundStage::Advertising,
-        SecureNext::Stage {
-            to: RoundStage::Sharing,
-            deadline: t0 + 70_000,
-        },
-        t0 + 2,
-    )
-    .await;
+        RoundStage::Revealing,
+        RoundStage::Sharing,
+        RoundStage::Collecting,
+        RoundStage::Confirming,
+        RoundStage::Unmasking,
+    ];
+    let next = |i: usize, at: i64| {
+        advance(
+            store,
+            e.id,
+            stages[i],
+            SecureNext::Stage {
+                to: stages[i + 1],
+                deadline: t0 + 70_000 + 10_000 * i as i64,
+            },
+            at,
+        )
+    };
+    next(0, t0 + 2).await;
     assert!(
         store.pending_task(c[3]).await.unwrap().is_none(),
         "too late to join"
     );
-    for &client in &c[..3] {
+    // Sharing before every nonce is revealed is out of turn.
+    assert!(matches!(
         store
-            .record_secagg_message(
+            .record_secagg_message(e.id, 1, 1, c[0], SecAggMessageKind::Share, "{}", t0 + 3)
+            .await,
+        Err(StoreError::Conflict(_))
+    ));
+    for client in [c[0], c[1], c[2], c[4]] {
+        send(client, SecAggMessageKind::Reveal, "{\"n\":1}", t0 + 3).await;
+    }
+    next(1, t0 + 4).await;
+    for client in [c[0], c[1], c[2], c[4]] {
+        send(client, SecAggMessageKind::Share, "{\"s\":1}", t0 + 5).await;
+    }
+    next(2, t0 + 6).await;
+    let mut masked = upload(c[0], 0);
+    masked.train_loss = None;
+    // c[2] shared but never uploads its masked input.
+    for client in [c[0], c[1], c[4]] {
+        store
+            .record_upload(
                 e.id,
                 1,
                 1,
-                client,
-                SecAggMessageKind::Share,
-                "{\"s\":1}",
-                t0 + 3,
+                &NewUpload {
+                    client_id: client,
+                    ..masked.clone()
+                },
+                t0 + 7,
             )
             .await
             .unwrap();
     }
-    advance(
-        store,
-        e.id,
-        RoundStage::Sharing,
-        SecureNext::Stage {
-            to: RoundStage::Collecting,
-            deadline: t0 + 80_000,
-        },
-        t0 + 4,
-    )
-    .await;
-    let mut masked = upload(c[0], 0);
-    masked.train_loss = None;
-    store
-        .record_upload(e.id, 1, 1, &masked, t0 + 5)
-        .await
-        .unwrap();
-    store
-        .record_upload(
-            e.id,
-            1,
-            1,
-            &NewUpload {
-                client_id: c[1],
-                ..masked.clone()
-            },
-            t0 + 5,
-        )
-        .await
-        .unwrap();
     // c[3] never advertised, so it cannot add a masked input.
     assert!(matches!(
         store
@@ -1160,26 +1155,26 @@ async fn secure_round_moves_through_its_stages_and_records_who_dropped_where(sto
                     client_id: c[3],
                     ..masked.clone()
                 },
-                t0 + 5
+                t0 + 7
             )
             .await,
         Err(StoreError::Conflict(_))
     ));
-    advance(
-        store,
-        e.id,
-        RoundStage::Collecting,
-        SecureNext::Stage {
-            to: RoundStage::Unmasking,
-            deadline: t0 + 90_000,
-        },
-        t0 + 6,
-    )
-    .await;
-    store
-        .record_secagg_message(e.id, 1, 1, c[0], SecAggMessageKind::Unmask, "{}", t0 + 7)
-        .await
-        .unwrap();
+    next(3, t0 + 8).await;
+    // c[4] uploaded but never signs the survivor list.
+    for client in [c[0], c[1]] {
+        send(client, SecAggMessageKind::Confirm, "{\"sig\":1}", t0 + 9).await;
+    }
+    next(4, t0 + 10).await;
+    // c[4] never signed: it may not reveal shares.
+    assert!(matches!(
+        store
+            .record_secagg_message(e.id, 1, 1, c[4], SecAggMessageKind::Confirm, "{}", t0 + 11)
+            .await,
+        Err(StoreError::Conflict(_))
+    ));
+    // c[1] signed but never reveals its shares.
+    send(c[0], SecAggMessageKind::Unmask, "{}", t0 + 11).await;
     let r = store
         .advance_secure_round(
             e.id,
@@ -1187,13 +1182,13 @@ async fn secure_round_moves_through_its_stages_and_records_who_dropped_where(sto
             1,
             RoundStage::Unmasking,
             &SecureNext::Aggregate { job_attempts: 3 },
-            t0 + 8,
+            t0 + 12,
         )
         .await
         .unwrap();
     assert_eq!(
         (r.stage, r.reported, r.dropped),
-        (RoundStage::Aggregating, 2, 2)
+        (RoundStage::Aggregating, 3, 2)
     );
     let jobs = store.jobs(e.id).await.unwrap();
     assert_eq!(jobs.len(), 1, "one aggregation job, queued with the close");
@@ -1201,12 +1196,21 @@ async fn secure_round_moves_through_its_stages_and_records_who_dropped_where(sto
     let of = |id: Uuid| parts.iter().find(|p| p.client_id == id).unwrap().clone();
     assert_eq!(of(c[0]).secagg_stage.as_deref(), Some("unmasked"));
     assert_eq!(of(c[0]).dropped_stage, None);
+    assert_eq!(of(c[1]).secagg_stage.as_deref(), Some("confirmed"));
     assert_eq!(of(c[1]).dropped_stage.as_deref(), Some("unmask"));
+    assert_eq!(of(c[4]).secagg_stage.as_deref(), Some("masked"));
     assert_eq!(
-        of(c[1]).state,
-        ParticipationState::Uploaded,
-        "its input still counts"
+        of(c[4]).dropped_stage.as_deref(),
+        Some("confirm"),
+        "recorded where it stopped, not overwritten when unmasking closed"
     );
+    for late in [c[1], c[4]] {
+        assert_eq!(
+            of(late).state,
+            ParticipationState::Uploaded,
+            "its input still counts"
+        );
+    }
     assert_eq!(of(c[2]).dropped_stage.as_deref(), Some("masked"));
     assert_eq!(of(c[2]).state, ParticipationState::Dropped);
     assert_eq!(of(c[3]).dropped_stage.as_deref(), Some("advertise"));
@@ -1220,8 +1224,13 @@ async fn secure_round_moves_through_its_stages_and_records_who_dropped_where(sto
         .await
         .unwrap();
     let indices: Vec<u32> = messages.iter().map(|m| m.index).collect();
-    assert_eq!(indices, vec![1, 2, 3]);
+    assert_eq!(indices, vec![1, 2, 3, 5]);
     assert_eq!(messages[0].body, "{\"s\":1}");
+    let confirmations = store
+        .secagg_messages(e.id, 1, 1, SecAggMessageKind::Confirm)
+        .await
+        .unwrap();
+    assert_eq!(confirmations.len(), 2);
 }
 
 async fn secure_messages_out_of_turn_are_refused_and_change_nothing(store: &Store) {

@@ -189,6 +189,23 @@ fn note(line: &str) {
     eprintln!("cohort-edge: {line}");
 }
 
+/// A test hook, as the coordinator's `COHORT_FAULT_PAUSE`: with
+/// `COHORT_EDGE_PAUSE=<stage>:<round>` the agent stops for ever just before it sends
+/// that stage's message (`advertise`, `reveal`, `share`, `masked`, `confirm` or
+/// `unmask`) in the first secure round it serves from round `<round>` on, after saying
+/// so on stderr, so that a test can kill it at an exact stage. Unset, as in production,
+/// it costs one environment read per stage.
+async fn pause_point(stage: &str, round: i64) {
+    let wanted = std::env::var("COHORT_EDGE_PAUSE").unwrap_or_default();
+    let Some((at, from)) = wanted.split_once(':') else {
+        return;
+    };
+    if at == stage && from.parse::<i64>().is_ok_and(|from| round >= from) {
+        note(&format!("paused before {stage} in round {round}"));
+        std::future::pending::<()>().await;
+    }
+}
+
 /// Enrols if needed, then serves tasks until idle for `idle_exit` (or forever).
 pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
     let client = CoordinatorClient::with_identity(
@@ -237,6 +254,7 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
         trainer: config.trainer.clone(),
         runs: runs.clone(),
     };
+    let joined = std::sync::Mutex::new(std::collections::HashSet::new());
     let mut idle_since = Instant::now();
     loop {
         if config
@@ -280,6 +298,8 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
             slowdown: config.slowdown,
             local_dp: config.local_dp.as_ref(),
             floors: &config.floors,
+            identity: &identity,
+            joined: &joined,
         };
         let outcome = match task.kind {
             TaskKind::Evaluate => {
@@ -634,6 +654,11 @@ struct HowToServe<'a> {
     slowdown: Duration,
     local_dp: Option<&'a crate::local_dp::LocalDp>,
     floors: &'a cohort_aggregation::secagg::ClientFloors,
+    /// Signs this client's keys and survivor lists in secure rounds.
+    identity: &'a cohort_aggregation::secagg::Identity,
+    /// Secure sessions this client has joined: a coordinator that sends one again
+    /// (to replay signed messages of an earlier round) is refused.
+    joined: &'a std::sync::Mutex<std::collections::HashSet<[u8; 32]>>,
 }
 
 async fn serve_task(
@@ -716,7 +741,7 @@ where
     }
 }
 
-/// A secure round: the four SecAgg+ stages around local training. Only the masked
+/// A secure round: the SecAgg+ stages around local training. Only the masked
 /// vector of the update ever leaves the machine; the keys and the self-mask seed stay in
 /// memory, so a client that restarts mid-round drops out of it, and the protocol's
 /// dropout recovery takes over.
@@ -733,6 +758,8 @@ async fn serve_secure_task(
         seed,
         local_dp,
         floors,
+        identity,
+        joined,
         ..
     } = *how;
 
@@ -744,26 +771,53 @@ async fn serve_secure_task(
             layout.len()
         )));
     }
+    // What this client signs names the round it believes it is in: the task's.
+    let context = &secure.config.context;
+    if context.experiment != task.experiment_id.to_string()
+        || context.round != u64::try_from(task.round).unwrap_or(u64::MAX)
+        || context.attempt != u64::try_from(task.attempt).unwrap_or(u64::MAX)
+    {
+        return Err(AgentError::Task(
+            "the secure round's settings name another round than its task".into(),
+        ));
+    }
+    if !joined
+        .lock()
+        .expect("no panics while held")
+        .insert(secure.config.session)
+    {
+        return Err(AgentError::Task(
+            "the coordinator sent a secure session this client has already joined".into(),
+        ));
+    }
     // Floors first: a round below them is refused before a key or a model is fetched.
     let (mut session, keys) = ClientSession::with_floors(
         secure.config.clone(),
         secure.index,
         *floors,
+        identity,
         &mut rand::rng(),
     )?;
+    pause_point("advertise", task.round).await;
     with_retries(|| client.advertise_keys(cred, task, &keys)).await?;
     let round = format!(
         "experiment={} round={} attempt={}",
         task.experiment_id, task.round, task.attempt
     );
     note(&format!("secagg advertised keys {round}"));
-    // Train while the other clients advertise and share.
+    // Train while the other clients advertise, reveal and share.
     let (global, version) =
         with_retries(|| client.versioned_model(cred, task.experiment_id, &layout)).await?;
     let base = global.clone();
     let training = spawn_trainer(trainer, task, global, version, seed);
+    let roster = wait_stage(|| client.roster(cred, task, 10)).await?;
+    let reveal = session.reveal(&roster)?;
+    pause_point("reveal", task.round).await;
+    with_retries(|| client.send_reveal(cred, task, &reveal)).await?;
+    note(&format!("secagg revealed graph nonce {round}"));
     let directory = wait_stage(|| client.key_directory(cred, task, 10)).await?;
     let shares = session.share_keys(&directory, &mut rand::rng())?;
+    pause_point("share", task.round).await;
     with_retries(|| client.send_shares(cred, task, &shares)).await?;
     note(&format!("secagg shared keys {round}"));
     let forwarded = wait_stage(|| client.forwarded_shares(cred, task, 10)).await?;
@@ -812,6 +866,7 @@ async fn serve_secure_task(
     .map_err(|e| AgentError::Task(e.to_string()))?;
     let masked = masked?;
     let upload_id = uuid::Uuid::new_v4();
+    pause_point("masked", task.round).await;
     match with_retries(|| client.upload_masked(cred, task, &masked, upload_id)).await {
         Ok(()) => note(&format!("secagg uploaded masked input {round}")),
         // A retry whose first try was stored (its answer lost) is refused as a replay;
@@ -824,8 +879,16 @@ async fn serve_secure_task(
         }
         Err(e) => return Err(e.into()),
     }
-    let request = wait_stage(|| client.survivors(cred, task, 10)).await?;
+    let mut request = wait_stage(|| client.survivors(cred, task, 10)).await?;
+    if session.config().consistency_check {
+        let confirmation = session.confirm(&request, identity)?;
+        pause_point("confirm", task.round).await;
+        with_retries(|| client.send_confirmation(cred, task, &confirmation)).await?;
+        note(&format!("secagg signed the survivor list {round}"));
+        request = wait_stage(|| client.unmask_request(cred, task, 10)).await?;
+    }
     let reveal = session.unmask(&request)?;
+    pause_point("unmask", task.round).await;
     with_retries(|| client.send_unmask(cred, task, &reveal)).await?;
     note(&format!("secagg revealed shares {round}"));
     Ok(())

@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use cohort_aggregation::secagg::{
-    AdvertiseKeys, ForwardedShares, KeyDirectory, RoundConfig, ShareKeys, UnmaskRequest,
-    UnmaskShares,
+    AdvertiseKeys, Confirmation, ForwardedShares, GraphReveal, KeyDirectory, Roster, RoundConfig,
+    ShareKeys, UnmaskRequest, UnmaskShares,
 };
 use cohort_aggregation::{ModelVector, wire};
 use serde::{Deserialize, Serialize};
@@ -93,6 +93,11 @@ pub struct SecureTask {
 #[derive(Deserialize)]
 struct DirectoryReply {
     directory: Option<KeyDirectory>,
+}
+
+#[derive(Deserialize)]
+struct RosterReply {
+    roster: Option<Roster>,
 }
 
 #[derive(Deserialize)]
@@ -523,7 +528,32 @@ impl CoordinatorClient {
             .await
     }
 
-    /// The key directory once advertising has closed (`None` while it has not, after
+    /// The roster (members and their graph commitments) once advertising has closed
+    /// (`None` while it has not, after waiting up to `wait_seconds`).
+    pub async fn roster(
+        &self,
+        cred: &Credential,
+        task: &Task,
+        wait_seconds: u64,
+    ) -> Result<Option<Roster>, ProtocolError> {
+        let r: RosterReply = self
+            .get_json(cred, &Self::secagg_url(task, "roster"), wait_seconds)
+            .await?;
+        Ok(r.roster)
+    }
+
+    /// Secure round: reveals this client's graph nonce.
+    pub async fn send_reveal(
+        &self,
+        cred: &Credential,
+        task: &Task,
+        reveal: &GraphReveal,
+    ) -> Result<(), ProtocolError> {
+        self.post_json(cred, &Self::secagg_url(task, "reveal"), reveal)
+            .await
+    }
+
+    /// The key directory once revealing has closed (`None` while it has not, after
     /// waiting up to `wait_seconds`).
     pub async fn key_directory(
         &self,
@@ -599,7 +629,32 @@ impl CoordinatorClient {
         Ok(r.request)
     }
 
-    /// Secure round, stage 4: reveals the shares the server is owed.
+    /// Consistency check: sends this client's signature over the survivor list.
+    pub async fn send_confirmation(
+        &self,
+        cred: &Credential,
+        task: &Task,
+        confirmation: &Confirmation,
+    ) -> Result<(), ProtocolError> {
+        self.post_json(cred, &Self::secagg_url(task, "confirm"), confirmation)
+            .await
+    }
+
+    /// Consistency check: the survivor list with this client's neighbours' signatures
+    /// over it, once confirming has closed.
+    pub async fn unmask_request(
+        &self,
+        cred: &Credential,
+        task: &Task,
+        wait_seconds: u64,
+    ) -> Result<Option<UnmaskRequest>, ProtocolError> {
+        let r: SurvivorsReply = self
+            .get_json(cred, &Self::secagg_url(task, "unmask"), wait_seconds)
+            .await?;
+        Ok(r.request)
+    }
+
+    /// Secure round, last stage: reveals the shares the server is owed.
     pub async fn send_unmask(
         &self,
         cred: &Credential,

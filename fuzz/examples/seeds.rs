@@ -13,15 +13,15 @@ use std::sync::Arc;
 
 use cohort_aggregation::model_file;
 use cohort_aggregation::privacy::distributed::DistributedNoise;
+use cohort_aggregation::secagg::crypto::graph_seed;
 use cohort_aggregation::secagg::messages::encode_words;
 use cohort_aggregation::secagg::{
-    AdvertiseKeys, ClientSession, KeyDirectory, QuantizationParams, RoundConfig, ServerSession,
-    ShareKeys, UnmaskShares,
+    AdvertiseKeys, Confirmation, ForwardedShares, GraphReveal, KeyDirectory, NeighbourGraph,
+    QuantizationParams, Roster, RoundConfig, ServerSession, ShareKeys, SurvivorSignature,
+    UnmaskRequest, UnmaskShares,
 };
 use cohort_aggregation::{Layout, ModelVector, TensorSpec, wire};
-use cohort_fuzz::{ROUND_PARTIES, round_config};
-use rand_chacha::ChaCha20Rng;
-use rand_core::SeedableRng;
+use cohort_fuzz::{Honest, ROUND_PARTIES, honest_script, round_config, round_identity};
 use safetensors::tensor::{Dtype, TensorView};
 use serde::Serialize;
 
@@ -194,33 +194,56 @@ fn model_file_seeds(root: &Path) -> usize {
     c.written
 }
 
-/// The messages of one real round of the fuzzed configuration, every client honest.
+/// The messages of one real round of the fuzzed configuration, every client honest: the
+/// harness's own clients (`cohort_fuzz::Honest`), so that its scripts can replay them.
 struct Round {
+    consistency_check: bool,
     keys: Vec<AdvertiseKeys>,
+    roster: Roster,
+    reveals: Vec<GraphReveal>,
+    /// Client 1's directory, and the whole one.
     directory: KeyDirectory,
+    full_directory: KeyDirectory,
     shares: Vec<ShareKeys>,
-    forwarded: Vec<cohort_aggregation::secagg::ForwardedShares>,
+    forwarded: Vec<ForwardedShares>,
     masked: Vec<Vec<u32>>,
-    request: cohort_aggregation::secagg::UnmaskRequest,
+    /// The bare survivor list.
+    list: UnmaskRequest,
+    /// The survivors' signatures over it (with the consistency check).
+    confirmations: Vec<Confirmation>,
+    /// What each survivor is asked to answer.
+    requests: Vec<UnmaskRequest>,
     replies: Vec<UnmaskShares>,
     sum: Vec<u32>,
 }
 
-fn real_round() -> Round {
-    let mut server = ServerSession::new(round_config()).expect("valid");
-    let mut clients = Vec::new();
+fn real_round(consistency_check: bool) -> Round {
+    let mut server = ServerSession::new(round_config(consistency_check)).expect("valid");
+    let mut clients: Vec<Honest> = (1..=ROUND_PARTIES)
+        .map(|u| Honest::new(u, consistency_check))
+        .collect();
     let mut keys = Vec::new();
-    for u in 1..=ROUND_PARTIES {
-        let mut rng = ChaCha20Rng::seed_from_u64(u64::from(u));
-        let (session, k) = ClientSession::new(round_config(), u, &mut rng).expect("client");
-        server.receive_keys(u, &k).expect("keys");
-        clients.push((session, rng));
-        keys.push(k);
+    for (u, c) in (1..).zip(&clients) {
+        server
+            .receive_keys(u, &c.keys, &c.identity.public())
+            .expect("keys");
+        keys.push(c.keys.clone());
     }
-    let directory = server.close_advertise().expect("directory");
+    let roster = server.close_advertise().expect("roster");
+    let mut reveals = Vec::new();
+    for (u, c) in (1..).zip(&mut clients) {
+        let r = c.session.reveal(&roster).expect("reveal");
+        server.receive_reveal(u, &r).expect("accepted");
+        reveals.push(r);
+    }
+    server.close_reveal().expect("graph");
     let mut shares = Vec::new();
-    for (u, (session, rng)) in (1..).zip(&mut clients) {
-        let s = session.share_keys(&directory, rng).expect("shares");
+    for (u, c) in (1..).zip(&mut clients) {
+        let directory = server.directory_for(u).expect("a member");
+        let s = c
+            .session
+            .share_keys(&directory, &mut c.rng)
+            .expect("shares");
         server.receive_shares(u, &s).expect("accepted");
         shares.push(s);
     }
@@ -228,10 +251,13 @@ fn real_round() -> Round {
     let mut forwarded = Vec::new();
     let mut masked = Vec::new();
     let mut sum = vec![0u32; server.input_words()];
-    for (u, (session, rng)) in (1..).zip(&mut clients) {
+    for (u, c) in (1..).zip(&mut clients) {
         let f = server.forwarded_for(u).expect("forwarded");
-        let update = [u as f32 / 8.0, -(u as f32) / 4.0, 0.5];
-        let words = session.mask(&f, &update, 10, 0.5, rng).expect("masked");
+        let update = c.update();
+        let words = c
+            .session
+            .mask(&f, &update, 10, 0.5, &mut c.rng)
+            .expect("masked");
         server.receive_masked(u, &words).expect("accepted");
         for (s, w) in sum.iter_mut().zip(&words) {
             *s = s.wrapping_add(*w);
@@ -239,29 +265,48 @@ fn real_round() -> Round {
         forwarded.push(f);
         masked.push(words);
     }
-    let request = server.close_collection().expect("request");
+    let list = server.close_collection().expect("survivors");
+    let mut confirmations = Vec::new();
+    if consistency_check {
+        for (u, c) in (1..).zip(&mut clients) {
+            let m = c.session.confirm(&list, &c.identity).expect("signed");
+            server.receive_confirmation(u, &m).expect("accepted");
+            confirmations.push(m);
+        }
+        server.close_confirm().expect("confirmed");
+    }
+    let mut requests = Vec::new();
     let mut replies = Vec::new();
-    for (u, (session, _)) in (1..).zip(&mut clients) {
-        let r = session.unmask(&request).expect("reply");
+    for (u, c) in (1..).zip(&mut clients) {
+        let request = server.unmask_request_for(u).expect("a survivor");
+        let r = c.session.unmask(&request).expect("reply");
         server.receive_unmask(u, &r).expect("accepted");
+        requests.push(request);
         replies.push(r);
     }
     server.finish().expect("the honest round finishes");
     Round {
+        consistency_check,
         keys,
-        directory,
+        roster,
+        reveals,
+        directory: server.directory_for(1).expect("a member"),
+        full_directory: server.directory().expect("drawn"),
         shares,
         forwarded,
         masked,
-        request,
+        list,
+        confirmations,
+        requests,
         replies,
         sum,
     }
 }
 
-fn secagg_message_seeds(root: &Path, round: &Round) -> usize {
+fn secagg_message_seeds(root: &Path, plain: &Round, checked: &Round) -> usize {
     let mut c = Corpus::new(root, "secagg_messages");
-    c.json("round-config", &round_config());
+    c.json("round-config", &round_config(false));
+    c.json("round-config-consistency-check", &round_config(true));
     let dp = RoundConfig {
         quantization: QuantizationParams {
             distributed_noise: Some(DistributedNoise {
@@ -270,90 +315,194 @@ fn secagg_message_seeds(root: &Path, round: &Round) -> usize {
             }),
             ..QuantizationParams::default()
         },
-        ..round_config()
+        ..round_config(false)
     };
     c.json("round-config-distributed-noise", &dp);
+    c.json("round-context", &round_config(true).context);
     c.json("quantization", &QuantizationParams::default());
-    c.json("advertise-keys", &round.keys[0]);
-    c.json("directory-entry", &round.directory.entries[0]);
-    c.json("key-directory", &round.directory);
-    c.json("share-keys", &round.shares[0]);
-    c.json("forwarded-shares", &round.forwarded[0]);
-    c.json("unmask-request", &round.request);
-    c.json("unmask-shares", &round.replies[0]);
+    c.json("advertise-keys", &plain.keys[0]);
+    c.json("roster", &plain.roster);
+    c.json("graph-reveal", &plain.reveals[0]);
+    c.json("directory-entry", &plain.directory.entries[0]);
+    c.json("key-directory", &plain.directory);
+    c.json("key-directory-full", &plain.full_directory);
+    c.json("share-keys", &plain.shares[0]);
+    c.json("forwarded-shares", &plain.forwarded[0]);
+    c.json("unmask-request", &plain.list);
+    c.json("confirmation", &checked.confirmations[0]);
+    c.json("survivor-signature", &checked.requests[0].signatures[0]);
+    c.json("unmask-request-signed", &checked.requests[0]);
+    c.json("unmask-shares", &plain.replies[0]);
     let dropped = UnmaskShares {
-        seed_shares: round.replies[0].seed_shares[1..].to_vec(),
-        key_shares: round.replies[0].seed_shares[..1].to_vec(),
+        seed_shares: plain.replies[0].seed_shares[1..].to_vec(),
+        key_shares: plain.replies[0].seed_shares[..1].to_vec(),
     };
     c.json("unmask-shares-with-key-share", &dropped);
-    c.put("masked-words", encode_words(&round.masked[0]));
-    let share = &round.replies[0].seed_shares[0].share;
+    c.put("masked-words", encode_words(&plain.masked[0]));
+    let share = &plain.replies[0].seed_shares[0].share;
     c.put("share", share);
     let mut two = share.clone();
-    two.extend_from_slice(&round.replies[1].seed_shares[0].share);
+    two.extend_from_slice(&plain.replies[1].seed_shares[0].share);
     c.put("two-shares", two);
     c.written
 }
 
-fn secagg_round_seeds(root: &Path, round: &Round) -> usize {
-    let mut c = Corpus::new(root, "secagg_round");
-    let all = |op: &str| -> String {
-        (1..=ROUND_PARTIES)
-            .map(|u| format!("{op}{u}\n"))
-            .collect::<String>()
+/// The scripts of one mode of the round: `name` seeds its plain scripts and
+/// `name-consistency-check` the others.
+fn secagg_round_scripts(c: &mut Corpus, round: &Round) {
+    let checked = round.consistency_check;
+    let name = |base: &str| {
+        if checked {
+            format!("{base}-consistency-check")
+        } else {
+            base.to_string()
+        }
     };
-    let honest = format!(
-        "{}a\n{}s\n{}m\n{}f\n",
-        all("H"),
-        all("H"),
-        all("H"),
-        all("H")
-    );
-    c.put("honest", &honest);
-    let honest_to_m = format!("{}a\n{}s\n{}m\n", all("H"), all("H"), all("H"));
-    let h = all("H");
-    // Client 6 drops after sharing (its mask key is rebuilt), or after masking (its
-    // input still counts).
+    let mode = if checked { "+\n" } else { "" };
+    let h: String = (1..=ROUND_PARTIES).map(|u| format!("H{u}\n")).collect();
+    // After masking: the confirm stage (with the check), then unmasking.
+    let to_end = |h_confirm: &str, h_unmask: &str| {
+        if checked {
+            format!("{h_confirm}c\n{h_unmask}f\n")
+        } else {
+            format!("{h_unmask}f\n")
+        }
+    };
+    c.put(&name("honest"), honest_script(checked));
+    let honest_to_m = format!("{mode}{h}a\n{h}r\n{h}s\n{h}m\n");
+    // Client 6 drops after sharing (its mask key is rebuilt), after masking (its input
+    // still counts), or before revealing its nonce (the attempt fails).
     let without_6 = h.replace("H6\n", "");
     c.put(
-        "dropout-after-sharing",
-        format!("{h}a\n{h}s\n{without_6}m\n{without_6}f\n"),
+        &name("dropout-after-sharing"),
+        format!(
+            "{mode}{h}a\n{h}r\n{h}s\n{without_6}m\n{}",
+            to_end(&without_6, &without_6)
+        ),
     );
     c.put(
-        "dropout-after-masking",
-        format!("{h}a\n{h}s\n{h}m\n{without_6}f\n"),
+        &name("dropout-after-masking"),
+        format!("{honest_to_m}{}", to_end(&without_6, &without_6)),
     );
-    // Replays and forgeries with real messages, between honest steps.
+    if checked {
+        c.put(
+            "dropout-after-confirming-consistency-check",
+            format!("{honest_to_m}{}", to_end(&h, &without_6)),
+        );
+    }
+    c.put(
+        &name("dropout-before-revealing"),
+        format!("{mode}{h}a\n{without_6}r\n{h}s\n"),
+    );
+    // Replays and forgeries with real messages, between honest steps: another client's
+    // keys (whose signature is not the sender's), nonce, shares, input, signature and
+    // answer.
+    let confirmations = if checked {
+        format!("C1 {c}\nC2 {c}\n", c = json(&round.confirmations[1]))
+    } else {
+        String::new()
+    };
+    let entry = &round.full_directory.entries[1];
     let hostile = format!(
-        "K7 {k}\nK0 {k}\n{h}K3 {k}\na\nS1 {s}\nS2 {s}\n{h}s\nM1 {w}\nM2 {w}\nX3\n{h}m\nU1 {r}\nU2 {r}\n{h}f\n",
+        "{mode}K7 {k}\nK0 {k}\n{h}K3 {k}\nK4 {e}\na\nN1 {n}\nN9 {n}\n{h}r\nS1 {s}\nS2 {s}\n{h}s\nM1 {w}\nM2 {w}\nX3\n{h}m\n{confirmations}{h}{}U1 {r}\nU2 {r}\n{h}f\n",
+        if checked { "c\n" } else { "" },
         k = json(&round.keys[1]),
+        e = json(entry),
+        n = json(&round.reveals[1]),
         s = json(&round.shares[0]),
         w = json(&round.masked[0]),
         r = json(&round.replies[0]),
     );
-    c.put("hostile-replays", hostile);
-    // A hostile server: the client is sent someone else's directory entries, shares and
-    // survivor lists.
+    c.put(&name("hostile-replays"), hostile);
+    // A hostile server: the client is sent a roster without it, someone else's
+    // directory, shares and survivor lists.
+    let mut short_roster = round.roster.clone();
+    short_roster.members.remove(1);
+    short_roster.commitments.remove(1);
+    let lists = if checked {
+        format!("L1 {l}\nL2 {l}\n{h}c\n", l = json(&round.list))
+    } else {
+        String::new()
+    };
     let server = format!(
-        "{h}a\nD1 {d}\nD2 {d}\n{h}s\nR1 {f}\nR3 {f}\n{h}m\nQ1 {q}\nQ2 {q}\n{h}f\n",
+        "{mode}{h}a\nO2 {o}\nO1 {roster}\n{h}r\nD1 {d}\nD2 {d}\n{h}s\nR1 {f}\nR3 {f}\n{h}m\n{lists}Q1 {q}\nQ2 {q}\n{h}f\n",
+        o = json(&short_roster),
+        roster = json(&round.roster),
         d = json(&round.directory),
         f = json(&round.forwarded[1]),
-        q = json(&round.request),
+        q = json(&round.requests[0]),
     );
-    c.put("hostile-server", server);
+    c.put(&name("hostile-server"), server);
+    if checked {
+        // Two survivor lists: client 6 alive for clients 1 to 3 (and 6) and dropped for
+        // 4 and 5; each is then asked to answer with the signatures its neighbours made
+        // over its own list, all the server got.
+        let s1 = round.list.clone();
+        let s2 = UnmaskRequest {
+            survivors: s1.survivors.iter().copied().filter(|&u| u != 6).collect(),
+            signatures: vec![],
+        };
+        let config = round_config(true);
+        let dir = &round.full_directory;
+        let graph = NeighbourGraph::new(
+            &dir.members,
+            &graph_seed(&config.session, &dir.members, &dir.reveals),
+            config.neighbours,
+        )
+        .expect("the round's graph");
+        let told_s1 = |u: u32| [1, 2, 3, 6].contains(&u);
+        let request = |u: u32| {
+            let list = if told_s1(u) { &s1 } else { &s2 };
+            UnmaskRequest {
+                signatures: graph
+                    .neighbours(u)
+                    .expect("a member")
+                    .into_iter()
+                    .filter(|&v| told_s1(v) == told_s1(u))
+                    .map(|v| SurvivorSignature {
+                        index: v,
+                        signature: round_identity(v)
+                            .sign(&config.survivors_statement(&list.survivors)),
+                    })
+                    .collect(),
+                ..list.clone()
+            }
+        };
+        let asks: String = [1, 4, 2, 5, 3]
+            .into_iter()
+            .map(|u| format!("Q{u} {}\n", json(&request(u))))
+            .collect();
+        let split = format!(
+            "+\n{h}a\n{h}r\n{h}s\n{h}m\nL1 {s1}\nL2 {s1}\nL3 {s1}\nL6 {s1}\nL4 {s2}\nL5 {s2}\nc\n{asks}{h}f\n",
+            s1 = json(&s1),
+            s2 = json(&s2),
+        );
+        c.put("split-survivor-lists-consistency-check", split);
+    }
     // The caller folds the inputs: the real sum through `F`, and inputs recorded with
     // `X` (no words), which `f` must then refuse.
+    let end = if checked {
+        format!("{h}c\n")
+    } else {
+        String::new()
+    };
     c.put(
-        "external-sum",
-        format!("{honest_to_m}{h}F {sum}\n", sum = json(&round.sum)),
+        &name("external-sum"),
+        format!("{honest_to_m}{end}{h}F {sum}\n", sum = json(&round.sum)),
     );
     c.put(
-        "restored-inputs",
+        &name("restored-inputs"),
         format!(
-            "{h}a\n{h}s\nX1\nX2\nX3\nX4\nX5\nm\n{h}f\nF {sum}\n",
+            "{mode}{h}a\n{h}r\n{h}s\nX1\nX2\nX3\nX4\nX5\nm\n{end}{h}f\nF {sum}\n",
             sum = json(&round.sum)
         ),
     );
+}
+
+fn secagg_round_seeds(root: &Path, plain: &Round, checked: &Round) -> usize {
+    let mut c = Corpus::new(root, "secagg_round");
+    secagg_round_scripts(&mut c, plain);
+    secagg_round_scripts(&mut c, checked);
     c.written
 }
 
@@ -364,12 +513,15 @@ fn json(value: &impl Serialize) -> String {
 
 fn main() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus");
-    let round = real_round();
+    let (plain, checked) = (real_round(false), real_round(true));
     println!("wire_decode: {} seeds", wire_seeds(&root));
     println!("model_file_decode: {} seeds", model_file_seeds(&root));
     println!(
         "secagg_messages: {} seeds",
-        secagg_message_seeds(&root, &round)
+        secagg_message_seeds(&root, &plain, &checked)
     );
-    println!("secagg_round: {} seeds", secagg_round_seeds(&root, &round));
+    println!(
+        "secagg_round: {} seeds",
+        secagg_round_seeds(&root, &plain, &checked)
+    );
 }

@@ -8,10 +8,12 @@ use zeroize::Zeroizing;
 
 use super::crypto::{self, KEY_BYTES, KeyPair, SecretKind};
 use super::floors::ClientFloors;
-use super::graph::NeighbourGraph;
+use super::graph::{NeighbourGraph, effective_degree};
+use super::identity::{self, Identity, IdentityError, PUBLIC_KEY_BYTES};
 use super::messages::{
-    AdvertiseKeys, EncryptedShare, ForwardedShares, KeyDirectory, RevealedShare, RoundConfig,
-    SHARE_CIPHERTEXT_BYTES, SHARE_PLAINTEXT_BYTES, ShareKeys, UnmaskRequest, UnmaskShares,
+    AdvertiseKeys, Confirmation, EncryptedShare, ForwardedShares, GraphReveal, KeyDirectory,
+    RevealedShare, Roster, RoundConfig, SHARE_CIPHERTEXT_BYTES, SHARE_PLAINTEXT_BYTES, ShareKeys,
+    UnmaskRequest, UnmaskShares,
 };
 use super::prg::{self, Mask, MaskSign};
 use super::quantize::{EXTRA_WORDS, Quantizer};
@@ -24,8 +26,13 @@ pub struct ClientSession {
     quantizer: Quantizer,
     floors: ClientFloors,
     me: u32,
+    /// This client's registered identity (public half): no neighbour may present it.
+    identity: [u8; PUBLIC_KEY_BYTES],
     cipher: KeyPair,
     mask: KeyPair,
+    /// The nonce this client contributes to the neighbour graph.
+    graph_nonce: [u8; KEY_BYTES],
+    graph_commitment: [u8; KEY_BYTES],
     state: ClientState,
 }
 
@@ -52,10 +59,18 @@ struct PairKeys {
 }
 
 enum ClientState {
-    /// Keys advertised; waiting for the directory.
+    /// Keys advertised; waiting for the roster.
     Advertised,
+    /// Graph nonce revealed; waiting for the directory, which must list the same members
+    /// with nonces matching these commitments.
+    Revealed {
+        members: Vec<u32>,
+        commitments: Vec<[u8; KEY_BYTES]>,
+    },
     /// Shares sent; waiting for the neighbours' shares.
     Shared {
+        /// The neighbours' registered identities, for the consistency check.
+        identities: BTreeMap<u32, [u8; PUBLIC_KEY_BYTES]>,
         /// The neighbours in the graph over `U1`, each with the key that opens its share
         /// for this client and the pair's mask seed (agreed once, used in stage 3).
         neighbours: BTreeMap<u32, PairKeys>,
@@ -63,26 +78,34 @@ enum ClientState {
     },
     /// Masked input sent; holding the neighbours' shares until the unmask request.
     Masked {
-        /// All neighbours in the graph over `U1`.
-        neighbours: Vec<u32>,
+        /// All neighbours in the graph over `U1`, with their registered identities.
+        neighbours: BTreeMap<u32, [u8; PUBLIC_KEY_BYTES]>,
         /// Neighbours in `U2` and the (seed, key) shares each gave this client.
         held: BTreeMap<u32, (Share, Share)>,
+    },
+    /// The survivor list signed (consistency check); waiting for the neighbours'
+    /// signatures over it.
+    Confirmed {
+        neighbours: BTreeMap<u32, [u8; PUBLIC_KEY_BYTES]>,
+        held: BTreeMap<u32, (Share, Share)>,
+        survivors: Vec<u32>,
     },
     /// Shares revealed; the session answers nothing more.
     Done,
 }
 
 impl ClientSession {
-    /// Joins a round as client `me` (in `1..=config.parties`): makes the two key pairs and
-    /// returns the stage 1 message.
-    /// The settings must meet [`ClientFloors::default`]; see
+    /// Joins a round as client `me` (in `1..=config.parties`) with its registered
+    /// `identity`: makes the two key pairs and the graph nonce and returns the signed
+    /// stage 1 message. The settings must meet [`ClientFloors::default`]; see
     /// [`with_floors`](Self::with_floors).
     pub fn new<R: rand_core::CryptoRng + ?Sized>(
         config: RoundConfig,
         me: u32,
+        identity: &Identity,
         rng: &mut R,
     ) -> Result<(Self, AdvertiseKeys), SecAggError> {
-        Self::with_floors(config, me, ClientFloors::default(), rng)
+        Self::with_floors(config, me, ClientFloors::default(), identity, rng)
     }
 
     /// [`new`](Self::new) for a client with its own floors: a round whose settings fall
@@ -92,6 +115,7 @@ impl ClientSession {
         config: RoundConfig,
         me: u32,
         floors: ClientFloors,
+        identity: &Identity,
         rng: &mut R,
     ) -> Result<(Self, AdvertiseKeys), SecAggError> {
         floors.validate().map_err(SecAggError::InvalidConfig)?;
@@ -102,9 +126,16 @@ impl ClientSession {
         }
         let cipher = KeyPair::generate(rng);
         let mask = KeyPair::generate(rng);
+        let mut graph_nonce = [0u8; KEY_BYTES];
+        rng.fill_bytes(&mut graph_nonce);
+        let graph_commitment = crypto::graph_commitment(&config.session, me, &graph_nonce);
+        let (cipher_pk, mask_pk) = (cipher.public(), mask.public());
+        let statement = config.advertise_statement(me, &cipher_pk, &mask_pk, &graph_commitment);
         let advertised = AdvertiseKeys {
-            cipher_pk: cipher.public(),
-            mask_pk: mask.public(),
+            cipher_pk,
+            mask_pk,
+            graph_commitment,
+            signature: identity.sign(&statement),
         };
         Ok((
             Self {
@@ -112,8 +143,11 @@ impl ClientSession {
                 quantizer,
                 floors,
                 me,
+                identity: identity.public(),
                 cipher,
                 mask,
+                graph_nonce,
+                graph_commitment,
                 state: ClientState::Advertised,
             },
             advertised,
@@ -133,9 +167,11 @@ impl ClientSession {
     /// The stage whose server message the client waits for next (`None` when done).
     pub fn stage(&self) -> Option<Stage> {
         match self.state {
-            ClientState::Advertised => Some(Stage::Share),
+            ClientState::Advertised => Some(Stage::Reveal),
+            ClientState::Revealed { .. } => Some(Stage::Share),
             ClientState::Shared { .. } => Some(Stage::Masked),
-            ClientState::Masked { .. } => Some(Stage::Unmask),
+            ClientState::Masked { .. } if self.config.consistency_check => Some(Stage::Confirm),
+            ClientState::Masked { .. } | ClientState::Confirmed { .. } => Some(Stage::Unmask),
             ClientState::Done => None,
         }
     }
@@ -147,26 +183,87 @@ impl ClientSession {
         }
     }
 
-    /// Stage 2: checks the key directory (`U1`), secret-shares the self-mask seed and the
-    /// mask key among this client's neighbours, and encrypts each neighbour's pair.
+    /// Stage 2: checks the roster (`U1` and every member's graph commitment) and reveals
+    /// this client's graph nonce. The roster is kept: the directory must list the same
+    /// members, with nonces that match these commitments.
+    pub fn reveal(&mut self, roster: &Roster) -> Result<GraphReveal, SecAggError> {
+        if !matches!(self.state, ClientState::Advertised) {
+            return Err(self.wrong_stage(Stage::Reveal));
+        }
+        check_ascending(&roster.members, self.config.parties)?;
+        if roster.commitments.len() != roster.members.len() {
+            return Err(SecAggError::WrongLength {
+                expected: roster.members.len(),
+                found: roster.commitments.len(),
+            });
+        }
+        let Ok(position) = roster.members.binary_search(&self.me) else {
+            return Err(SecAggError::NotInRound(self.me));
+        };
+        if roster.commitments[position] != self.graph_commitment {
+            return Err(SecAggError::BadMessage(
+                "the roster does not hold this client's own graph commitment".into(),
+            ));
+        }
+        let t = self.config.threshold;
+        let k = effective_degree(roster.members.len(), self.config.neighbours);
+        if k < t {
+            return Err(SecAggError::TooFewParticipants {
+                stage: Stage::Advertise,
+                have: roster.members.len(),
+                need: t + 1,
+            });
+        }
+        self.state = ClientState::Revealed {
+            members: roster.members.clone(),
+            commitments: roster.commitments.clone(),
+        };
+        Ok(GraphReveal {
+            nonce: self.graph_nonce,
+        })
+    }
+
+    /// Stage 3: checks the key directory (the roster's members, every member's graph
+    /// nonce against its commitment, and each neighbour's keys against its signature
+    /// under a distinct registered identity), derives the neighbour graph,
+    /// secret-shares the self-mask seed and the mask key among this client's neighbours,
+    /// and encrypts each neighbour's pair.
     pub fn share_keys<R: rand_core::CryptoRng + ?Sized>(
         &mut self,
         directory: &KeyDirectory,
         rng: &mut R,
     ) -> Result<ShareKeys, SecAggError> {
-        if !matches!(self.state, ClientState::Advertised) {
+        let ClientState::Revealed {
+            members,
+            commitments,
+        } = &self.state
+        else {
             return Err(self.wrong_stage(Stage::Share));
+        };
+        if directory.members != *members {
+            return Err(SecAggError::BadMessage(
+                "the directory's members are not the roster's".into(),
+            ));
         }
-        check_ascending(&directory.members, self.config.parties)?;
+        if directory.reveals.len() != members.len() {
+            return Err(SecAggError::WrongLength {
+                expected: members.len(),
+                found: directory.reveals.len(),
+            });
+        }
+        let session = &self.config.session;
+        if let Some((&v, _)) = members
+            .iter()
+            .zip(directory.reveals.iter().zip(commitments))
+            .find(|(v, (nonce, c))| crypto::graph_commitment(session, **v, nonce) != **c)
+        {
+            return Err(SecAggError::BadMessage(format!(
+                "client {v}'s graph nonce does not match its commitment"
+            )));
+        }
         let indices: Vec<u32> = directory.entries.iter().map(|e| e.index).collect();
         check_ascending(&indices, self.config.parties)?;
-        if directory.members.binary_search(&self.me).is_err() {
-            return Err(SecAggError::NotInRound(self.me));
-        }
-        if let Some(&v) = indices
-            .iter()
-            .find(|v| directory.members.binary_search(v).is_err())
-        {
+        if let Some(&v) = indices.iter().find(|v| members.binary_search(v).is_err()) {
             return Err(SecAggError::BadMessage(format!(
                 "the directory has keys for client {v}, who is not a member"
             )));
@@ -178,16 +275,16 @@ impl ClientSession {
             .ok_or_else(|| {
                 SecAggError::BadMessage("the directory does not hold this client's keys".into())
             })?;
-        if mine.keys.cipher_pk != self.cipher.public() || mine.keys.mask_pk != self.mask.public() {
+        if mine.keys.cipher_pk != self.cipher.public()
+            || mine.keys.mask_pk != self.mask.public()
+            || mine.identity != self.identity
+        {
             return Err(SecAggError::BadMessage(
                 "the directory does not hold this client's own keys".into(),
             ));
         }
-        let graph = NeighbourGraph::new(
-            &directory.members,
-            &self.config.session,
-            self.config.neighbours,
-        )?;
+        let seed = crypto::graph_seed(session, members, &directory.reveals);
+        let graph = NeighbourGraph::new(members, &seed, self.config.neighbours)?;
         let neighbours = graph.neighbours(self.me).expect("a member");
         if let Some(&v) = neighbours
             .iter()
@@ -205,6 +302,33 @@ impl ClientSession {
                 need: t,
             });
         }
+        // Each neighbour's keys must carry its signature under a registered identity
+        // that no other party of this neighbourhood (this client included) presents:
+        // keys the coordinator made itself would fail here.
+        let mut identities: BTreeMap<u32, [u8; PUBLIC_KEY_BYTES]> = BTreeMap::new();
+        let mut seen: BTreeMap<[u8; PUBLIC_KEY_BYTES], u32> = BTreeMap::new();
+        seen.insert(self.identity, self.me);
+        for &v in &neighbours {
+            let entry = &directory.entries[indices.binary_search(&v).expect("checked")];
+            let position = members.binary_search(&v).expect("a member");
+            if entry.keys.graph_commitment != commitments[position] {
+                return Err(SecAggError::BadMessage(format!(
+                    "client {v}'s keys carry another graph commitment than the roster's"
+                )));
+            }
+            let statement = self.config.advertise_statement(
+                v,
+                &entry.keys.cipher_pk,
+                &entry.keys.mask_pk,
+                &entry.keys.graph_commitment,
+            );
+            identity::verify(&entry.identity, &statement, &entry.keys.signature, v)?;
+            if let Some(&other) = seen.get(&entry.identity) {
+                return Err(IdentityError::SharedIdentity(other.min(v), other.max(v)).into());
+            }
+            seen.insert(entry.identity, v);
+            identities.insert(v, entry.identity);
+        }
         let directory: BTreeMap<u32, &AdvertiseKeys> = directory
             .entries
             .iter()
@@ -212,7 +336,6 @@ impl ClientSession {
             .collect();
         // Agree with every neighbour first: a weak key anywhere refuses the directory
         // before any secret is drawn.
-        let session = &self.config.session;
         let mut keys = Vec::with_capacity(neighbours.len());
         let mut pairs = BTreeMap::new();
         for &v in &neighbours {
@@ -258,6 +381,7 @@ impl ClientSession {
             shares,
         };
         self.state = ClientState::Shared {
+            identities,
             neighbours: pairs,
             self_seed,
         };
@@ -401,6 +525,7 @@ impl ClientSession {
         mut words: Vec<u32>,
     ) -> Result<Vec<u32>, SecAggError> {
         let ClientState::Shared {
+            identities,
             neighbours,
             self_seed,
         } = &self.state
@@ -421,22 +546,23 @@ impl ClientSession {
             },
         }));
         prg::apply_masks_parallel(&masks, 0, &mut words)?;
-        let neighbours = neighbours.keys().copied().collect();
+        let neighbours = identities.clone();
         self.state = ClientState::Masked { neighbours, held };
         Ok(words)
     }
 
-    /// Stage 4: checks the survivor list (`U3`) and reveals, for each neighbour in `U2`,
-    /// its seed share if it survived and its key share if it dropped. Answers once: a
-    /// second request (which could name other survivors) is refused, so the server can
-    /// never get both shares of one neighbour from this client.
-    pub fn unmask(&mut self, request: &UnmaskRequest) -> Result<UnmaskShares, SecAggError> {
-        let ClientState::Masked { neighbours, held } = &self.state else {
-            return Err(self.wrong_stage(Stage::Unmask));
-        };
-        check_ascending(&request.survivors, self.config.parties)?;
-        let survivors: BTreeSet<u32> = request.survivors.iter().copied().collect();
-        if !survivors.contains(&self.me) {
+    /// Checks a survivor list against this client's view: strictly ascending, naming
+    /// this client, above the floors, with at least `t` of this client's neighbours (the
+    /// holders of its own shares), and naming no neighbour that never shared keys.
+    fn check_survivors(
+        &self,
+        neighbours: &BTreeMap<u32, [u8; PUBLIC_KEY_BYTES]>,
+        held: &BTreeMap<u32, (Share, Share)>,
+        survivors: &[u32],
+    ) -> Result<(), SecAggError> {
+        check_ascending(survivors, self.config.parties)?;
+        let listed = |v: &u32| survivors.binary_search(v).is_ok();
+        if !listed(&self.me) {
             return Err(SecAggError::NotInRound(self.me));
         }
         let t = self.config.threshold;
@@ -450,7 +576,7 @@ impl ClientSession {
         self.floors.check_survivors(&self.config, survivors.len())?;
         // This client's own seed is rebuilt from its surviving neighbours' shares: with
         // fewer than t of them the round cannot finish, so nothing is revealed for it.
-        let holders = neighbours.iter().filter(|v| survivors.contains(v)).count();
+        let holders = neighbours.keys().filter(|v| listed(v)).count();
         if holders < t {
             return Err(SecAggError::TooFewNeighbours {
                 client: self.me,
@@ -460,15 +586,111 @@ impl ClientSession {
         }
         // A surviving neighbour must have shared keys with this client (be in `U2`);
         // anything else means the server's lists disagree.
-        if let Some(&v) = survivors
-            .iter()
-            .find(|v| neighbours.contains(v) && !held.contains_key(v))
+        if let Some(&v) = neighbours
+            .keys()
+            .find(|v| listed(v) && !held.contains_key(v))
         {
             return Err(SecAggError::BadMessage(format!(
                 "survivor {v} never shared keys with client {}",
                 self.me
             )));
         }
+        Ok(())
+    }
+
+    /// Consistency check: checks the survivor list (`U3`) as [`unmask`](Self::unmask)
+    /// would and signs it with this client's identity. Answers once: the client signs
+    /// one survivor list per round, so no two lists can both gather its signature.
+    pub fn confirm(
+        &mut self,
+        request: &UnmaskRequest,
+        identity: &Identity,
+    ) -> Result<Confirmation, SecAggError> {
+        if !self.config.consistency_check {
+            return Err(SecAggError::BadMessage(
+                "this round runs without the consistency check".into(),
+            ));
+        }
+        let ClientState::Masked { neighbours, held } = &self.state else {
+            return Err(self.wrong_stage(Stage::Confirm));
+        };
+        if identity.public() != self.identity {
+            return Err(SecAggError::BadMessage(
+                "signing with another identity than the one this client joined with".into(),
+            ));
+        }
+        self.check_survivors(neighbours, held, &request.survivors)?;
+        let signature = identity.sign(&self.config.survivors_statement(&request.survivors));
+        let ClientState::Masked { neighbours, held } =
+            std::mem::replace(&mut self.state, ClientState::Done)
+        else {
+            unreachable!("matched above")
+        };
+        self.state = ClientState::Confirmed {
+            neighbours,
+            held,
+            survivors: request.survivors.clone(),
+        };
+        Ok(Confirmation { signature })
+    }
+
+    /// The last stage: checks the survivor list (`U3`) and reveals, for each neighbour
+    /// in `U2`, its seed share if it survived and its key share if it dropped. With the
+    /// consistency check, the list must be the one this client signed, and at least `t`
+    /// of this client's neighbours must have signed it too (their signatures are in the
+    /// request; a bad one aborts). Answers once: a second request (which could name
+    /// other survivors) is refused, so the server can never get both shares of one
+    /// neighbour from this client.
+    pub fn unmask(&mut self, request: &UnmaskRequest) -> Result<UnmaskShares, SecAggError> {
+        let (neighbours, held) = match &self.state {
+            ClientState::Masked { neighbours, held } if !self.config.consistency_check => {
+                self.check_survivors(neighbours, held, &request.survivors)?;
+                (neighbours, held)
+            }
+            ClientState::Confirmed {
+                neighbours,
+                held,
+                survivors,
+            } => {
+                if request.survivors != *survivors {
+                    return Err(SecAggError::BadMessage(
+                        "the survivor list is not the one this client signed".into(),
+                    ));
+                }
+                let statement = self.config.survivors_statement(survivors);
+                let mut signers = BTreeSet::new();
+                for s in &request.signatures {
+                    let Some(public) = neighbours.get(&s.index) else {
+                        return Err(SecAggError::NotNeighbour {
+                            from: s.index,
+                            to: self.me,
+                        });
+                    };
+                    if survivors.binary_search(&s.index).is_err() {
+                        return Err(SecAggError::BadMessage(format!(
+                            "client {} signed a survivor list without being on it",
+                            s.index
+                        )));
+                    }
+                    if !signers.insert(s.index) {
+                        return Err(SecAggError::Duplicate(s.index));
+                    }
+                    identity::verify(public, &statement, &s.signature, s.index)?;
+                }
+                let t = self.config.threshold;
+                if signers.len() < t {
+                    return Err(SecAggError::TooFewConfirmations {
+                        client: self.me,
+                        have: signers.len(),
+                        need: t,
+                    });
+                }
+                (neighbours, held)
+            }
+            _ => return Err(self.wrong_stage(Stage::Unmask)),
+        };
+        let _ = neighbours;
+        let survivors: BTreeSet<u32> = request.survivors.iter().copied().collect();
         let mut reply = UnmaskShares {
             seed_shares: Vec::new(),
             key_shares: Vec::new(),

@@ -261,6 +261,46 @@ pub fn share_commitment(
         .expect("SHA-256 gives 32 bytes")
 }
 
+/// A client's commitment to its graph nonce, sent with its keys. Binding the index and
+/// session means a commitment cannot be copied from another client or round.
+pub fn graph_commitment(
+    session: &[u8; KEY_BYTES],
+    index: u32,
+    nonce: &[u8; KEY_BYTES],
+) -> [u8; KEY_BYTES] {
+    let mut ctx = digest::Context::new(&digest::SHA256);
+    ctx.update(b"cohort secagg graph commitment v1");
+    ctx.update(session);
+    ctx.update(&index.to_le_bytes());
+    ctx.update(nonce);
+    ctx.finish()
+        .as_ref()
+        .try_into()
+        .expect("SHA-256 gives 32 bytes")
+}
+
+/// The seed of the neighbour graph: a hash of the session and every member's revealed
+/// nonce, in member order. One honest member's nonce, committed before any other was
+/// revealed, makes it uniform to everyone else, the coordinator included.
+pub fn graph_seed(
+    session: &[u8; KEY_BYTES],
+    members: &[u32],
+    reveals: &[[u8; KEY_BYTES]],
+) -> [u8; KEY_BYTES] {
+    let mut ctx = digest::Context::new(&digest::SHA256);
+    ctx.update(b"cohort secagg graph seed v1");
+    ctx.update(session);
+    ctx.update(&(members.len() as u64).to_le_bytes());
+    for (index, nonce) in members.iter().zip(reveals) {
+        ctx.update(&index.to_le_bytes());
+        ctx.update(nonce);
+    }
+    ctx.finish()
+        .as_ref()
+        .try_into()
+        .expect("SHA-256 gives 32 bytes")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -176,6 +176,7 @@ mod tests {
     fn config(parties: u32, neighbours: usize, threshold: usize, z: Option<f64>) -> RoundConfig {
         RoundConfig {
             session: [1; 32],
+            context: Default::default(),
             parties,
             threshold,
             neighbours,
@@ -187,6 +188,7 @@ mod tests {
                 }),
                 ..QuantizationParams::default()
             },
+            consistency_check: false,
         }
     }
 

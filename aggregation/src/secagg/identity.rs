@@ -35,6 +35,10 @@ pub enum IdentityError {
     /// The signature is not the named client's over this statement.
     #[error("the signature of client {0} does not verify")]
     BadSignature(u32),
+    /// Two clients of one round present the same identity (one client cannot hold two
+    /// places in a neighbourhood).
+    #[error("clients {0} and {1} present the same identity")]
+    SharedIdentity(u32, u32),
 }
 
 /// A client's long-term signing key. The seed is wiped when the key is dropped.
@@ -59,6 +63,13 @@ impl Identity {
             .fill(seed.as_mut())
             .map_err(|_| IdentityError::NoRandomness)?;
         Self::from_seed(seed.as_ref())
+    }
+
+    /// An identity drawn from `rng`: for simulated clients, whose runs must repeat.
+    pub fn from_rng<R: rand_core::CryptoRng + ?Sized>(rng: &mut R) -> Self {
+        let mut seed = Zeroizing::new([0u8; SEED_BYTES]);
+        rng.fill_bytes(seed.as_mut());
+        Self::from_seed(seed.as_ref()).expect("any 32 bytes are an Ed25519 seed")
     }
 
     /// The identity stored as `seed` ([`seed`](Self::seed)).

@@ -9,6 +9,7 @@ use rand_chacha::ChaCha20Rng;
 use rand_core::SeedableRng;
 use rayon::prelude::*;
 
+use super::identity::Identity;
 use super::messages::{RoundConfig, UnmaskRequest};
 use super::{ClientSession, SecAggError, ServerSession, Stage, Unmasked};
 
@@ -32,21 +33,29 @@ pub enum ClientInput {
 /// Seconds spent by each party in each stage.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Timings {
-    /// Per client: key generation (stage 1).
+    /// Per client: key generation and signing (stage 1).
     pub client_advertise: Vec<f64>,
+    /// Per client: checking the roster and revealing the graph nonce.
+    pub client_reveal: Vec<f64>,
     /// Per client: secret sharing and encryption (stage 2).
     pub client_share: Vec<f64>,
     /// Per client: decryption, quantisation and masking (stage 3), without obtaining
     /// the input.
     pub client_mask: Vec<f64>,
-    /// Per client: revealing shares (stage 4).
+    /// Per client: checking and signing the survivor list (consistency check).
+    pub client_confirm: Vec<f64>,
+    /// Per client: checking the neighbours' signatures and revealing shares.
     pub client_unmask: Vec<f64>,
-    /// Server: accepting keys and building the graph.
+    /// Server: accepting and checking signed keys.
     pub server_advertise: f64,
+    /// Server: accepting graph nonces and drawing the graph.
+    pub server_reveal: f64,
     /// Server: accepting and routing shares.
     pub server_share: f64,
     /// Server: folding the masked inputs.
     pub server_collect: f64,
+    /// Server: accepting and checking signatures over the survivor list.
+    pub server_confirm: f64,
     /// Server: accepting revealed shares, rebuilding secrets, removing masks, decoding.
     pub server_unmask: f64,
     /// The whole round, wall clock.
@@ -79,8 +88,8 @@ fn timed<T>(f: impl FnOnce() -> T) -> (T, f64) {
 
 /// Runs one round among clients `1..=config.parties`. A client in `drop_at` stops
 /// answering at that stage (it sends nothing from that stage on). Randomness for client
-/// `i` comes from a ChaCha20 stream of `seed` and `i`, so a round is reproducible
-/// whatever the thread timing. `input(i)` is called once per client that reaches stage
+/// `i`, its identity included, comes from a ChaCha20 stream of `seed` and `i`, so a
+/// round is reproducible whatever the thread timing. `input(i)` is called once per client that reaches stage
 /// 3; with `parallel`, clients work concurrently in each stage.
 pub fn run_round<F>(
     config: &RoundConfig,
@@ -136,8 +145,9 @@ where
     let indices: Vec<u32> = (1..=config.parties).collect();
     let advertise = |&u: &u32| {
         let mut rng = rng_for(u);
-        let (made, secs) = timed(|| ClientSession::new(config.clone(), u, &mut rng));
-        (u, made, rng, secs)
+        let identity = Identity::from_rng(&mut rng);
+        let (made, secs) = timed(|| ClientSession::new(config.clone(), u, &identity, &mut rng));
+        (u, made, rng, identity, secs)
     };
     let joined: Vec<_> = if parallel {
         indices.par_iter().map(advertise).collect()
@@ -145,8 +155,9 @@ where
         indices.iter().map(advertise).collect()
     };
     let mut clients: BTreeMap<u32, (ClientSession, ChaCha20Rng)> = BTreeMap::new();
+    let mut identities: BTreeMap<u32, Identity> = BTreeMap::new();
     let mut server_time = 0.0;
-    for (u, made, rng, secs) in joined {
+    for (u, made, rng, identity, secs) in joined {
         timings.client_advertise.push(secs);
         let (session, keys) = match made {
             Ok(m) => m,
@@ -156,16 +167,53 @@ where
             continue;
         }
         *bytes.entry(u).or_default() += json_len(&keys);
-        let (r, secs) = timed(|| server.receive_keys(u, &keys));
+        let (r, secs) = timed(|| server.receive_keys(u, &keys, &identity.public()));
         server_time += secs;
         if let Err(e) = r {
             return finish(Err(e), timings, bytes, aborted);
         }
         clients.insert(u, (session, rng));
+        identities.insert(u, identity);
     }
-    let (directory, secs) = timed(|| server.close_advertise());
+    let (roster, secs) = timed(|| server.close_advertise());
     timings.server_advertise = server_time + secs;
-    if let Err(e) = directory {
+    let roster = match roster {
+        Ok(r) => r,
+        Err(e) => return finish(Err(e), timings, bytes, aborted),
+    };
+
+    // Graph nonces: revealed only once every commitment is fixed.
+    clients.retain(|&u, _| present(u, Stage::Reveal));
+    let reveal = |(&u, (session, _)): (&u32, &mut (ClientSession, ChaCha20Rng))| {
+        let (r, secs) = timed(|| session.reveal(&roster));
+        (u, r, secs)
+    };
+    let revealed: Vec<_> = if parallel {
+        clients.par_iter_mut().map(reveal).collect()
+    } else {
+        clients.iter_mut().map(reveal).collect()
+    };
+    let mut server_time = 0.0;
+    for (u, r, secs) in revealed {
+        timings.client_reveal.push(secs);
+        match r {
+            Ok(message) => {
+                *bytes.entry(u).or_default() += json_len(&message);
+                let (r, secs) = timed(|| server.receive_reveal(u, &message));
+                server_time += secs;
+                if let Err(e) = r {
+                    return finish(Err(e), timings, bytes, aborted);
+                }
+            }
+            Err(e) => {
+                aborted.insert(u, e);
+                clients.remove(&u);
+            }
+        }
+    }
+    let (closed, secs) = timed(|| server.close_reveal());
+    timings.server_reveal = server_time + secs;
+    if let Err(e) = closed {
         return finish(Err(e), timings, bytes, aborted);
     }
     let server_ref = &server;
@@ -264,9 +312,51 @@ where
         Err(e) => return finish(Err(e), timings, bytes, aborted),
     };
 
-    // Stage 4.
+    // The consistency check: each survivor signs the list it was sent.
+    if config.consistency_check {
+        clients.retain(|&u, _| present(u, Stage::Confirm));
+        let identities = &identities;
+        let confirm = |(&u, (session, _)): (&u32, &mut (ClientSession, ChaCha20Rng))| {
+            let (r, secs) = timed(|| session.confirm(&request, &identities[&u]));
+            (u, r, secs)
+        };
+        let confirmed: Vec<_> = if parallel {
+            clients.par_iter_mut().map(confirm).collect()
+        } else {
+            clients.iter_mut().map(confirm).collect()
+        };
+        let mut server_time = 0.0;
+        for (u, r, secs) in confirmed {
+            timings.client_confirm.push(secs);
+            match r {
+                Ok(message) => {
+                    *bytes.entry(u).or_default() += json_len(&message);
+                    let (r, secs) = timed(|| server.receive_confirmation(u, &message));
+                    server_time += secs;
+                    if let Err(e) = r {
+                        return finish(Err(e), timings, bytes, aborted);
+                    }
+                }
+                Err(e) => {
+                    aborted.insert(u, e);
+                    clients.remove(&u);
+                }
+            }
+        }
+        let (closed, secs) = timed(|| server.close_confirm());
+        timings.server_confirm = server_time + secs;
+        if let Err(e) = closed {
+            return finish(Err(e), timings, bytes, aborted);
+        }
+    }
+
+    // Unmasking: each survivor gets the list with its neighbours' signatures.
     clients.retain(|&u, _| present(u, Stage::Unmask));
+    let server_ref = &server;
     let unmask = |(&u, (session, _)): (&u32, &mut (ClientSession, ChaCha20Rng))| {
+        let request = server_ref
+            .unmask_request_for(u)
+            .unwrap_or_else(|| request.clone());
         let (r, secs) = timed(|| session.unmask(&request));
         (u, r, secs)
     };

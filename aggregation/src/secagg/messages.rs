@@ -7,6 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::crypto::KEY_BYTES;
+use super::identity::{PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Statement};
 use super::quantize::QuantizationParams;
 use super::shamir::SHARE_BYTES;
 
@@ -19,6 +20,10 @@ pub struct RoundConfig {
     /// commitment is bound to it, and the neighbour graph is derived from it.
     #[serde(with = "b64_array")]
     pub session: [u8; KEY_BYTES],
+    /// Which experiment, round and attempt this is. Every signature a client makes is
+    /// bound to it, so a signed message of one round cannot be replayed in another.
+    #[serde(default)]
+    pub context: RoundContext,
     /// Clients selected; their indices are `1..=parties`.
     pub parties: u32,
     /// Shares needed to rebuild a secret (`t`); more than half of a neighbourhood.
@@ -29,9 +34,63 @@ pub struct RoundConfig {
     pub dimension: usize,
     /// How updates are quantised.
     pub quantization: QuantizationParams,
+    /// Whether survivors run the consistency check before they reveal anything: each
+    /// signs the survivor list it was sent, and reveals its shares only after seeing at
+    /// least `threshold` valid signatures over the same list from its own neighbours, so
+    /// a list the coordinator shows to one client alone (to learn which of its
+    /// neighbours' shares it reveals) gathers nothing. One neighbourhood cannot be split
+    /// between two lists without colluding clients signing both.
+    #[serde(default)]
+    pub consistency_check: bool,
 }
 
-/// Stage 1, client to server: the client's two public keys.
+/// Names one attempt of one round, as the coordinator's records do.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RoundContext {
+    /// The experiment's id (empty in simulations).
+    pub experiment: String,
+    /// The round number.
+    pub round: u64,
+    /// The attempt of the round (a failed attempt runs again with fresh keys).
+    pub attempt: u64,
+}
+
+impl RoundConfig {
+    /// What a client signs when it advertises its keys: the round (session and context)
+    /// and its index, keys and graph commitment.
+    pub fn advertise_statement(
+        &self,
+        index: u32,
+        cipher_pk: &[u8; KEY_BYTES],
+        mask_pk: &[u8; KEY_BYTES],
+        graph_commitment: &[u8; KEY_BYTES],
+    ) -> Statement {
+        self.statement("advertise keys v2")
+            .number(index.into())
+            .field(cipher_pk)
+            .field(mask_pk)
+            .field(graph_commitment)
+    }
+
+    /// What a survivor signs in the consistency check: the round and the survivor list
+    /// it was sent.
+    pub fn survivors_statement(&self, survivors: &[u32]) -> Statement {
+        self.statement("survivors v2").indices(survivors)
+    }
+
+    fn statement(&self, label: &str) -> Statement {
+        Statement::new(label)
+            .field(&self.session)
+            .field(self.context.experiment.as_bytes())
+            .number(self.context.round)
+            .number(self.context.attempt)
+            .number(self.parties.into())
+    }
+}
+
+/// Stage 1, client to server: the client's two public keys and its commitment to the
+/// nonce it contributes to the neighbour graph, signed with its long-term identity.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AdvertiseKeys {
@@ -41,28 +100,66 @@ pub struct AdvertiseKeys {
     /// X25519 key for the pairwise masks.
     #[serde(with = "b64_array")]
     pub mask_pk: [u8; KEY_BYTES],
+    /// [`graph_commitment`](super::crypto::graph_commitment) to the client's graph
+    /// nonce, revealed only once every member's commitment is fixed.
+    #[serde(with = "b64_array")]
+    pub graph_commitment: [u8; KEY_BYTES],
+    /// Ed25519 signature by the client's registered identity over
+    /// [`RoundConfig::advertise_statement`].
+    #[serde(with = "b64_array")]
+    pub signature: [u8; SIGNATURE_BYTES],
+}
+
+/// Server to each member after stage 1: who advertised keys (`U1`) and every member's
+/// graph commitment. A client reveals its graph nonce only after it holds this list, so
+/// no nonce can be chosen after another is known: the neighbour graph is drawn from
+/// randomness no single party (the coordinator included) controls.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Roster {
+    /// `U1`, in ascending order.
+    pub members: Vec<u32>,
+    /// Each member's graph commitment, in the order of `members`.
+    #[serde(with = "b64_arrays")]
+    pub commitments: Vec<[u8; KEY_BYTES]>,
+}
+
+/// Stage 1b, client to server: the nonce behind the client's graph commitment.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GraphReveal {
+    /// 32 random bytes, fresh for the attempt.
+    #[serde(with = "b64_array")]
+    pub nonce: [u8; KEY_BYTES],
 }
 
 /// One client's entry in the key directory.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct DirectoryEntry {
     /// The client's index.
     pub index: u32,
-    /// Its keys as advertised.
+    /// Its keys as advertised, with their signature.
     #[serde(flatten)]
     pub keys: AdvertiseKeys,
+    /// The Ed25519 public key the client registered at enrolment, which its signature
+    /// must verify under.
+    #[serde(with = "b64_array")]
+    pub identity: [u8; PUBLIC_KEY_BYTES],
 }
 
-/// Server to a client after stage 1: who advertised keys (the set `U1`, from which every
-/// party derives the same neighbour graph) and the keys the client needs: its own and its
-/// neighbours'. A client's directory grows with `n` by 4 bytes a member, not by a member's
-/// keys, so a round's directories cost `O(n (4 + k * 88))` bytes, not `O(88 n^2)`.
+/// Server to a client once every member revealed its graph nonce: who advertised keys
+/// (the set `U1`), every member's nonce (from which every party derives the same
+/// neighbour graph) and the signed keys the client needs: its own and its neighbours'. A
+/// client's directory grows with `n` by 36 bytes a member, not by a member's keys, so a
+/// round's directories cost `O(n (36 + k * 200))` bytes, not `O(n^2)`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KeyDirectory {
     /// `U1`, in ascending order.
     pub members: Vec<u32>,
+    /// Each member's graph nonce, in the order of `members`.
+    #[serde(with = "b64_arrays")]
+    pub reveals: Vec<[u8; KEY_BYTES]>,
     /// The keys of the recipient and its neighbours, in ascending index order (a
     /// directory with more entries, every member's, is accepted too).
     pub entries: Vec<DirectoryEntry>,
@@ -132,12 +229,39 @@ pub struct ForwardedShares {
 }
 
 /// Server to the survivors after stage 3: who delivered a masked input (`U3`), in
-/// ascending order.
+/// ascending order. With the consistency check, the list is sent twice: first bare, for
+/// the survivor to sign ([`Confirmation`]), then with the signatures of the survivor's
+/// neighbours over the same list, before it reveals anything.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct UnmaskRequest {
     /// The set `U3`.
     pub survivors: Vec<u32>,
+    /// With the consistency check, in the second sending: the recipient's neighbours'
+    /// signatures over [`RoundConfig::survivors_statement`] of `survivors`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub signatures: Vec<SurvivorSignature>,
+}
+
+/// One survivor's signature over the survivor list.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SurvivorSignature {
+    /// Who signed.
+    pub index: u32,
+    /// Ed25519 over [`RoundConfig::survivors_statement`].
+    #[serde(with = "b64_array")]
+    pub signature: [u8; SIGNATURE_BYTES],
+}
+
+/// Consistency check, client to server: the survivor's signature over the survivor
+/// list it was sent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Confirmation {
+    /// Ed25519 over [`RoundConfig::survivors_statement`].
+    #[serde(with = "b64_array")]
+    pub signature: [u8; SIGNATURE_BYTES],
 }
 
 /// One share revealed in stage 4.
@@ -203,6 +327,41 @@ mod b64_vec {
     }
 }
 
+mod b64_arrays {
+    use base64::Engine;
+    use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    use serde::ser::SerializeSeq;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer, const N: usize>(
+        list: &[[u8; N]],
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        let mut seq = s.serialize_seq(Some(list.len()))?;
+        for bytes in list {
+            seq.serialize_element(&URL_SAFE_NO_PAD.encode(bytes))?;
+        }
+        seq.end()
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>, const N: usize>(
+        d: D,
+    ) -> Result<Vec<[u8; N]>, D::Error> {
+        let texts = <Vec<std::borrow::Cow<'de, str>>>::deserialize(d)?;
+        texts
+            .iter()
+            .map(|text| {
+                let v = URL_SAFE_NO_PAD
+                    .decode(text.as_bytes())
+                    .map_err(serde::de::Error::custom)?;
+                let len = v.len();
+                v.try_into()
+                    .map_err(|_| serde::de::Error::custom(format!("expected {N} bytes, got {len}")))
+            })
+            .collect()
+    }
+}
+
 mod b64_array {
     use serde::{Deserializer, Serializer};
 
@@ -232,24 +391,66 @@ mod tests {
         let keys = AdvertiseKeys {
             cipher_pk: [1; 32],
             mask_pk: [2; 32],
+            graph_commitment: [3; 32],
+            signature: [4; 64],
         };
         let json = serde_json::to_string(&keys).unwrap();
         assert_eq!(serde_json::from_str::<AdvertiseKeys>(&json).unwrap(), keys);
-        assert!(json.len() < 120, "{json}");
-        // 31 bytes is not a key.
-        let short = serde_json::json!({"cipher_pk": "AQ", "mask_pk": "AQ"});
-        assert!(serde_json::from_value::<AdvertiseKeys>(short).is_err());
-        let not_b64 = serde_json::json!({"cipher_pk": "!!!", "mask_pk": "AQ"});
-        assert!(serde_json::from_value::<AdvertiseKeys>(not_b64).is_err());
-        let extra = serde_json::json!({"cipher_pk": "AQ", "mask_pk": "AQ", "x": 1});
+        assert!(json.len() < 300, "{json}");
+        let mut value = serde_json::to_value(&keys).unwrap();
+        // 1 byte is not a key, `!!!` not base64, and nothing may be added or left out.
+        value["cipher_pk"] = "AQ".into();
+        assert!(serde_json::from_value::<AdvertiseKeys>(value.clone()).is_err());
+        value["cipher_pk"] = "!!!".into();
+        assert!(serde_json::from_value::<AdvertiseKeys>(value).is_err());
+        let mut extra = serde_json::to_value(&keys).unwrap();
+        extra["x"] = 1.into();
         assert!(serde_json::from_value::<AdvertiseKeys>(extra).is_err());
+        let mut unsigned = serde_json::to_value(&keys).unwrap();
+        unsigned.as_object_mut().unwrap().remove("signature");
+        assert!(serde_json::from_value::<AdvertiseKeys>(unsigned).is_err());
+        let mut short_signature = serde_json::to_value(&keys).unwrap();
+        short_signature["signature"] = serde_json::to_value(&keys).unwrap()["mask_pk"].clone();
+        assert!(serde_json::from_value::<AdvertiseKeys>(short_signature).is_err());
         let dir = KeyDirectory {
             members: vec![3],
-            entries: vec![DirectoryEntry { index: 3, keys }],
+            reveals: vec![[5; 32]],
+            entries: vec![DirectoryEntry {
+                index: 3,
+                keys,
+                identity: [6; 32],
+            }],
         };
         let json = serde_json::to_value(&dir).unwrap();
         assert_eq!(json["entries"][0]["index"], 3);
+        assert!(
+            json["entries"][0]["signature"].is_string(),
+            "flattened keys"
+        );
         assert_eq!(serde_json::from_value::<KeyDirectory>(json).unwrap(), dir);
+        let roster = Roster {
+            members: vec![1, 3],
+            commitments: vec![[7; 32], [8; 32]],
+        };
+        let json = serde_json::to_value(&roster).unwrap();
+        assert_eq!(
+            serde_json::from_value::<Roster>(json.clone()).unwrap(),
+            roster
+        );
+        let mut bad = json;
+        bad["commitments"][1] = "AQ".into();
+        assert!(serde_json::from_value::<Roster>(bad).is_err());
+        let reveal = GraphReveal { nonce: [9; 32] };
+        let json = serde_json::to_string(&reveal).unwrap();
+        assert_eq!(serde_json::from_str::<GraphReveal>(&json).unwrap(), reveal);
+        let confirmation = Confirmation {
+            signature: [10; 64],
+        };
+        let json = serde_json::to_string(&confirmation).unwrap();
+        assert_eq!(
+            serde_json::from_str::<Confirmation>(&json).unwrap(),
+            confirmation
+        );
     }
 
     #[test]

@@ -4,25 +4,42 @@
 //!
 //! The protocol is two pure state machines, [`ClientSession`] and [`ServerSession`],
 //! exchanging the typed messages of [`messages`]; moving the messages is the caller's
-//! job (HTTP for `cohort serve`, function calls for `cohort simulate`). A round has four
-//! stages, each with its own set of clients still present:
+//! job (HTTP for `cohort serve`, function calls for `cohort simulate`). A round has up to
+//! six stages, each with its own set of clients still present:
 //!
-//! 1. **Advertise keys** (`U1`): each client sends two X25519 public keys, one for
-//!    encrypting shares and one for pairwise masks.
-//! 2. **Share keys** (`U2`): the server publishes `U1`'s keys; every party derives the
-//!    same random `k`-regular neighbour graph from the round's public session id
-//!    ([`graph`]). Each client draws a self-mask seed `b`, Shamir-shares `b` and its mask
-//!    private key among its `k` neighbours with threshold `t` ([`shamir`]), and sends
-//!    each neighbour its pair of shares under ChaCha20-Poly1305 with a key from X25519
-//!    and HKDF-SHA256 ([`crypto`]), through the server.
-//! 3. **Masked input** (`U3`): each client quantises its update into `Z_2^32`
+//! 1. **Advertise keys** (`U1`): each client sends two X25519 public keys and a
+//!    commitment to a fresh 32-byte graph nonce, signed with its long-term Ed25519
+//!    identity ([`identity`]), which the coordinator registered at enrolment.
+//! 2. **Reveal**: the server sends every member the list `U1` with every member's
+//!    commitment; only then does each client reveal its nonce. The neighbour graph's
+//!    seed is the hash of the session and all the nonces, so no party, the coordinator
+//!    included, can choose the graph; a member that does not reveal fails the attempt
+//!    (dropping it would let the coordinator choose among seeds).
+//! 3. **Share keys** (`U2`): the server publishes the nonces and each client's
+//!    neighbourhood keys with their signatures and identities. Each client checks every
+//!    nonce against its commitment, derives the random `k`-regular graph ([`graph`]),
+//!    and checks each neighbour's signature under a distinct registered identity, so the
+//!    coordinator cannot substitute keys. It then draws a self-mask seed `b`,
+//!    Shamir-shares `b` and its mask private key among its `k` neighbours with threshold
+//!    `t` ([`shamir`]), and sends each neighbour its pair of shares under
+//!    ChaCha20-Poly1305 with a key from X25519 and HKDF-SHA256 ([`crypto`]), through the
+//!    server.
+//! 4. **Masked input** (`U3`): each client quantises its update into `Z_2^32`
 //!    ([`quantize`]) and adds the self mask `PRG(b)` and, for every neighbour `v` in
 //!    `U2`, `+PRG(s_uv)` or `-PRG(s_uv)` (by index order), where `s_uv` comes from the
 //!    pair's X25519 agreement; PRG is ChaCha20 ([`prg`]). The server adds the vectors.
-//! 4. **Unmask**: the server names `U3`; each surviving client reveals, for each
-//!    neighbour in `U2`, the share of its seed if it is in `U3` and of its mask key if it
-//!    is not, never both. The server rebuilds the seeds of `U3` and the keys of
-//!    `U2 \ U3`, removes their masks, and decodes the weighted mean.
+//! 5. **Confirm** (with [`RoundConfig::consistency_check`]): the server names `U3`; each
+//!    survivor signs the list it was sent, once. A survivor goes on only when it holds
+//!    at least `t` valid signatures over the same list from its own neighbours: within
+//!    one neighbourhood two different lists cannot both gather `t > k/2` signatures
+//!    from honest clients. (Neighbourhoods of a sparse graph differ, so two holders of
+//!    one client's shares may still be told different lists; what keeps that client
+//!    safe is that each honest holder reveals one kind of share per neighbour, once, and
+//!    `t > k/2`: the server never gets `t` of both kinds, `attacks` shows it.)
+//! 6. **Unmask**: each surviving client reveals, for each neighbour in `U2`, the share of
+//!    its seed if it is in `U3` and of its mask key if it is not, never both. The server
+//!    rebuilds the seeds of `U3` and the keys of `U2 \ U3`, removes their masks, and
+//!    decodes the weighted mean.
 //!
 //! Double masking is what makes a late client safe: if its input arrives after the
 //! server declared it dropped, the server holds its pairwise masks but never its self
@@ -34,17 +51,20 @@
 //! |---|---|---|
 //! | self-mask seed, pairwise seeds, AEAD keys | 256 bits | Flower: 32-bit PRG seed; Bonawitz: 128+ bits |
 //! | key agreement | X25519 (128-bit security) | Bonawitz: ECDH; Flower: P-384 |
+//! | signatures on keys and survivor lists | Ed25519 under identities registered at enrolment | Bonawitz: signatures under a PKI |
 //! | mask PRG | ChaCha20, RFC 8439 | Flower: MT19937 |
 //! | share encryption | ChaCha20-Poly1305, one key per direction and round | Flower: Fernet |
 //! | secret sharing | Shamir over GF(2^61 - 1), perfect secrecy per limb | Flower: GF(2^128) |
 //! | threshold | `t > k / 2` of each neighbourhood, enforced | Bell et al.: `t > k/2` |
 //! | neighbours | `k` configurable; by default `O(log n)`, sized so that 10% dropout fails a round with probability at most 10^-3 ([`default_neighbours`]) | Bell et al.: `O(log n)` |
+//! | neighbour graph | drawn from every member's committed nonce | Bell et al.: a trusted or jointly drawn graph |
 //!
 //! The threshold above half a neighbourhood means the server cannot collect `t` seed
-//! shares and `t` key shares of one client from disjoint sets of honest neighbours, so
-//! it cannot unmask any individual input. This is the honest-but-curious server model
-//! with honest clients; the active-adversary consistency round of Bonawitz et al. and
-//! signatures on keys are not implemented (clients are authenticated by the transport).
+//! shares and `t` key shares of one client from disjoint sets of honest neighbours. With
+//! signed keys, a jointly drawn graph and the consistency check, this holds against a
+//! server that deviates from the protocol too, as long as it controls fewer clients in
+//! a neighbourhood than [`sizing`] allows for; a server that enrols fake clients is
+//! bounded by that fraction and exposed by identity fingerprints checked out of band.
 
 pub mod client;
 pub mod crypto;
@@ -60,6 +80,8 @@ pub mod shamir;
 pub mod sizing;
 
 #[cfg(test)]
+mod attacks;
+#[cfg(test)]
 mod tests;
 
 use std::fmt;
@@ -67,36 +89,51 @@ use std::fmt;
 pub use client::ClientSession;
 pub use floors::{BelowFloor, ClientFloors};
 pub use graph::{NeighbourGraph, effective_degree};
+pub use identity::Identity;
 pub use messages::{
-    AdvertiseKeys, DirectoryEntry, EncryptedShare, ForwardedShare, ForwardedShares, KeyDirectory,
-    RevealedShare, RoundConfig, ShareKeys, UnmaskRequest, UnmaskShares,
+    AdvertiseKeys, Confirmation, DirectoryEntry, EncryptedShare, ForwardedShare, ForwardedShares,
+    GraphReveal, KeyDirectory, RevealedShare, Roster, RoundConfig, RoundContext, ShareKeys,
+    SurvivorSignature, UnmaskRequest, UnmaskShares,
 };
 pub use quantize::{Decoded, EXTRA_WORDS, QuantizationParams, Quantizer};
 pub use server::{Dropouts, ServerSession, ServerStage, Unmasked};
 
-/// The four stages of a secure round, named as `--dropout-stage` spells them.
+/// The stages of a secure round, named as `--dropout-stage` spells them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Stage {
-    /// Stage 1: advertise public keys.
+    /// Advertise public keys and a graph commitment.
     Advertise,
-    /// Stage 2: share keys.
+    /// Reveal the graph nonce.
+    Reveal,
+    /// Share keys.
     Share,
-    /// Stage 3: masked input collection.
+    /// Masked input collection.
     Masked,
-    /// Stage 4: unmasking.
+    /// Sign the survivor list (with the consistency check).
+    Confirm,
+    /// Unmasking.
     Unmask,
 }
 
 impl Stage {
     /// Every stage, in order.
-    pub const ALL: [Stage; 4] = [Stage::Advertise, Stage::Share, Stage::Masked, Stage::Unmask];
+    pub const ALL: [Stage; 6] = [
+        Stage::Advertise,
+        Stage::Reveal,
+        Stage::Share,
+        Stage::Masked,
+        Stage::Confirm,
+        Stage::Unmask,
+    ];
 
-    /// `advertise`, `share`, `masked` or `unmask`.
+    /// `advertise`, `reveal`, `share`, `masked`, `confirm` or `unmask`.
     pub fn as_str(self) -> &'static str {
         match self {
             Stage::Advertise => "advertise",
+            Stage::Reveal => "reveal",
             Stage::Share => "share",
             Stage::Masked => "masked",
+            Stage::Confirm => "confirm",
             Stage::Unmask => "unmask",
         }
     }
@@ -116,7 +153,10 @@ impl std::str::FromStr for Stage {
             .into_iter()
             .find(|st| st.as_str() == s.trim())
             .ok_or_else(|| {
-                format!("unknown stage `{s}`: expected advertise, share, masked or unmask")
+                format!(
+                    "unknown stage `{s}`: expected advertise, reveal, share, masked, confirm \
+                     or unmask"
+                )
             })
     }
 }
@@ -221,6 +261,27 @@ pub enum SecAggError {
     /// A client excluded earlier in the round for a forged share.
     #[error("client {0} was excluded from this round for revealing a forged share")]
     Excluded(u32),
+    /// Members that advertised keys but never revealed their graph nonce: the graph
+    /// cannot be drawn without every committed nonce, so the attempt fails (a server
+    /// free to leave nonces out could choose among graphs).
+    #[error("clients {0:?} never revealed their graph nonce")]
+    MissingReveals(Vec<u32>),
+    /// A signature that does not verify under the signer's registered identity, or an
+    /// identity that is not distinct: the message is refused and a client aborts the
+    /// round.
+    #[error(transparent)]
+    Identity(#[from] identity::IdentityError),
+    /// Too few valid signatures over the survivor list from a client's neighbours: the
+    /// client reveals nothing.
+    #[error("only {have} of client {client}'s neighbours signed the survivor list, {need} needed")]
+    TooFewConfirmations {
+        /// The client.
+        client: u32,
+        /// Valid signatures from its neighbours.
+        have: usize,
+        /// The threshold.
+        need: usize,
+    },
     /// A round setting below the client's floor: the client refuses the round.
     #[error(transparent)]
     BelowFloor(#[from] floors::BelowFloor),

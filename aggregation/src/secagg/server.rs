@@ -17,9 +17,11 @@ use crate::reduce::Reducer;
 
 use super::crypto::{self, KEY_BYTES, KeyPair, SecretKind};
 use super::graph::{NeighbourGraph, effective_degree};
+use super::identity::{self, IdentityError, PUBLIC_KEY_BYTES, SIGNATURE_BYTES};
 use super::messages::{
-    AdvertiseKeys, DirectoryEntry, ForwardedShare, ForwardedShares, KeyDirectory, RoundConfig,
-    SHARE_CIPHERTEXT_BYTES, ShareKeys, UnmaskRequest, UnmaskShares,
+    AdvertiseKeys, Confirmation, DirectoryEntry, ForwardedShare, ForwardedShares, GraphReveal,
+    KeyDirectory, Roster, RoundConfig, SHARE_CIPHERTEXT_BYTES, ShareKeys, SurvivorSignature,
+    UnmaskRequest, UnmaskShares,
 };
 use super::prg::{Mask, MaskSign};
 use super::quantize::{Decoded, EXTRA_WORDS, Quantizer};
@@ -31,10 +33,14 @@ use super::{SecAggError, Stage};
 pub enum ServerStage {
     /// Collecting public keys.
     Advertise,
+    /// Collecting graph nonces.
+    Reveal,
     /// Collecting encrypted shares.
     Share,
     /// Collecting masked inputs.
     Masked,
+    /// Collecting signatures over the survivor list (consistency check).
+    Confirm,
     /// Collecting revealed shares.
     Unmask,
     /// The sum is unmasked.
@@ -48,11 +54,17 @@ pub enum ServerStage {
 pub struct Dropouts {
     /// Selected, never advertised keys.
     pub advertise: Vec<u32>,
-    /// Advertised, never sent shares.
+    /// Advertised, never revealed a graph nonce (the attempt failed for it).
+    pub reveal: Vec<u32>,
+    /// Revealed, never sent shares.
     pub share: Vec<u32>,
     /// Sent shares, never sent a masked input.
     pub masked: Vec<u32>,
-    /// Sent a masked input, never answered the unmask request (its input still counts).
+    /// Sent a masked input, never signed the survivor list (consistency check; its input
+    /// still counts).
+    pub confirm: Vec<u32>,
+    /// Sent a masked input (and signed the survivor list), never answered the unmask
+    /// request (its input still counts).
     pub unmask: Vec<u32>,
 }
 
@@ -84,9 +96,18 @@ pub struct ServerSession {
     quantizer: Quantizer,
     stage: ServerStage,
     keys: BTreeMap<u32, AdvertiseKeys>,
+    /// The registered identity each member's keys were checked under.
+    identities: BTreeMap<u32, [u8; PUBLIC_KEY_BYTES]>,
+    reveals: BTreeMap<u32, [u8; KEY_BYTES]>,
     graph: Option<NeighbourGraph>,
     shared: BTreeMap<u32, ShareKeys>,
     masked: BTreeSet<u32>,
+    /// Stages closed so far: 1 after advertising, 2 after revealing, 3 after sharing, 4
+    /// after collecting, 5 after confirming (or collecting, without the consistency
+    /// check), 6 when finished.
+    closed: u8,
+    /// Survivors' signatures over the survivor list (consistency check).
+    confirmations: BTreeMap<u32, [u8; SIGNATURE_BYTES]>,
     sum: Vec<u32>,
     /// True once a masked input was recorded without its vector: the caller folds the
     /// inputs itself and hands the sum to [`ServerSession::finish_with`].
@@ -124,9 +145,13 @@ impl ServerSession {
             quantizer,
             stage: ServerStage::Advertise,
             keys: BTreeMap::new(),
+            identities: BTreeMap::new(),
+            reveals: BTreeMap::new(),
             graph: None,
             shared: BTreeMap::new(),
             masked: BTreeSet::new(),
+            closed: 0,
+            confirmations: BTreeMap::new(),
             sum: Vec::new(),
             external_sum: false,
             revealed: BTreeMap::new(),
@@ -158,8 +183,10 @@ impl ServerSession {
     fn expect(&self, stage: Stage) -> Result<(), SecAggError> {
         let now = match self.stage {
             ServerStage::Advertise => Some(Stage::Advertise),
+            ServerStage::Reveal => Some(Stage::Reveal),
             ServerStage::Share => Some(Stage::Share),
             ServerStage::Masked => Some(Stage::Masked),
+            ServerStage::Confirm => Some(Stage::Confirm),
             ServerStage::Unmask => Some(Stage::Unmask),
             ServerStage::Finished => None,
             ServerStage::Failed(ref e) => {
@@ -182,7 +209,7 @@ impl ServerSession {
     }
 
     fn graph(&self) -> &NeighbourGraph {
-        self.graph.as_ref().expect("built when advertising closed")
+        self.graph.as_ref().expect("built when revealing closed")
     }
 
     /// `U1`: clients whose keys were accepted.
@@ -205,28 +232,63 @@ impl ServerSession {
         self.revealed.keys().copied()
     }
 
-    /// Stage 1: accepts client `from`'s public keys.
-    pub fn receive_keys(&mut self, from: u32, keys: &AdvertiseKeys) -> Result<(), SecAggError> {
+    /// Stage 1: accepts client `from`'s public keys, signed by its registered
+    /// `identity`. A bad signature, or an identity another member already presented, is
+    /// refused here, where it costs the sender alone (every client checks its neighbours'
+    /// signatures itself too: this check protects the round, theirs protect them).
+    pub fn receive_keys(
+        &mut self,
+        from: u32,
+        keys: &AdvertiseKeys,
+        identity: &[u8; PUBLIC_KEY_BYTES],
+    ) -> Result<(), SecAggError> {
+        self.check_keys(from, keys, identity)?;
+        self.keys.insert(from, keys.clone());
+        self.identities.insert(from, *identity);
+        Ok(())
+    }
+
+    /// The checks of [`receive_keys`](Self::receive_keys) without recording anything.
+    pub fn check_keys(
+        &self,
+        from: u32,
+        keys: &AdvertiseKeys,
+        identity: &[u8; PUBLIC_KEY_BYTES],
+    ) -> Result<(), SecAggError> {
         self.expect(Stage::Advertise)?;
         if from == 0 || from > self.config.parties {
             return Err(SecAggError::UnknownClient(from));
         }
         if self.keys.contains_key(&from) {
             return Err(SecAggError::Duplicate(from));
+        }
+        let statement = self.config.advertise_statement(
+            from,
+            &keys.cipher_pk,
+            &keys.mask_pk,
+            &keys.graph_commitment,
+        );
+        identity::verify(identity, &statement, &keys.signature, from)?;
+        if let Some((&other, _)) = self.identities.iter().find(|(_, id)| *id == identity) {
+            return Err(IdentityError::SharedIdentity(other.min(from), other.max(from)).into());
         }
         // A low-order key would make every neighbour's agreement fail (or be public);
         // refuse it here, where it costs the sender alone.
         let probe = KeyPair::from_secret_bytes([0x5a; KEY_BYTES]);
         probe.agree(&keys.cipher_pk)?;
         probe.agree(&keys.mask_pk)?;
-        self.keys.insert(from, keys.clone());
         Ok(())
     }
 
     /// Stage 1 for keys this server already accepted with
     /// [`receive_keys`](Self::receive_keys) and stored: a coordinator rebuilding a round
     /// from its database skips the key checks it has done once.
-    pub fn restore_keys(&mut self, from: u32, keys: &AdvertiseKeys) -> Result<(), SecAggError> {
+    pub fn restore_keys(
+        &mut self,
+        from: u32,
+        keys: &AdvertiseKeys,
+        identity: &[u8; PUBLIC_KEY_BYTES],
+    ) -> Result<(), SecAggError> {
         self.expect(Stage::Advertise)?;
         if from == 0 || from > self.config.parties {
             return Err(SecAggError::UnknownClient(from));
@@ -235,61 +297,121 @@ impl ServerSession {
             return Err(SecAggError::Duplicate(from));
         }
         self.keys.insert(from, keys.clone());
+        self.identities.insert(from, *identity);
         Ok(())
     }
 
-    /// Ends stage 1: builds the neighbour graph over `U1` and returns the key directory,
-    /// or fails the round when the graph cannot give every client `t` neighbours.
-    pub fn close_advertise(&mut self) -> Result<KeyDirectory, SecAggError> {
+    /// Ends stage 1 and returns the roster (`U1` and its graph commitments) for every
+    /// member, or fails the round when too few advertised for every client to have `t`
+    /// neighbours.
+    pub fn close_advertise(&mut self) -> Result<Roster, SecAggError> {
         self.expect(Stage::Advertise)?;
-        let members: Vec<u32> = self.keys.keys().copied().collect();
+        let members = self.keys.len();
         let t = self.config.threshold;
-        if members.len() < 2 || effective_degree(members.len(), self.config.neighbours) < t {
+        if members < 2 || effective_degree(members, self.config.neighbours) < t {
             return Err(self.fail(SecAggError::TooFewParticipants {
                 stage: Stage::Advertise,
-                have: members.len(),
+                have: members,
                 need: t + 1,
             }));
         }
-        let graph = NeighbourGraph::new(&members, &self.config.session, self.config.neighbours)?;
-        self.graph = Some(graph);
-        self.stage = ServerStage::Share;
-        Ok(self.directory().expect("just built"))
+        self.stage = ServerStage::Reveal;
+        self.closed = 1;
+        Ok(self.roster().expect("just closed"))
     }
 
-    /// The whole key directory (`U1` with every member's keys), once stage 1 has closed.
-    pub fn directory(&self) -> Option<KeyDirectory> {
-        self.graph.as_ref()?;
-        Some(KeyDirectory {
+    /// The roster, once stage 1 has closed.
+    pub fn roster(&self) -> Option<Roster> {
+        if matches!(self.stage, ServerStage::Advertise) {
+            return None;
+        }
+        Some(Roster {
             members: self.keys.keys().copied().collect(),
-            entries: self
-                .keys
-                .iter()
-                .map(|(&index, keys)| DirectoryEntry {
-                    index,
-                    keys: keys.clone(),
-                })
-                .collect(),
+            commitments: self.keys.values().map(|k| k.graph_commitment).collect(),
         })
     }
 
-    /// Client `u`'s directory, once stage 1 has closed: `U1`, and the keys of `u` and its
-    /// neighbours only. `None` before, or for a client not in `U1`.
+    /// Stage 2: accepts client `from`'s graph nonce, which must match its commitment.
+    pub fn receive_reveal(&mut self, from: u32, reveal: &GraphReveal) -> Result<(), SecAggError> {
+        self.check_reveal(from, reveal)?;
+        self.reveals.insert(from, reveal.nonce);
+        Ok(())
+    }
+
+    /// The checks of [`receive_reveal`](Self::receive_reveal) without recording
+    /// anything.
+    pub fn check_reveal(&self, from: u32, reveal: &GraphReveal) -> Result<(), SecAggError> {
+        self.expect(Stage::Reveal)?;
+        let Some(keys) = self.keys.get(&from) else {
+            return Err(SecAggError::NotInRound(from));
+        };
+        if self.reveals.contains_key(&from) {
+            return Err(SecAggError::Duplicate(from));
+        }
+        if crypto::graph_commitment(&self.config.session, from, &reveal.nonce)
+            != keys.graph_commitment
+        {
+            return Err(SecAggError::BadMessage(format!(
+                "client {from}'s graph nonce does not match its commitment"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Ends stage 2: draws the neighbour graph from every member's nonce, or fails the
+    /// round when a member's nonce is missing.
+    pub fn close_reveal(&mut self) -> Result<(), SecAggError> {
+        self.expect(Stage::Reveal)?;
+        let missing: Vec<u32> = self
+            .keys
+            .keys()
+            .filter(|u| !self.reveals.contains_key(u))
+            .copied()
+            .collect();
+        if !missing.is_empty() {
+            return Err(self.fail(SecAggError::MissingReveals(missing)));
+        }
+        let members: Vec<u32> = self.keys.keys().copied().collect();
+        let reveals: Vec<[u8; KEY_BYTES]> = self.reveals.values().copied().collect();
+        let seed = crypto::graph_seed(&self.config.session, &members, &reveals);
+        let graph = NeighbourGraph::new(&members, &seed, self.config.neighbours)?;
+        self.graph = Some(graph);
+        self.stage = ServerStage::Share;
+        self.closed = 2;
+        Ok(())
+    }
+
+    /// The whole key directory (`U1` with every member's nonce and keys), once stage 2
+    /// has closed.
+    pub fn directory(&self) -> Option<KeyDirectory> {
+        self.graph.as_ref()?;
+        Some(self.directory_of(self.keys.keys().copied().collect()))
+    }
+
+    /// Client `u`'s directory, once stage 2 has closed: `U1` with every member's nonce,
+    /// and the keys of `u` and its neighbours only. `None` before, or for a client not in
+    /// `U1`.
     pub fn directory_for(&self, u: u32) -> Option<KeyDirectory> {
         let graph = self.graph.as_ref()?;
         let mut wanted = graph.neighbours(u)?;
         wanted.push(u);
         wanted.sort_unstable();
-        Some(KeyDirectory {
+        Some(self.directory_of(wanted))
+    }
+
+    fn directory_of(&self, wanted: Vec<u32>) -> KeyDirectory {
+        KeyDirectory {
             members: self.keys.keys().copied().collect(),
+            reveals: self.reveals.values().copied().collect(),
             entries: wanted
                 .into_iter()
                 .map(|index| DirectoryEntry {
                     index,
                     keys: self.keys[&index].clone(),
+                    identity: self.identities[&index],
                 })
                 .collect(),
-        })
+        }
     }
 
     /// The neighbours of `u` in the round's graph (after stage 1).
@@ -353,19 +475,22 @@ impl ServerSession {
             }));
         }
         self.stage = ServerStage::Masked;
+        self.closed = 3;
         Ok(())
     }
 
     /// The shares for client `to` from its neighbours in `U2`, once stage 2 has closed.
     pub fn forwarded_for(&self, to: u32) -> Result<ForwardedShares, SecAggError> {
-        if matches!(self.stage, ServerStage::Advertise | ServerStage::Share) {
+        let before = match self.stage {
+            ServerStage::Advertise => Some(Stage::Advertise),
+            ServerStage::Reveal => Some(Stage::Reveal),
+            ServerStage::Share => Some(Stage::Share),
+            _ => None,
+        };
+        if let Some(actual) = before {
             return Err(SecAggError::WrongStage {
                 expected: Stage::Masked,
-                actual: Some(if self.graph.is_some() {
-                    Stage::Share
-                } else {
-                    Stage::Advertise
-                }),
+                actual: Some(actual),
             });
         }
         if !self.shared.contains_key(&to) {
@@ -446,18 +571,110 @@ impl ServerSession {
                 need: t,
             }));
         }
-        self.stage = ServerStage::Unmask;
-        Ok(self.unmask_request().expect("just closed"))
+        (self.stage, self.closed) = if self.config.consistency_check {
+            (ServerStage::Confirm, 4)
+        } else {
+            (ServerStage::Unmask, 5)
+        };
+        Ok(self.survivor_list().expect("just closed"))
     }
 
-    /// The survivors (`U3`), once stage 3 has closed.
-    pub fn unmask_request(&self) -> Option<UnmaskRequest> {
+    /// The bare survivor list (`U3`), once stage 3 has closed: what the survivors sign
+    /// in the consistency check, or (without it) what they answer.
+    pub fn survivor_list(&self) -> Option<UnmaskRequest> {
         match self.stage {
-            ServerStage::Unmask | ServerStage::Finished => Some(UnmaskRequest {
-                survivors: self.masked.iter().copied().collect(),
-            }),
+            ServerStage::Confirm | ServerStage::Unmask | ServerStage::Finished => {
+                Some(UnmaskRequest {
+                    survivors: self.masked.iter().copied().collect(),
+                    signatures: Vec::new(),
+                })
+            }
             _ => None,
         }
+    }
+
+    /// Consistency check: accepts survivor `from`'s signature over the survivor list.
+    pub fn receive_confirmation(
+        &mut self,
+        from: u32,
+        confirmation: &Confirmation,
+    ) -> Result<(), SecAggError> {
+        self.check_confirmation(from, confirmation)?;
+        self.confirmations.insert(from, confirmation.signature);
+        Ok(())
+    }
+
+    /// The checks of [`receive_confirmation`](Self::receive_confirmation) without
+    /// recording anything.
+    pub fn check_confirmation(
+        &self,
+        from: u32,
+        confirmation: &Confirmation,
+    ) -> Result<(), SecAggError> {
+        self.expect(Stage::Confirm)?;
+        if !self.masked.contains(&from) {
+            return Err(SecAggError::NotInRound(from));
+        }
+        if self.confirmations.contains_key(&from) {
+            return Err(SecAggError::Duplicate(from));
+        }
+        let survivors: Vec<u32> = self.masked.iter().copied().collect();
+        let statement = self.config.survivors_statement(&survivors);
+        identity::verify(
+            &self.identities[&from],
+            &statement,
+            &confirmation.signature,
+            from,
+        )?;
+        Ok(())
+    }
+
+    /// Ends the consistency check, or fails the round with fewer than `t` signatures.
+    pub fn close_confirm(&mut self) -> Result<(), SecAggError> {
+        self.expect(Stage::Confirm)?;
+        let t = self.config.threshold;
+        if self.confirmations.len() < t {
+            return Err(self.fail(SecAggError::TooFewParticipants {
+                stage: Stage::Confirm,
+                have: self.confirmations.len(),
+                need: t,
+            }));
+        }
+        self.stage = ServerStage::Unmask;
+        self.closed = 5;
+        Ok(())
+    }
+
+    /// Survivors that signed the survivor list (consistency check).
+    pub fn confirmed(&self) -> impl Iterator<Item = u32> + '_ {
+        self.confirmations.keys().copied()
+    }
+
+    /// What survivor `u` is asked to answer, once the stage before unmasking closed: the
+    /// survivor list and, with the consistency check, the signatures of `u`'s neighbours
+    /// over it. `None` before, or for a client that is not a survivor.
+    pub fn unmask_request_for(&self, u: u32) -> Option<UnmaskRequest> {
+        if !matches!(self.stage, ServerStage::Unmask | ServerStage::Finished)
+            || !self.masked.contains(&u)
+        {
+            return None;
+        }
+        let mut request = self.survivor_list()?;
+        if self.config.consistency_check {
+            request.signatures = self
+                .graph()
+                .neighbours(u)
+                .expect("a member")
+                .into_iter()
+                .filter_map(|v| {
+                    Some(SurvivorSignature {
+                        index: v,
+                        signature: *self.confirmations.get(&v)?,
+                    })
+                })
+                .collect();
+        }
+        Some(request)
     }
 
     /// Stage 4: accepts client `from`'s revealed shares: seed shares only of surviving
@@ -516,6 +733,11 @@ impl ServerSession {
         }
         if self.excluded.contains(&from) {
             return Err(SecAggError::Excluded(from));
+        }
+        if self.config.consistency_check && !self.confirmations.contains_key(&from) {
+            return Err(SecAggError::BadMessage(format!(
+                "client {from} never signed the survivor list"
+            )));
         }
         if self.revealed.contains_key(&from) {
             return Err(SecAggError::Duplicate(from));
@@ -603,39 +825,59 @@ impl ServerSession {
 
     /// Who dropped at which stage, as far as the round has got.
     pub fn dropouts(&self) -> Dropouts {
+        let closed = self.closed;
         let missing = |all: &mut dyn Iterator<Item = u32>, have: &dyn Fn(u32) -> bool| {
             all.filter(|&u| !have(u)).collect::<Vec<u32>>()
         };
-        let after_advertise = self.graph.is_some();
-        let after_share =
-            !matches!(self.stage, ServerStage::Advertise | ServerStage::Share) && after_advertise;
-        let after_masked = matches!(self.stage, ServerStage::Unmask | ServerStage::Finished);
+        let failed_at_reveal = matches!(
+            &self.stage,
+            ServerStage::Failed(SecAggError::MissingReveals(_))
+        );
         Dropouts {
-            advertise: if after_advertise {
+            advertise: if closed >= 1 {
                 missing(&mut (1..=self.config.parties), &|u| {
                     self.keys.contains_key(&u)
                 })
             } else {
                 Vec::new()
             },
-            share: if after_share {
+            reveal: if closed >= 2 || failed_at_reveal {
+                missing(&mut self.keys.keys().copied(), &|u| {
+                    self.reveals.contains_key(&u)
+                })
+            } else {
+                Vec::new()
+            },
+            share: if closed >= 3 {
                 missing(&mut self.keys.keys().copied(), &|u| {
                     self.shared.contains_key(&u)
                 })
             } else {
                 Vec::new()
             },
-            masked: if after_masked {
+            masked: if closed >= 4 {
                 missing(&mut self.shared.keys().copied(), &|u| {
                     self.masked.contains(&u)
                 })
             } else {
                 Vec::new()
             },
-            unmask: if matches!(self.stage, ServerStage::Finished) {
+            confirm: if closed >= 5 && self.config.consistency_check {
                 missing(&mut self.masked.iter().copied(), &|u| {
-                    self.revealed.contains_key(&u)
+                    self.confirmations.contains_key(&u)
                 })
+            } else {
+                Vec::new()
+            },
+            unmask: if closed >= 6 {
+                // Asked to unmask: every survivor, or with the consistency check those
+                // that signed the list (the others are listed under `confirm` alone).
+                missing(
+                    &mut self.masked.iter().copied().filter(|u| {
+                        !self.config.consistency_check || self.confirmations.contains_key(u)
+                    }),
+                    &|u| self.revealed.contains_key(&u),
+                )
             } else {
                 Vec::new()
             },
@@ -683,6 +925,7 @@ impl ServerSession {
                     Err(e) => return Err(self.fail(e.into())),
                 };
                 self.stage = ServerStage::Finished;
+                self.closed = 6;
                 Ok(Unmasked {
                     sum,
                     decoded,

@@ -1,5 +1,6 @@
 //! Whole-protocol tests: random rounds with dropouts at every stage against a plain
 //! oracle, the failure cases, refused messages, and the masked vector's uniformity.
+//! Attacks by a coordinator that deviates from the protocol are in `attacks.rs`.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -7,22 +8,34 @@ use proptest::prelude::*;
 use rand_chacha::ChaCha20Rng;
 use rand_core::SeedableRng;
 
+use super::identity::IdentityError;
 use super::local::{ClientInput, run_round};
 use super::*;
 
-fn config(parties: u32, neighbours: usize, threshold: usize, dimension: usize) -> RoundConfig {
+pub(super) fn config(
+    parties: u32,
+    neighbours: usize,
+    threshold: usize,
+    dimension: usize,
+) -> RoundConfig {
     RoundConfig {
         session: [7; 32],
+        context: RoundContext {
+            experiment: "tests".into(),
+            round: 1,
+            attempt: 1,
+        },
         parties,
         threshold,
         neighbours,
         dimension,
         quantization: QuantizationParams::default(),
+        consistency_check: false,
     }
 }
 
 /// Deterministic pseudo-random update values in [-3, 3] for client `u`.
-fn update_of(u: u32, d: usize, salt: u64) -> Vec<f32> {
+pub(super) fn update_of(u: u32, d: usize, salt: u64) -> Vec<f32> {
     let mut s = (u64::from(u) << 20) ^ salt ^ 0x9e37_79b9_7f4a_7c15;
     (0..d)
         .map(|_| {
@@ -38,72 +51,231 @@ fn weight_of(u: u32) -> u64 {
     1 + u64::from(u * 37 % 500)
 }
 
-/// The oracle: whether the round can succeed, from the sets alone.
-fn should_succeed(cfg: &RoundConfig, drop_at: &BTreeMap<u32, Stage>) -> bool {
+/// A round by the book up to the share stage: every client's identity, keys and graph
+/// nonce, with the server holding all of them. Tests drive the later stages by hand.
+pub(super) struct Round {
+    pub server: ServerSession,
+    pub clients: BTreeMap<u32, ClientSession>,
+    pub identities: BTreeMap<u32, Identity>,
+    pub keys: BTreeMap<u32, AdvertiseKeys>,
+    pub roster: Roster,
+    pub reveals: BTreeMap<u32, GraphReveal>,
+    pub rng: ChaCha20Rng,
+}
+
+/// Clients `members` of `cfg`, each with an identity and keys drawn from `rng`: what
+/// each would send in stage 1, nothing sent yet.
+pub(super) fn join(
+    cfg: &RoundConfig,
+    members: impl IntoIterator<Item = u32>,
+    rng: &mut ChaCha20Rng,
+) -> (
+    BTreeMap<u32, ClientSession>,
+    BTreeMap<u32, Identity>,
+    BTreeMap<u32, AdvertiseKeys>,
+) {
+    let (mut clients, mut identities, mut keys) =
+        (BTreeMap::new(), BTreeMap::new(), BTreeMap::new());
+    for u in members {
+        let identity = Identity::from_rng(rng);
+        let (c, k) = ClientSession::new(cfg.clone(), u, &identity, rng).unwrap();
+        clients.insert(u, c);
+        identities.insert(u, identity);
+        keys.insert(u, k);
+    }
+    (clients, identities, keys)
+}
+
+/// Stage 2 by the book for clients that advertised and a server whose stage 1 is
+/// closed: each client checks the roster and reveals its nonce, then the stage closes.
+pub(super) fn reveal_all(
+    server: &mut ServerSession,
+    clients: &mut BTreeMap<u32, ClientSession>,
+) -> (Roster, BTreeMap<u32, GraphReveal>) {
+    let roster = server.roster().expect("stage 1 is closed");
+    let mut reveals = BTreeMap::new();
+    for (&u, c) in clients.iter_mut() {
+        let r = c.reveal(&roster).unwrap();
+        server.receive_reveal(u, &r).unwrap();
+        reveals.insert(u, r);
+    }
+    server.close_reveal().unwrap();
+    (roster, reveals)
+}
+
+/// Stages 1 and 2 by the book for clients `1..=cfg.parties`, keys and randomness from
+/// `seed`: every client advertises signed keys and reveals its graph nonce, and both
+/// stages are closed.
+pub(super) fn advertise_and_reveal(cfg: &RoundConfig, seed: u64) -> Round {
+    let mut server = ServerSession::new(cfg.clone()).unwrap();
+    let mut rng = ChaCha20Rng::seed_from_u64(seed);
+    let (mut clients, identities, keys) = join(cfg, 1..=cfg.parties, &mut rng);
+    for (&u, k) in &keys {
+        server.receive_keys(u, k, &identities[&u].public()).unwrap();
+    }
+    server.close_advertise().unwrap();
+    let (roster, reveals) = reveal_all(&mut server, &mut clients);
+    Round {
+        server,
+        clients,
+        identities,
+        keys,
+        roster,
+        reveals,
+        rng,
+    }
+}
+
+/// [`advertise_and_reveal`], then every client shares keys with its own directory and
+/// sharing closes.
+pub(super) fn through_sharing(cfg: &RoundConfig, seed: u64) -> Round {
+    let mut round = advertise_and_reveal(cfg, seed);
+    for (&u, c) in round.clients.iter_mut() {
+        let directory = round.server.directory_for(u).unwrap();
+        let m = c.share_keys(&directory, &mut round.rng).unwrap();
+        round.server.receive_shares(u, &m).unwrap();
+    }
+    round.server.close_sharing().unwrap();
+    round
+}
+
+/// Client `u`'s generator in `local::run_round` with `seed` (as `local.rs` derives it),
+/// from which it draws its identity, keys and graph nonce.
+fn local_rng(seed: [u8; 32], u: u32) -> ChaCha20Rng {
+    let mut s = seed;
+    for (b, x) in s.iter_mut().zip(u.to_le_bytes()) {
+        *b ^= x;
+    }
+    s[31] ^= 0xa5;
+    ChaCha20Rng::from_seed(s)
+}
+
+/// The neighbour graph `local::run_round` with `seed` draws among `members`: from the
+/// graph nonces its clients reveal.
+fn local_graph(cfg: &RoundConfig, seed: [u8; 32], members: &[u32]) -> NeighbourGraph {
+    let mut sessions = Vec::new();
+    let mut commitments = Vec::new();
+    for &u in members {
+        let mut rng = local_rng(seed, u);
+        let identity = Identity::from_rng(&mut rng);
+        let (c, k) = ClientSession::new(cfg.clone(), u, &identity, &mut rng).unwrap();
+        sessions.push(c);
+        commitments.push(k.graph_commitment);
+    }
+    let roster = Roster {
+        members: members.to_vec(),
+        commitments,
+    };
+    let reveals: Vec<[u8; 32]> = sessions
+        .iter_mut()
+        .map(|c| c.reveal(&roster).unwrap().nonce)
+        .collect();
+    let seed = crypto::graph_seed(&cfg.session, members, &reveals);
+    NeighbourGraph::new(members, &seed, cfg.neighbours).unwrap()
+}
+
+/// What the oracle expects of a round.
+#[derive(Debug, PartialEq)]
+enum Expected {
+    /// The round unmasks the survivors' sum.
+    Success,
+    /// Members that advertised keys never revealed their nonces: the attempt fails.
+    MissingReveals(Vec<u32>),
+    /// The round fails cleanly at a close or at unmasking.
+    Failure,
+}
+
+/// The oracle: whether the round `local::run_round` runs with `seed` can succeed, from
+/// the sets alone.
+fn expected_outcome(cfg: &RoundConfig, seed: [u8; 32], drop_at: &BTreeMap<u32, Stage>) -> Expected {
     let t = cfg.threshold;
     let present = |u: u32, stage: Stage| drop_at.get(&u).is_none_or(|&d| d > stage);
     let u1: Vec<u32> = (1..=cfg.parties)
         .filter(|&u| present(u, Stage::Advertise))
         .collect();
     if u1.len() < 2 || effective_degree(u1.len(), cfg.neighbours) < t {
-        return false;
+        return Expected::Failure;
     }
-    let graph = NeighbourGraph::new(&u1, &cfg.session, cfg.neighbours).unwrap();
+    let silent: Vec<u32> = u1
+        .iter()
+        .copied()
+        .filter(|&u| !present(u, Stage::Reveal))
+        .collect();
+    if !silent.is_empty() {
+        return Expected::MissingReveals(silent);
+    }
+    let graph = local_graph(cfg, seed, &u1);
     let u2: BTreeSet<u32> = u1
         .iter()
         .copied()
         .filter(|&u| present(u, Stage::Share))
         .collect();
     if u2.len() < t {
-        return false;
+        return Expected::Failure;
     }
-    // A client with fewer than t neighbours in U2 refuses to mask.
-    let u3: BTreeSet<u32> = u2
-        .iter()
-        .copied()
-        .filter(|&u| present(u, Stage::Masked))
-        .filter(|&u| {
-            graph
-                .neighbours(u)
-                .unwrap()
-                .iter()
-                .filter(|v| u2.contains(v))
-                .count()
-                >= t
-        })
-        .collect();
-    if u3.len() < t {
-        return false;
-    }
-    let responders: BTreeSet<u32> = u3
-        .iter()
-        .copied()
-        .filter(|&u| present(u, Stage::Unmask))
-        .collect();
-    u2.iter().all(|&u| {
+    let neighbours_in = |u: u32, set: &BTreeSet<u32>| {
         graph
             .neighbours(u)
             .unwrap()
             .iter()
-            .filter(|v| responders.contains(v))
+            .filter(|v| set.contains(v))
             .count()
-            >= t
-    })
+    };
+    // A client with fewer than t neighbours in U2 refuses to mask.
+    let u3: BTreeSet<u32> = u2
+        .iter()
+        .copied()
+        .filter(|&u| present(u, Stage::Masked) && neighbours_in(u, &u2) >= t)
+        .collect();
+    if u3.len() < t {
+        return Expected::Failure;
+    }
+    let responders: BTreeSet<u32> = if cfg.consistency_check {
+        // A survivor signs only a list with t of its neighbours on it, and answers only
+        // with t signatures of its neighbours over it.
+        let signers: BTreeSet<u32> = u3
+            .iter()
+            .copied()
+            .filter(|&u| present(u, Stage::Confirm) && neighbours_in(u, &u3) >= t)
+            .collect();
+        if signers.len() < t {
+            return Expected::Failure;
+        }
+        signers
+            .iter()
+            .copied()
+            .filter(|&u| present(u, Stage::Unmask) && neighbours_in(u, &signers) >= t)
+            .collect()
+    } else {
+        u3.iter()
+            .copied()
+            .filter(|&u| present(u, Stage::Unmask))
+            .collect()
+    };
+    if u2.iter().all(|&u| neighbours_in(u, &responders) >= t) {
+        Expected::Success
+    } else {
+        Expected::Failure
+    }
 }
 
-/// A client's dropout stage: none with weight `stay`, each stage with weight 1.
+/// A client's dropout stage: none with weight `stay`, each stage with weight 1 but the
+/// reveal stage, where a single dropout fails the round (see [`round_strategy`]).
 fn stage_strategy(stay: u32) -> impl Strategy<Value = Option<Stage>> {
     prop_oneof![
         stay => Just(None),
         1 => Just(Some(Stage::Advertise)),
         1 => Just(Some(Stage::Share)),
         1 => Just(Some(Stage::Masked)),
+        1 => Just(Some(Stage::Confirm)),
         1 => Just(Some(Stage::Unmask)),
     ]
 }
 
 /// n, k, t, d and a dropout stage per client; full graphs only for small n. `stay`
-/// weighs staying against dropping at each of the four stages.
+/// weighs staying against dropping at each of the other stages. In about one round in
+/// eight one client drops at the reveal stage instead (any more would fail nearly every
+/// round there).
 fn round_strategy(
     stay: u32,
 ) -> impl Strategy<Value = (u32, usize, usize, usize, Vec<Option<Stage>>)> {
@@ -120,22 +292,31 @@ fn round_strategy(
                 (keff / 2 + 1)..=keff,
                 1usize..24,
                 prop::collection::vec(stage_strategy(stay), n as usize),
+                prop::option::weighted(0.125, 0..n as usize),
             )
+        })
+        .prop_map(|(n, k, t, d, mut stages, silent)| {
+            if let Some(i) = silent {
+                stages[i] = Some(Stage::Reveal);
+            }
+            (n, k, t, d, stages)
         })
 }
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
-    /// The heart of the protocol: whoever drops wherever, the unmasked sum is exactly
-    /// the survivors' quantised inputs, the mean is FedAvg within the documented bound,
-    /// and a round that cannot be completed fails with an error, not a wrong sum.
+    /// The heart of the protocol: whoever drops wherever, with or without the
+    /// consistency check, the unmasked sum is exactly the survivors' quantised inputs,
+    /// the mean is FedAvg within the documented bound, and a round that cannot be
+    /// completed fails with an error, not a wrong sum.
     #[test]
     fn unmasked_sum_is_exactly_the_survivors_sum(
         (n, k, t, d, stages) in round_strategy(12),
         salt in any::<u64>(),
+        consistency_check in any::<bool>(),
     ) {
-        check_round(n, k, t, d, &stages, salt)?;
+        check_round(n, k, t, d, &stages, salt, consistency_check)?;
     }
 
     /// The same with heavy dropout (about 60% of clients leave at some stage), where
@@ -145,8 +326,9 @@ proptest! {
     fn rounds_with_too_few_survivors_fail_cleanly(
         (n, k, t, d, stages) in round_strategy(3),
         salt in any::<u64>(),
+        consistency_check in any::<bool>(),
     ) {
-        check_round(n, k, t, d, &stages, salt)?;
+        check_round(n, k, t, d, &stages, salt, consistency_check)?;
     }
 }
 
@@ -157,9 +339,13 @@ fn check_round(
     d: usize,
     stages: &[Option<Stage>],
     salt: u64,
+    consistency_check: bool,
 ) -> Result<(), TestCaseError> {
     {
-        let cfg = config(n, k, t, d);
+        let cfg = RoundConfig {
+            consistency_check,
+            ..config(n, k, t, d)
+        };
         let drop_at: BTreeMap<u32, Stage> = stages
             .iter()
             .enumerate()
@@ -180,13 +366,18 @@ fn check_round(
                 (u, q)
             })
             .collect();
-        let round = run_round(&cfg, [salt as u8; 32], &drop_at, true, |u| {
+        let seed = [salt as u8; 32];
+        let round = run_round(&cfg, seed, &drop_at, true, |u| {
             ClientInput::Quantized(quantized[&u].clone())
         });
-        let expected = should_succeed(&cfg, &drop_at);
+        let expected = expected_outcome(&cfg, seed, &drop_at);
         match round.result {
             Ok(out) => {
-                prop_assert!(expected, "the oracle says this round cannot succeed");
+                prop_assert_eq!(
+                    &expected,
+                    &Expected::Success,
+                    "the oracle says this round cannot succeed"
+                );
                 let mut plain = vec![0u32; d + EXTRA_WORDS];
                 for u in &out.survivors {
                     for (p, q) in plain.iter_mut().zip(&quantized[u]) {
@@ -219,23 +410,41 @@ fn check_round(
                         out.decoded.error_bound
                     );
                 }
-                // Dropouts are reported at the stage they happened.
+                // Dropouts are reported at the stage they happened (without the
+                // consistency check, a client that leaves at its stage leaves at
+                // unmasking).
                 for (&u, &stage) in &drop_at {
                     let listed = match stage {
                         Stage::Advertise => &out.dropouts.advertise,
+                        Stage::Reveal => &out.dropouts.reveal,
                         Stage::Share => &out.dropouts.share,
                         Stage::Masked => &out.dropouts.masked,
-                        Stage::Unmask => &out.dropouts.unmask,
+                        Stage::Confirm if consistency_check => &out.dropouts.confirm,
+                        Stage::Confirm | Stage::Unmask => &out.dropouts.unmask,
                     };
                     prop_assert!(listed.contains(&u), "{} dropped at {}", u, stage);
                 }
+                if !consistency_check {
+                    prop_assert!(out.dropouts.confirm.is_empty());
+                }
             }
             Err(e) => {
-                prop_assert!(!expected, "the round should have succeeded: {}", e);
+                prop_assert_ne!(
+                    &expected,
+                    &Expected::Success,
+                    "the round should have succeeded: {}",
+                    e
+                );
+                if let Expected::MissingReveals(silent) = &expected {
+                    prop_assert_eq!(&e, &SecAggError::MissingReveals(silent.clone()));
+                    prop_assert!(round.timings.client_share.is_empty(), "nothing was shared");
+                }
                 prop_assert!(
                     matches!(
                         e,
-                        SecAggError::TooFewParticipants { .. } | SecAggError::CannotRecover { .. }
+                        SecAggError::TooFewParticipants { .. }
+                            | SecAggError::CannotRecover { .. }
+                            | SecAggError::MissingReveals(_)
                     ),
                     "a clean failure, got {}",
                     e
@@ -252,140 +461,182 @@ fn check_round(
 }
 
 /// A coordinator keeps masked inputs on disk and rebuilds the session from stored
-/// messages (`restore_keys`, `restore_masked`) and folds the inputs itself
-/// (`finish_with`): the result is the live session's, exactly.
+/// messages (`restore_keys`, the stored reveals and confirmations, `restore_masked`) and
+/// folds the inputs itself (`finish_with`): the result is the live session's, exactly,
+/// with and without the consistency check.
 #[test]
 fn a_session_rebuilt_from_stored_messages_unmasks_the_same_sum() {
-    let cfg = config(12, 8, 5, 9);
-    let mut live = ServerSession::new(cfg.clone()).unwrap();
-    let mut rng = ChaCha20Rng::seed_from_u64(11);
-    let mut clients = BTreeMap::new();
-    let mut keys = BTreeMap::new();
-    for u in 1..=12 {
-        let (c, k) = ClientSession::new(cfg.clone(), u, &mut rng).unwrap();
-        live.receive_keys(u, &k).unwrap();
-        clients.insert(u, c);
-        keys.insert(u, k);
-    }
-    let dir = live.close_advertise().unwrap();
-    let mut shares = BTreeMap::new();
-    for (&u, c) in clients.iter_mut().filter(|(u, _)| **u != 5) {
-        let m = c.share_keys(&dir, &mut rng).unwrap();
-        live.receive_shares(u, &m).unwrap();
-        shares.insert(u, m);
-    }
-    live.close_sharing().unwrap();
-    let mut inputs = BTreeMap::new();
-    for (&u, c) in clients.iter_mut().filter(|(u, _)| ![5, 8].contains(*u)) {
-        let f = live.forwarded_for(u).unwrap();
-        let m = c
-            .mask(&f, &update_of(u, 9, 3), weight_of(u), 1.0, &mut rng)
-            .unwrap();
-        live.receive_masked(u, &m).unwrap();
-        inputs.insert(u, m);
-    }
-    let request = live.close_collection().unwrap();
-    let mut replies = BTreeMap::new();
-    for (&u, c) in clients
-        .iter_mut()
-        .filter(|(u, _)| inputs.contains_key(*u) && **u != 2)
-    {
-        let r = c.unmask(&request).unwrap();
-        live.receive_unmask(u, &r).unwrap();
-        replies.insert(u, r);
-    }
-    let expected = live.finish().unwrap();
-
-    let mut rebuilt = ServerSession::new(cfg).unwrap();
-    for (&u, k) in &keys {
-        rebuilt.restore_keys(u, k).unwrap();
-    }
-    rebuilt.close_advertise().unwrap();
-    for (&u, m) in &shares {
-        rebuilt.receive_shares(u, m).unwrap();
-    }
-    rebuilt.close_sharing().unwrap();
-    let mut sum = vec![0u32; 9 + EXTRA_WORDS];
-    for (&u, m) in &inputs {
-        rebuilt.restore_masked(u).unwrap();
-        for (s, w) in sum.iter_mut().zip(m) {
-            *s = s.wrapping_add(*w);
+    for consistency_check in [false, true] {
+        let cfg = RoundConfig {
+            consistency_check,
+            ..config(12, 8, 5, 9)
+        };
+        let Round {
+            server: mut live,
+            mut clients,
+            identities,
+            keys,
+            reveals,
+            mut rng,
+            ..
+        } = advertise_and_reveal(&cfg, 11);
+        let mut shares = BTreeMap::new();
+        for (&u, c) in clients.iter_mut().filter(|(u, _)| **u != 5) {
+            let m = c
+                .share_keys(&live.directory_for(u).unwrap(), &mut rng)
+                .unwrap();
+            live.receive_shares(u, &m).unwrap();
+            shares.insert(u, m);
         }
+        live.close_sharing().unwrap();
+        let mut inputs = BTreeMap::new();
+        for (&u, c) in clients.iter_mut().filter(|(u, _)| ![5, 8].contains(*u)) {
+            let f = live.forwarded_for(u).unwrap();
+            let m = c
+                .mask(&f, &update_of(u, 9, 3), weight_of(u), 1.0, &mut rng)
+                .unwrap();
+            live.receive_masked(u, &m).unwrap();
+            inputs.insert(u, m);
+        }
+        let list = live.close_collection().unwrap();
+        let mut confirmations = BTreeMap::new();
+        if consistency_check {
+            for (&u, c) in clients.iter_mut().filter(|(u, _)| inputs.contains_key(*u)) {
+                let m = c.confirm(&list, &identities[&u]).unwrap();
+                live.receive_confirmation(u, &m).unwrap();
+                confirmations.insert(u, m);
+            }
+            live.close_confirm().unwrap();
+        }
+        let mut replies = BTreeMap::new();
+        for (&u, c) in clients
+            .iter_mut()
+            .filter(|(u, _)| inputs.contains_key(*u) && **u != 2)
+        {
+            let r = c.unmask(&live.unmask_request_for(u).unwrap()).unwrap();
+            live.receive_unmask(u, &r).unwrap();
+            replies.insert(u, r);
+        }
+        let expected = live.finish().unwrap();
+
+        let mut rebuilt = ServerSession::new(cfg).unwrap();
+        for (&u, k) in &keys {
+            rebuilt
+                .restore_keys(u, k, &identities[&u].public())
+                .unwrap();
+        }
+        rebuilt.close_advertise().unwrap();
+        for (&u, r) in &reveals {
+            rebuilt.receive_reveal(u, r).unwrap();
+        }
+        rebuilt.close_reveal().unwrap();
+        assert_eq!(rebuilt.directory(), live.directory(), "the same graph");
+        for (&u, m) in &shares {
+            rebuilt.receive_shares(u, m).unwrap();
+        }
+        rebuilt.close_sharing().unwrap();
+        let mut sum = vec![0u32; 9 + EXTRA_WORDS];
+        for (&u, m) in &inputs {
+            rebuilt.restore_masked(u).unwrap();
+            for (s, w) in sum.iter_mut().zip(m) {
+                *s = s.wrapping_add(*w);
+            }
+        }
+        assert_eq!(rebuilt.close_collection().unwrap(), list);
+        if consistency_check {
+            for (&u, m) in &confirmations {
+                rebuilt.receive_confirmation(u, m).unwrap();
+            }
+            rebuilt.close_confirm().unwrap();
+        }
+        for (&u, r) in &replies {
+            assert_eq!(rebuilt.unmask_request_for(u), live.unmask_request_for(u));
+            rebuilt.receive_unmask(u, r).unwrap();
+        }
+        assert!(
+            matches!(rebuilt.finish(), Err(SecAggError::BadMessage(_))),
+            "the sum is the caller's"
+        );
+        let got = rebuilt.finish_with(sum).unwrap();
+        // Everything but the timing.
+        assert_eq!(
+            (
+                &got.sum,
+                &got.decoded,
+                &got.survivors,
+                &got.dropouts,
+                got.masks_removed
+            ),
+            (
+                &expected.sum,
+                &expected.decoded,
+                &expected.survivors,
+                &expected.dropouts,
+                expected.masks_removed
+            )
+        );
+        assert_eq!(got.dropouts.share, vec![5]);
+        assert_eq!(got.dropouts.masked, vec![8]);
+        assert_eq!(got.dropouts.unmask, vec![2]);
     }
-    rebuilt.close_collection().unwrap();
-    for (&u, r) in &replies {
-        rebuilt.receive_unmask(u, r).unwrap();
-    }
-    assert!(
-        matches!(rebuilt.finish(), Err(SecAggError::BadMessage(_))),
-        "the sum is the caller's"
-    );
-    let got = rebuilt.finish_with(sum).unwrap();
-    // Everything but the timing.
-    assert_eq!(
-        (
-            &got.sum,
-            &got.decoded,
-            &got.survivors,
-            &got.dropouts,
-            got.masks_removed
-        ),
-        (
-            &expected.sum,
-            &expected.decoded,
-            &expected.survivors,
-            &expected.dropouts,
-            expected.masks_removed
-        )
-    );
 }
 
 #[test]
 fn a_round_with_every_kind_of_dropout_recovers() {
-    let cfg = config(30, 8, 5, 16);
-    let drop_at: BTreeMap<u32, Stage> = [
-        (3, Stage::Advertise),
-        (7, Stage::Share),
-        (11, Stage::Masked),
-        (19, Stage::Unmask),
-    ]
-    .into();
-    let round = run_round(&cfg, [1; 32], &drop_at, false, |u| ClientInput::Update {
-        values: update_of(u, 16, 9),
-        weight: weight_of(u),
-        loss: 0.5,
-    });
-    let out = round.result.unwrap();
-    assert_eq!(out.survivors.len(), 27, "19 still counts: it uploaded");
-    assert!(out.survivors.contains(&19));
-    assert_eq!(out.dropouts.advertise, vec![3]);
-    assert_eq!(out.dropouts.share, vec![7]);
-    assert_eq!(out.dropouts.masked, vec![11]);
-    assert_eq!(out.dropouts.unmask, vec![19]);
-    assert!((out.decoded.mean_loss.unwrap() - 0.5).abs() < 1e-3);
-    // Every client sent a masked vector of d + 2 words plus small messages.
-    let b = round.bytes_sent[&1];
-    assert!(b > 18 * 4 && b < 18 * 4 + 4000, "{b}");
+    for consistency_check in [false, true] {
+        let cfg = RoundConfig {
+            consistency_check,
+            ..config(30, 8, 5, 16)
+        };
+        let drop_at: BTreeMap<u32, Stage> = [
+            (3, Stage::Advertise),
+            (7, Stage::Share),
+            (11, Stage::Masked),
+            (15, Stage::Confirm),
+            (19, Stage::Unmask),
+        ]
+        .into();
+        let round = run_round(&cfg, [1; 32], &drop_at, false, |u| ClientInput::Update {
+            values: update_of(u, 16, 9),
+            weight: weight_of(u),
+            loss: 0.5,
+        });
+        let out = round.result.unwrap();
+        assert_eq!(
+            out.survivors.len(),
+            27,
+            "15 and 19 still count: they uploaded"
+        );
+        assert!(out.survivors.contains(&15) && out.survivors.contains(&19));
+        assert_eq!(out.dropouts.advertise, vec![3]);
+        assert_eq!(out.dropouts.reveal, Vec::<u32>::new());
+        assert_eq!(out.dropouts.share, vec![7]);
+        assert_eq!(out.dropouts.masked, vec![11]);
+        if consistency_check {
+            assert_eq!(out.dropouts.confirm, vec![15]);
+            assert_eq!(out.dropouts.unmask, vec![19]);
+        } else {
+            // Without the check there is no confirm stage: 15 leaves at unmasking.
+            assert_eq!(out.dropouts.confirm, Vec::<u32>::new());
+            assert_eq!(out.dropouts.unmask, vec![15, 19]);
+        }
+        assert!((out.decoded.mean_loss.unwrap() - 0.5).abs() < 1e-3);
+        // Every client sent a masked vector of d + 2 words plus small messages.
+        let b = round.bytes_sent[&1];
+        assert!(b > 18 * 4 && b < 18 * 4 + 4000, "{b}");
+    }
 }
 
 #[test]
 fn fewer_than_t_survivors_fail_cleanly_and_reveal_nothing() {
     // 6 clients, full graph, t = 4; three drop before masking.
     let cfg = config(6, 5, 4, 4);
-    let mut server = ServerSession::new(cfg.clone()).unwrap();
-    let mut rng = ChaCha20Rng::seed_from_u64(5);
-    let mut clients = BTreeMap::new();
-    for u in 1..=6 {
-        let (c, keys) = ClientSession::new(cfg.clone(), u, &mut rng).unwrap();
-        server.receive_keys(u, &keys).unwrap();
-        clients.insert(u, c);
-    }
-    let dir = server.close_advertise().unwrap();
-    for (&u, c) in clients.iter_mut() {
-        let m = c.share_keys(&dir, &mut rng).unwrap();
-        server.receive_shares(u, &m).unwrap();
-    }
-    server.close_sharing().unwrap();
+    let Round {
+        mut server,
+        mut clients,
+        mut rng,
+        ..
+    } = through_sharing(&cfg, 5);
     for u in 1..=3 {
         let f = server.forwarded_for(u).unwrap();
         let masked = clients
@@ -404,13 +655,15 @@ fn fewer_than_t_survivors_fail_cleanly_and_reveal_nothing() {
             need: 4
         }
     );
-    assert!(server.unmask_request().is_none(), "no shares are asked for");
+    assert!(server.survivor_list().is_none(), "no shares are asked for");
+    assert!(server.unmask_request_for(1).is_none());
     assert!(matches!(server.stage(), ServerStage::Failed(_)));
     assert!(matches!(server.finish(), Err(SecAggError::RoundFailed(_))));
     // A server that asks anyway, naming too few survivors, gets nothing from a client.
     let c1 = clients.get_mut(&1).unwrap();
     let refused = c1.unmask(&UnmaskRequest {
         survivors: vec![1, 2, 3],
+        signatures: vec![],
     });
     assert!(matches!(
         refused,
@@ -429,32 +682,26 @@ fn a_client_answers_one_unmask_request_only() {
     // A server that tries two survivor lists (to get both shares of client 4) gets the
     // second refused.
     let cfg = config(5, 4, 3, 2);
-    let mut server = ServerSession::new(cfg.clone()).unwrap();
-    let mut rng = ChaCha20Rng::seed_from_u64(6);
-    let mut clients = BTreeMap::new();
-    for u in 1..=5 {
-        let (c, keys) = ClientSession::new(cfg.clone(), u, &mut rng).unwrap();
-        server.receive_keys(u, &keys).unwrap();
-        clients.insert(u, c);
-    }
-    let dir = server.close_advertise().unwrap();
-    for (&u, c) in clients.iter_mut() {
-        let m = c.share_keys(&dir, &mut rng).unwrap();
-        server.receive_shares(u, &m).unwrap();
-    }
-    server.close_sharing().unwrap();
+    let Round {
+        server,
+        mut clients,
+        mut rng,
+        ..
+    } = through_sharing(&cfg, 6);
     let c1 = clients.get_mut(&1).unwrap();
     let f = server.forwarded_for(1).unwrap();
     c1.mask(&f, &[1.0, 2.0], 3, 0.0, &mut rng).unwrap();
     let first = c1
         .unmask(&UnmaskRequest {
             survivors: vec![1, 2, 3, 4],
+            signatures: vec![],
         })
         .unwrap();
     assert_eq!(first.seed_shares.len(), 3);
     assert_eq!(first.key_shares.len(), 1, "client 5 dropped: its key share");
     let second = c1.unmask(&UnmaskRequest {
         survivors: vec![1, 2, 3, 5],
+        signatures: vec![],
     });
     assert!(matches!(second, Err(SecAggError::WrongStage { .. })));
 }
@@ -467,35 +714,52 @@ fn refused_messages_change_nothing() {
     let cfg = config(8, 4, 3, 3);
     let mut server = ServerSession::new(cfg.clone()).unwrap();
     let mut rng = ChaCha20Rng::seed_from_u64(7);
-    let mut clients = BTreeMap::new();
-    let mut keys = BTreeMap::new();
-    for u in 1..=8 {
-        let (c, k) = ClientSession::new(cfg.clone(), u, &mut rng).unwrap();
-        clients.insert(u, c);
-        keys.insert(u, k);
-    }
-    // Stage 1: unknown index, duplicate, weak key, wrong stage.
+    let (mut clients, identities, keys) = join(&cfg, 1..=8, &mut rng);
+    let id = |u: u32| identities[&u].public();
+    // Stage 1: unknown index, duplicate, weak key, bad signature, shared identity,
+    // wrong stage.
     assert_eq!(
-        server.receive_keys(0, &keys[&1]),
+        server.receive_keys(0, &keys[&1], &id(1)),
         Err(SecAggError::UnknownClient(0))
     );
     assert_eq!(
-        server.receive_keys(9, &keys[&1]),
+        server.receive_keys(9, &keys[&1], &id(1)),
         Err(SecAggError::UnknownClient(9))
     );
-    let weak = AdvertiseKeys {
+    // A low-order key, properly signed, is still refused.
+    let mut weak = AdvertiseKeys {
         cipher_pk: [0; 32],
-        mask_pk: keys[&1].mask_pk,
+        ..keys[&1].clone()
     };
+    weak.signature = identities[&1].sign(&cfg.advertise_statement(
+        1,
+        &weak.cipher_pk,
+        &weak.mask_pk,
+        &weak.graph_commitment,
+    ));
     assert!(matches!(
-        server.receive_keys(1, &weak),
+        server.receive_keys(1, &weak, &id(1)),
         Err(SecAggError::Crypto(_))
     ));
+    // Client 1's keys are not client 2's, nor signed by 2's identity.
+    assert_eq!(
+        server.receive_keys(2, &keys[&1], &id(1)),
+        Err(IdentityError::BadSignature(2).into())
+    );
+    assert_eq!(
+        server.receive_keys(1, &keys[&1], &id(2)),
+        Err(IdentityError::BadSignature(1).into())
+    );
+    assert_eq!(
+        server.check_keys(1, &keys[&1], &id(2)),
+        Err(IdentityError::BadSignature(1).into())
+    );
+    assert_eq!(server.advertised().count(), 0, "nothing was accepted");
     for u in 1..=8 {
-        server.receive_keys(u, &keys[&u]).unwrap();
+        server.receive_keys(u, &keys[&u], &id(u)).unwrap();
     }
     assert_eq!(
-        server.receive_keys(1, &keys[&1]),
+        server.receive_keys(1, &keys[&1], &id(1)),
         Err(SecAggError::Duplicate(1))
     );
     assert!(matches!(
@@ -508,17 +772,73 @@ fn refused_messages_change_nothing() {
         ),
         Err(SecAggError::WrongStage { .. })
     ));
-    let dir = server.close_advertise().unwrap();
+    assert!(matches!(
+        server.receive_reveal(1, &GraphReveal { nonce: [0; 32] }),
+        Err(SecAggError::WrongStage { .. })
+    ));
+    let roster = server.close_advertise().unwrap();
+    assert_eq!(roster.members, (1..=8).collect::<Vec<_>>());
+    assert_eq!(
+        roster.commitments,
+        (1..=8)
+            .map(|u| keys[&u].graph_commitment)
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(server.directory(), None, "no directory before every nonce");
+    // A client refuses a roster without itself, unsorted, or out of step.
+    let c2 = clients.get_mut(&2).unwrap();
+    let mut without_me = roster.clone();
+    without_me.members.remove(1);
+    without_me.commitments.remove(1);
+    assert_eq!(c2.reveal(&without_me), Err(SecAggError::NotInRound(2)));
+    let mut unsorted = roster.clone();
+    unsorted.members.swap(0, 1);
+    unsorted.commitments.swap(0, 1);
+    assert_eq!(c2.reveal(&unsorted), Err(SecAggError::Unsorted));
+    let mut short = roster.clone();
+    short.commitments.pop();
+    assert!(matches!(
+        c2.reveal(&short),
+        Err(SecAggError::WrongLength { .. })
+    ));
+    assert_eq!(
+        c2.stage(),
+        Some(Stage::Reveal),
+        "the refusals changed nothing"
+    );
+    // Stage 2: a nonce that is not the committed one, a stranger's, a duplicate.
+    let mut reveals = BTreeMap::new();
+    for (&u, c) in clients.iter_mut() {
+        reveals.insert(u, c.reveal(&roster).unwrap());
+    }
+    assert!(matches!(
+        server.receive_reveal(1, &reveals[&2]),
+        Err(SecAggError::BadMessage(_))
+    ));
+    assert_eq!(
+        server.receive_reveal(9, &reveals[&1]),
+        Err(SecAggError::NotInRound(9))
+    );
+    for u in 1..=8 {
+        server.receive_reveal(u, &reveals[&u]).unwrap();
+    }
+    assert_eq!(
+        server.receive_reveal(1, &reveals[&1]),
+        Err(SecAggError::Duplicate(1))
+    );
+    server.close_reveal().unwrap();
+    let dir = server.directory().unwrap();
     assert_eq!(dir.entries.len(), 8);
     // A client refuses a directory without its own keys, or unsorted, or with a bad index.
+    let c2 = clients.get_mut(&2).unwrap();
     let mut without_me = dir.clone();
     without_me.members.retain(|&u| u != 2);
+    without_me.reveals.remove(1);
     without_me.entries.retain(|e| e.index != 2);
-    let c2 = clients.get_mut(&2).unwrap();
-    assert_eq!(
+    assert!(matches!(
         c2.share_keys(&without_me, &mut rng),
-        Err(SecAggError::NotInRound(2))
-    );
+        Err(SecAggError::BadMessage(_))
+    ));
     let mut without_my_keys = dir.clone();
     without_my_keys.entries.retain(|e| e.index != 2);
     assert!(matches!(
@@ -544,7 +864,7 @@ fn refused_messages_change_nothing() {
         c2.share_keys(&swapped_keys, &mut rng),
         Err(SecAggError::BadMessage(_))
     ));
-    // Stage 2: the refused directories left client 2 able to share.
+    // Sharing: the refused directories left client 2 able to share.
     let mut messages = BTreeMap::new();
     for (&u, c) in clients.iter_mut() {
         messages.insert(u, c.share_keys(&dir, &mut rng).unwrap());
@@ -571,7 +891,7 @@ fn refused_messages_change_nothing() {
     }
     assert_eq!(server.receive_shares(1, m1), Err(SecAggError::Duplicate(1)));
     server.close_sharing().unwrap();
-    // Stage 3: a client refuses a forwarded share that was tampered with.
+    // Masking: a client refuses a forwarded share that was tampered with.
     let f1 = server.forwarded_for(1).unwrap();
     let mut tampered = f1.clone();
     tampered.shares[0].ciphertext[3] ^= 1;
@@ -619,7 +939,7 @@ fn refused_messages_change_nothing() {
         assert!(reply.seed_shares.iter().all(|s| s.owner != 8));
         replies.insert(u, reply);
     }
-    // Stage 4: shares of the wrong kind, or held by someone else, are refused.
+    // Unmasking: shares of the wrong kind, or held by someone else, are refused.
     let r1 = &replies[&1];
     if let Some(first) = r1.seed_shares.first() {
         let mut wrong_kind = r1.clone();
@@ -640,44 +960,26 @@ fn refused_messages_change_nothing() {
     assert_eq!(out.dropouts.masked, vec![8]);
 }
 
-/// A round of clients `1..=parties` through stage 2 (keys advertised, shares sent,
-/// sharing closed), with the RNG seeded from `seed`.
-fn through_sharing(
-    cfg: RoundConfig,
-    seed: u64,
-) -> (ServerSession, BTreeMap<u32, ClientSession>, ChaCha20Rng) {
-    let mut server = ServerSession::new(cfg.clone()).unwrap();
-    let mut rng = ChaCha20Rng::seed_from_u64(seed);
-    let mut clients = BTreeMap::new();
-    for u in 1..=cfg.parties {
-        let (c, k) = ClientSession::new(cfg.clone(), u, &mut rng).unwrap();
-        server.receive_keys(u, &k).unwrap();
-        clients.insert(u, c);
-    }
-    let dir = server.close_advertise().unwrap();
-    for (&u, c) in clients.iter_mut() {
-        let m = c.share_keys(&dir, &mut rng).unwrap();
-        server.receive_shares(u, &m).unwrap();
-    }
-    server.close_sharing().unwrap();
-    (server, clients, rng)
-}
-
 /// Finding 5 of the security review: one forged share used to fail the round and name
 /// the share's owner (`ReconstructionFailed { client: 2 }`). Each share is committed to
 /// by its owner, so the forger is named, excluded, and the round finishes from the
 /// honest holders' shares.
 #[test]
 fn a_forged_share_excludes_its_holder_and_the_round_still_unmasks() {
-    let (mut server, mut clients, mut rng) = through_sharing(config(6, 5, 3, 2), 8);
+    let Round {
+        mut server,
+        mut clients,
+        mut rng,
+        ..
+    } = through_sharing(&config(6, 5, 3, 2), 8);
     for (&u, c) in clients.iter_mut() {
         let f = server.forwarded_for(u).unwrap();
         let m = c.mask(&f, &[1.0, -1.0], 2, 0.0, &mut rng).unwrap();
         server.receive_masked(u, &m).unwrap();
     }
-    let request = server.close_collection().unwrap();
+    server.close_collection().unwrap();
     for (&u, c) in clients.iter_mut() {
-        let mut reply = c.unmask(&request).unwrap();
+        let mut reply = c.unmask(&server.unmask_request_for(u).unwrap()).unwrap();
         if u == 1 {
             // Client 1 lies about its share of client 2's seed: the limb bytes change,
             // the share still parses.
@@ -731,7 +1033,12 @@ fn a_forged_share_excludes_its_holder_and_the_round_still_unmasks() {
 /// help rebuild.
 #[test]
 fn a_share_that_does_not_match_its_commitment_is_refused_on_arrival() {
-    let (server, mut clients, mut rng) = through_sharing(config(4, 3, 2, 1), 9);
+    let Round {
+        server,
+        mut clients,
+        mut rng,
+        ..
+    } = through_sharing(&config(4, 3, 2, 1), 9);
     let mut forwarded = server.forwarded_for(1).unwrap();
     forwarded.shares[0].key_share_commitment[0] ^= 1;
     let client = clients.get_mut(&1).unwrap();
@@ -811,6 +1118,22 @@ fn config_checks_name_the_setting() {
     assert_eq!(default_threshold(10, 9), 5);
     assert_eq!("unmask".parse::<Stage>(), Ok(Stage::Unmask));
     assert!("later".parse::<Stage>().is_err());
+    // Every stage reads back from the name `--dropout-stage` spells, in order.
+    for (i, stage) in Stage::ALL.into_iter().enumerate() {
+        assert_eq!(stage.as_str().parse::<Stage>(), Ok(stage));
+        assert!(i == 0 || Stage::ALL[i - 1] < stage);
+    }
+    assert_eq!(
+        Stage::ALL.map(Stage::as_str),
+        [
+            "advertise",
+            "reveal",
+            "share",
+            "masked",
+            "confirm",
+            "unmask"
+        ]
+    );
 }
 
 /// The regularised upper incomplete gamma function Q(a, x) (Numerical Recipes' gammq):
@@ -957,26 +1280,19 @@ fn masked_zero_update(seed: u64, d: usize) -> (Vec<u32>, Vec<u32>) {
     let mut cfg = config(4, 3, 2, d);
     cfg.session = [0; 32];
     cfg.session[..8].copy_from_slice(&seed.to_le_bytes());
-    let mut server = ServerSession::new(cfg.clone()).unwrap();
-    let mut rng = ChaCha20Rng::seed_from_u64(seed);
-    let mut clients = Vec::new();
-    for u in 1..=4 {
-        let (c, k) = ClientSession::new(cfg.clone(), u, &mut rng).unwrap();
-        server.receive_keys(u, &k).unwrap();
-        clients.push(c);
-    }
-    let dir = server.close_advertise().unwrap();
-    for c in clients.iter_mut() {
-        let m = c.share_keys(&dir, &mut rng).unwrap();
-        server.receive_shares(c.index(), &m).unwrap();
-    }
-    server.close_sharing().unwrap();
+    let Round {
+        server,
+        mut clients,
+        mut rng,
+        ..
+    } = through_sharing(&cfg, seed);
     let f = server.forwarded_for(1).unwrap();
-    let quantized = clients[0]
+    let client = clients.get_mut(&1).unwrap();
+    let quantized = client
         .quantizer()
         .encode(&vec![0.0f32; d], 10, 0.0, &mut rng)
         .unwrap();
-    let masked = clients[0].mask_quantized(&f, quantized.clone()).unwrap();
+    let masked = client.mask_quantized(&f, quantized.clone()).unwrap();
     (quantized, masked)
 }
 
@@ -1134,7 +1450,10 @@ fn distributed_noise_rounds_decode_the_mean_of_clipped_updates() {
 /// draws its keys from one generator of `key_seed`; client 1 draws its masking-stage
 /// randomness (rounding and noise share) from `noise_seed`.
 fn coordinator_view(key_seed: u64, noise_seed: u64, d: usize) -> (Vec<String>, Vec<u32>) {
-    let cfg = noisy_config(6, d, 1.0);
+    let cfg = RoundConfig {
+        consistency_check: true,
+        ..noisy_config(6, d, 1.0)
+    };
     let mut server = ServerSession::new(cfg.clone()).unwrap();
     let mut rng = ChaCha20Rng::seed_from_u64(key_seed);
     let mut client_one = ChaCha20Rng::seed_from_u64(noise_seed);
@@ -1142,16 +1461,18 @@ fn coordinator_view(key_seed: u64, noise_seed: u64, d: usize) -> (Vec<String>, V
     fn json<T: serde::Serialize>(v: &T) -> String {
         serde_json::to_string(v).unwrap()
     }
-    let mut clients = BTreeMap::new();
-    for u in 1..=6 {
-        let (c, k) = ClientSession::new(cfg.clone(), u, &mut rng).unwrap();
-        seen.push(json(&k));
-        server.receive_keys(u, &k).unwrap();
-        clients.insert(u, c);
+    let (mut clients, identities, keys) = join(&cfg, 1..=6, &mut rng);
+    for (&u, k) in &keys {
+        seen.push(json(k));
+        server.receive_keys(u, k, &identities[&u].public()).unwrap();
     }
-    let dir = server.close_advertise().unwrap();
+    server.close_advertise().unwrap();
+    let (_, reveals) = reveal_all(&mut server, &mut clients);
+    seen.extend(reveals.values().map(json));
     for (&u, c) in &mut clients {
-        let m = c.share_keys(&dir, &mut rng).unwrap();
+        let m = c
+            .share_keys(&server.directory_for(u).unwrap(), &mut rng)
+            .unwrap();
         seen.push(json(&m));
         server.receive_shares(u, &m).unwrap();
     }
@@ -1170,10 +1491,16 @@ fn coordinator_view(key_seed: u64, noise_seed: u64, d: usize) -> (Vec<String>, V
         };
         server.receive_masked(u, &masked).unwrap();
     }
-    let request = server.close_collection().unwrap();
-    seen.push(json(&request));
+    let list = server.close_collection().unwrap();
+    seen.push(json(&list));
     for (&u, c) in clients.iter_mut().filter(|(u, _)| **u != 6) {
-        let r = c.unmask(&request).unwrap();
+        let m = c.confirm(&list, &identities[&u]).unwrap();
+        seen.push(json(&m));
+        server.receive_confirmation(u, &m).unwrap();
+    }
+    server.close_confirm().unwrap();
+    for (&u, c) in clients.iter_mut().filter(|(u, _)| **u != 6) {
+        let r = c.unmask(&server.unmask_request_for(u).unwrap()).unwrap();
         seen.push(json(&r));
         server.receive_unmask(u, &r).unwrap();
     }
@@ -1226,22 +1553,81 @@ fn no_message_to_the_coordinator_reveals_a_clients_noise_share() {
 /// what `receive_*` refuses, and record nothing themselves.
 #[test]
 fn checks_refuse_what_receive_refuses_and_record_nothing() {
-    let cfg = config(6, 5, 4, 4);
+    let cfg = RoundConfig {
+        consistency_check: true,
+        ..config(6, 5, 4, 4)
+    };
     let mut live = ServerSession::new(cfg.clone()).unwrap();
     let mut snapshot = ServerSession::new(cfg.clone()).unwrap();
     let mut rng = ChaCha20Rng::seed_from_u64(11);
-    let mut clients = BTreeMap::new();
-    for u in 1..=6 {
-        let (c, keys) = ClientSession::new(cfg.clone(), u, &mut rng).unwrap();
-        live.receive_keys(u, &keys).unwrap();
-        snapshot.receive_keys(u, &keys).unwrap();
-        clients.insert(u, c);
+    let (mut clients, identities, keys) = join(&cfg, 1..=6, &mut rng);
+    let id = |u: u32| identities[&u].public();
+    // Bad keys: another client's, signed under another identity, a stranger's.
+    for (from, bad, identity) in [
+        (2, &keys[&1], id(1)),
+        (1, &keys[&1], id(2)),
+        (7, &keys[&1], id(1)),
+    ] {
+        let checked = snapshot.check_keys(from, bad, &identity).unwrap_err();
+        assert_eq!(
+            live.receive_keys(from, bad, &identity).unwrap_err(),
+            checked
+        );
     }
-    let dir = live.close_advertise().unwrap();
-    snapshot.close_advertise().unwrap();
+    for (&u, k) in &keys {
+        snapshot.check_keys(u, k, &id(u)).unwrap();
+        live.receive_keys(u, k, &id(u)).unwrap();
+    }
+    assert_eq!(snapshot.advertised().count(), 0, "a check records nothing");
+    assert_eq!(
+        live.check_keys(1, &keys[&1], &id(1)).unwrap_err(),
+        SecAggError::Duplicate(1)
+    );
+    for (&u, k) in &keys {
+        snapshot.restore_keys(u, k, &id(u)).unwrap();
+    }
+    let roster = live.close_advertise().unwrap();
+    assert_eq!(snapshot.close_advertise().unwrap(), roster);
+    let reveals: BTreeMap<u32, GraphReveal> = clients
+        .iter_mut()
+        .map(|(&u, c)| (u, c.reveal(&roster).unwrap()))
+        .collect();
+    // Bad nonces: another client's, a stranger's.
+    for (from, bad) in [(1, &reveals[&2]), (9, &reveals[&1])] {
+        let checked = snapshot.check_reveal(from, bad).unwrap_err();
+        assert_eq!(live.receive_reveal(from, bad).unwrap_err(), checked);
+    }
+    for (&u, r) in &reveals {
+        snapshot.check_reveal(u, r).unwrap();
+        live.receive_reveal(u, r).unwrap();
+    }
+    assert_eq!(
+        live.check_reveal(1, &reveals[&1]).unwrap_err(),
+        SecAggError::Duplicate(1)
+    );
+    // The snapshot recorded no nonce: it cannot draw the graph.
+    let mut unrevealed = ServerSession::new(cfg.clone()).unwrap();
+    for (&u, k) in &keys {
+        unrevealed.restore_keys(u, k, &id(u)).unwrap();
+    }
+    unrevealed.close_advertise().unwrap();
+    for (&u, r) in &reveals {
+        unrevealed.check_reveal(u, r).unwrap();
+    }
+    assert_eq!(
+        unrevealed.close_reveal().unwrap_err(),
+        SecAggError::MissingReveals((1..=6).collect())
+    );
+    for (&u, r) in &reveals {
+        snapshot.receive_reveal(u, r).unwrap();
+    }
+    live.close_reveal().unwrap();
+    snapshot.close_reveal().unwrap();
     let mut messages = BTreeMap::new();
     for (&u, c) in clients.iter_mut() {
-        messages.insert(u, c.share_keys(&dir, &mut rng).unwrap());
+        let directory = live.directory_for(u).unwrap();
+        assert_eq!(snapshot.directory_for(u).unwrap(), directory);
+        messages.insert(u, c.share_keys(&directory, &mut rng).unwrap());
     }
     // Bad messages: a share cut short, shares out of order, a stranger's message.
     let mut short = messages[&1].clone();
@@ -1271,9 +1657,46 @@ fn checks_refuse_what_receive_refuses_and_record_nothing() {
             .unwrap();
         live.receive_masked(u, &masked).unwrap();
     }
-    let request = live.close_collection().unwrap();
+    let list = live.close_collection().unwrap();
+    let confirmations: BTreeMap<u32, Confirmation> = (1..=5)
+        .map(|u| {
+            let c = clients.get_mut(&u).unwrap();
+            (u, c.confirm(&list, &identities[&u]).unwrap())
+        })
+        .collect();
+    // Bad signatures: another client's, a client that never uploaded.
+    assert_eq!(
+        live.check_confirmation(1, &confirmations[&2]).unwrap_err(),
+        IdentityError::BadSignature(1).into()
+    );
+    assert_eq!(
+        live.check_confirmation(6, &confirmations[&1]).unwrap_err(),
+        SecAggError::NotInRound(6)
+    );
+    for (&u, c) in &confirmations {
+        live.check_confirmation(u, c).unwrap();
+        assert_eq!(
+            live.confirmed().count(),
+            (u - 1) as usize,
+            "a check records nothing"
+        );
+        live.receive_confirmation(u, c).unwrap();
+    }
+    assert_eq!(
+        live.check_confirmation(1, &confirmations[&1]).unwrap_err(),
+        SecAggError::Duplicate(1)
+    );
+    live.close_confirm().unwrap();
     let replies: BTreeMap<u32, UnmaskShares> = (1..=5)
-        .map(|u| (u, clients.get_mut(&u).unwrap().unmask(&request).unwrap()))
+        .map(|u| {
+            let request = live.unmask_request_for(u).unwrap();
+            assert_eq!(
+                request.signatures.len(),
+                4,
+                "its four neighbours that signed"
+            );
+            (u, clients.get_mut(&u).unwrap().unmask(&request).unwrap())
+        })
         .collect();
     // Client 6 dropped before masking: its seed share is the wrong kind of share.
     let mut wrong_kind = replies[&1].clone();
@@ -1327,22 +1750,25 @@ fn the_types_that_hold_secrets_wipe_them_when_dropped() {
 #[test]
 fn each_client_gets_only_its_neighbourhood_keys_and_the_round_unmasks() {
     let cfg = config(60, 8, 5, 3);
-    let mut server = ServerSession::new(cfg.clone()).unwrap();
-    let mut rng = ChaCha20Rng::seed_from_u64(21);
-    let mut clients = BTreeMap::new();
-    for u in 1..=60 {
-        let (c, k) = ClientSession::new(cfg.clone(), u, &mut rng).unwrap();
-        server.receive_keys(u, &k).unwrap();
-        clients.insert(u, c);
-    }
-    let full = server.close_advertise().unwrap();
+    let Round {
+        mut server,
+        mut clients,
+        mut rng,
+        ..
+    } = advertise_and_reveal(&cfg, 21);
+    let full = server.directory().unwrap();
     let full_bytes = serde_json::to_vec(&full).unwrap().len();
+    let entry_bytes = serde_json::to_vec(&full.entries[0]).unwrap().len();
     for (&u, c) in clients.iter_mut() {
         let mine = server.directory_for(u).unwrap();
         assert_eq!(mine.members.len(), 60);
+        assert_eq!(mine.reveals.len(), 60);
         assert_eq!(mine.entries.len(), 8 + 1, "its 8 neighbours and itself");
+        // Each member beyond the neighbourhood costs its index and nonce (under 50
+        // bytes of JSON), not its keys.
         let bytes = serde_json::to_vec(&mine).unwrap().len();
-        assert!(bytes * 4 < full_bytes, "{bytes} of {full_bytes}");
+        assert!(bytes < 9 * (entry_bytes + 8) + 60 * 50, "{bytes}");
+        assert!(bytes * 3 < full_bytes, "{bytes} of {full_bytes}");
         let m = c.share_keys(&mine, &mut rng).unwrap();
         server.receive_shares(u, &m).unwrap();
     }
@@ -1353,8 +1779,9 @@ fn each_client_gets_only_its_neighbourhood_keys_and_the_round_unmasks() {
         let m = c.mask(&f, &[0.25, -0.5, 1.0], 3, 0.0, &mut rng).unwrap();
         server.receive_masked(u, &m).unwrap();
     }
-    let request = server.close_collection().unwrap();
+    server.close_collection().unwrap();
     for (&u, c) in clients.iter_mut() {
+        let request = server.unmask_request_for(u).unwrap();
         server
             .receive_unmask(u, &c.unmask(&request).unwrap())
             .unwrap();
@@ -1363,4 +1790,107 @@ fn each_client_gets_only_its_neighbourhood_keys_and_the_round_unmasks() {
     for (got, want) in out.decoded.mean.iter().zip([0.25f32, -0.5, 1.0]) {
         assert!((f64::from(*got) - f64::from(want)).abs() <= out.decoded.error_bound);
     }
+}
+
+#[test]
+fn a_survivor_list_without_signatures_is_the_bare_list() {
+    let bare = UnmaskRequest {
+        survivors: vec![1, 2, 4],
+        signatures: vec![],
+    };
+    let json = serde_json::to_string(&bare).unwrap();
+    assert_eq!(json, r#"{"survivors":[1,2,4]}"#);
+    assert_eq!(serde_json::from_str::<UnmaskRequest>(&json).unwrap(), bare);
+    let signed = UnmaskRequest {
+        signatures: vec![SurvivorSignature {
+            index: 2,
+            signature: [1; 64],
+        }],
+        ..bare
+    };
+    let json = serde_json::to_value(&signed).unwrap();
+    assert_eq!(json["signatures"][0]["index"], 2);
+    assert_eq!(
+        serde_json::from_value::<UnmaskRequest>(json).unwrap(),
+        signed
+    );
+}
+
+/// Settings written before the round context and the consistency check existed still
+/// read, as the first attempt of nothing, without the check.
+#[test]
+fn round_settings_default_their_context_and_consistency_check() {
+    let config = RoundConfig {
+        session: [1; 32],
+        context: RoundContext::default(),
+        parties: 5,
+        threshold: 3,
+        neighbours: 4,
+        dimension: 2,
+        quantization: QuantizationParams::default(),
+        consistency_check: false,
+    };
+    let mut json = serde_json::to_value(&config).unwrap();
+    let object = json.as_object_mut().unwrap();
+    object.remove("context");
+    object.remove("consistency_check");
+    assert_eq!(serde_json::from_value::<RoundConfig>(json).unwrap(), config);
+    let checked = RoundConfig {
+        context: RoundContext {
+            experiment: "e".into(),
+            round: 3,
+            attempt: 2,
+        },
+        consistency_check: true,
+        ..config.clone()
+    };
+    let json = serde_json::to_value(&checked).unwrap();
+    assert_eq!(json["context"]["attempt"], 2);
+    assert_eq!(
+        serde_json::from_value::<RoundConfig>(json).unwrap(),
+        checked
+    );
+}
+
+/// Every signed statement names the round (session, experiment, round, attempt and
+/// size), so that no signature carries over to another round or attempt.
+#[test]
+fn statements_bind_the_round_and_its_attempt() {
+    let config = RoundConfig {
+        session: [1; 32],
+        context: RoundContext {
+            experiment: "e".into(),
+            round: 3,
+            attempt: 1,
+        },
+        parties: 5,
+        threshold: 3,
+        neighbours: 4,
+        dimension: 2,
+        quantization: QuantizationParams::default(),
+        consistency_check: true,
+    };
+    let keys = |c: &RoundConfig| c.advertise_statement(2, &[1; 32], &[2; 32], &[3; 32]);
+    let list = |c: &RoundConfig| c.survivors_statement(&[1, 2, 3]);
+    let mut others = Vec::new();
+    for change in 0..5 {
+        let mut other = config.clone();
+        match change {
+            0 => other.session[0] ^= 1,
+            1 => other.context.experiment.push('x'),
+            2 => other.context.round += 1,
+            3 => other.context.attempt += 1,
+            _ => other.parties += 1,
+        }
+        others.push(other);
+    }
+    for other in &others {
+        assert_ne!(keys(other), keys(&config));
+        assert_ne!(list(other), list(&config));
+    }
+    assert_ne!(
+        config.advertise_statement(3, &[1; 32], &[2; 32], &[3; 32]),
+        keys(&config)
+    );
+    assert_ne!(config.survivors_statement(&[1, 2]), list(&config));
 }

@@ -54,6 +54,11 @@ pub struct SecAggBenchArgs {
     /// Where the server removes the masks: auto | cpu | cuda
     #[arg(long, default_value = "cpu")]
     pub reducer: cohort_aggregation::reduce::ReducerChoice,
+    /// Whether survivors sign the survivor list before unmasking (the consistency check
+    /// of the protocol against a coordinator that cheats), as `cohort serve` does by
+    /// default: true | false
+    #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
+    pub consistency_check: bool,
 }
 
 /// A count such as `1000000` or `1e6`.
@@ -156,7 +161,9 @@ pub fn run(args: &SecAggBenchArgs) -> Result<(), String> {
                         t,
                         f,
                     };
-                    case_config(&case).validate().map_err(|e| e.to_string())?;
+                    case_config(&case, args.consistency_check)
+                        .validate()
+                        .map_err(|e| e.to_string())?;
                     cases.push(case);
                 }
             }
@@ -181,9 +188,11 @@ pub fn run(args: &SecAggBenchArgs) -> Result<(), String> {
 }
 
 /// The protocol settings of a case.
-fn case_config(case: &Case) -> RoundConfig {
+fn case_config(case: &Case, consistency_check: bool) -> RoundConfig {
     RoundConfig {
         session: [0; 32],
+        context: secagg::RoundContext::default(),
+        consistency_check,
         parties: case.n,
         threshold: case.t,
         neighbours: case.k,
@@ -209,17 +218,7 @@ fn run_case(
     } else {
         "sparse"
     };
-    let config = RoundConfig {
-        session: [0; 32],
-        parties: n,
-        threshold: t,
-        neighbours: k,
-        dimension: d,
-        quantization: QuantizationParams {
-            clip: 1.0,
-            ..QuantizationParams::default()
-        },
-    };
+    let config = case_config(case, args.consistency_check);
     config.validate().map_err(|e| e.to_string())?;
     let dropped = (f * f64::from(n)).round() as usize;
     let mut drop_rng = ChaCha8Rng::seed_from_u64(args.seed ^ 0xd20b);
@@ -238,6 +237,12 @@ fn run_case(
     };
     let mut client_mask = Vec::new();
     let mut client_share = Vec::new();
+    // The parts the protocol against a coordinator that cheats adds: signing and
+    // checking keys, the graph nonces, signing and checking the survivor list.
+    let mut client_advertise = Vec::new();
+    let mut client_confirm = Vec::new();
+    let mut client_unmask = Vec::new();
+    let mut server_checks = Vec::new();
     let mut server_unmask = Vec::new();
     let mut server_mask = Vec::new();
     let mut rounds = Vec::new();
@@ -265,6 +270,14 @@ fn run_case(
         let input_time = input_time.into_inner().expect("no panics while held");
         client_mask.extend(round.timings.client_mask.iter().copied());
         client_share.extend(round.timings.client_share.iter().copied());
+        client_advertise.extend(round.timings.client_advertise.iter().copied());
+        client_confirm.extend(round.timings.client_confirm.iter().copied());
+        client_unmask.extend(round.timings.client_unmask.iter().copied());
+        server_checks.push(
+            round.timings.server_advertise
+                + round.timings.server_reveal
+                + round.timings.server_confirm,
+        );
         server_unmask.push(round.timings.server_unmask);
         server_mask.push(out.mask_seconds);
         rounds.push(round.timings.round - input_time);
@@ -320,6 +333,11 @@ fn run_case(
         "client_mask_s": client_mask_s,
         "server_unmask_s": server_unmask_s,
         "server_mask_s": median(server_mask.clone()),
+        "client_advertise_s": median(client_advertise),
+        "client_confirm_s": median(client_confirm),
+        "client_unmask_s": median(client_unmask),
+        "server_advertise_reveal_confirm_s": median(server_checks),
+        "consistency_check": args.consistency_check,
         "mask_share": median(server_mask) / server_unmask_s,
         "round_s": round_s,
         "bytes_per_client": bytes_per_client,

@@ -820,9 +820,12 @@ pub fn parse(fields: &[(String, String)]) -> Parsed {
             max_weight: r
                 .whole("secure_aggregation.max_weight")
                 .unwrap_or(s.max_weight),
+            consistency_check: s.consistency_check,
             advertise_seconds: r
                 .whole("secure_aggregation.advertise_seconds")
                 .unwrap_or(s.advertise_seconds),
+            reveal_seconds: s.reveal_seconds,
+            confirm_seconds: s.confirm_seconds,
             share_seconds: r
                 .whole("secure_aggregation.share_seconds")
                 .unwrap_or(s.share_seconds),

@@ -1082,10 +1082,15 @@ async fn live_round(state: &AppState, r: &Round, now: i64) -> Result<LiveRound, 
         live.secure_progress = vec![
             ("selected", p.selected),
             ("advertised keys", p.advertised),
+            ("revealed graph nonce", p.revealed),
             ("shared keys", p.shared),
             ("uploaded masked input", p.masked),
-            ("revealed shares", p.unmasked),
         ];
+        if config.consistency_check {
+            live.secure_progress
+                .push(("signed the survivor list", p.confirmed));
+        }
+        live.secure_progress.push(("revealed shares", p.unmasked));
         let mut by_stage: HashMap<&str, Vec<String>> = HashMap::new();
         for part in &participants {
             if let Some(stage) = part.dropped_stage.as_deref() {
@@ -1097,8 +1102,10 @@ async fn live_round(state: &AppState, r: &Round, now: i64) -> Result<LiveRound, 
         }
         for (stage, label) in [
             ("advertise", "advertising keys"),
+            ("reveal", "revealing the graph nonce"),
             ("share", "sharing keys"),
             ("masked", "uploading the masked input"),
+            ("confirm", "signing the survivor list"),
             ("unmask", "unmasking"),
         ] {
             let ids = by_stage.remove(stage).unwrap_or_default();

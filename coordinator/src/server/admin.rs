@@ -349,7 +349,9 @@ impl ExperimentSpec {
         {
             let field = [
                 "advertise_seconds",
+                "reveal_seconds",
                 "share_seconds",
+                "confirm_seconds",
                 "unmask_seconds",
                 "neighbours",
                 "threshold",
@@ -361,7 +363,9 @@ impl ExperimentSpec {
             .find(|name| e.starts_with(name))
             .map_or("secure_aggregation", |name| match name {
                 "advertise_seconds" => "secure_aggregation.advertise_seconds",
+                "reveal_seconds" => "secure_aggregation.reveal_seconds",
                 "share_seconds" => "secure_aggregation.share_seconds",
+                "confirm_seconds" => "secure_aggregation.confirm_seconds",
                 "unmask_seconds" => "secure_aggregation.unmask_seconds",
                 "neighbours" => "secure_aggregation.neighbours",
                 "threshold" => "secure_aggregation.threshold",
@@ -876,10 +880,15 @@ async fn get_privacy(
 pub struct DroppedAt {
     /// Selected, never advertised keys.
     pub advertise: Vec<Uuid>,
-    /// Advertised, never sent their shares.
+    /// Advertised, never revealed their graph nonce (the attempt failed for it).
+    pub reveal: Vec<Uuid>,
+    /// Revealed, never sent their shares.
     pub share: Vec<Uuid>,
     /// Sent shares, never uploaded a masked input.
     pub masked: Vec<Uuid>,
+    /// Uploaded, never signed the survivor list (consistency check; their input still
+    /// counts).
+    pub confirm: Vec<Uuid>,
     /// Uploaded, never revealed their shares (their input still counts).
     pub unmask: Vec<Uuid>,
 }
@@ -943,8 +952,10 @@ async fn get_round(
             for p in &participants {
                 match p.dropped_stage.as_deref() {
                     Some("advertise") => dropped.advertise.push(p.client_id),
+                    Some("reveal") => dropped.reveal.push(p.client_id),
                     Some("share") => dropped.share.push(p.client_id),
                     Some("masked") => dropped.masked.push(p.client_id),
+                    Some("confirm") => dropped.confirm.push(p.client_id),
                     Some("unmask") => dropped.unmask.push(p.client_id),
                     _ => {}
                 }

@@ -285,7 +285,11 @@ async fn step_experiment(state: &AppState, exp: &Experiment) -> Result<(), Drive
         return open(state, exp, &spec, 1, 1, now).await;
     };
     match round.stage {
-        RoundStage::Advertising | RoundStage::Sharing | RoundStage::Unmasking => {
+        RoundStage::Advertising
+        | RoundStage::Revealing
+        | RoundStage::Sharing
+        | RoundStage::Confirming
+        | RoundStage::Unmasking => {
             secure_step(state, &spec, &round, now).await?;
         }
         RoundStage::Collecting if round.secagg.is_some() => {
@@ -392,7 +396,8 @@ async fn open(
             let (_, model) = experiment_model(exp)?;
             let mut session = [0u8; 32];
             rand::RngExt::fill(&mut rand::rng(), &mut session);
-            let config = match secure.round_config(k, model.num_params(), session) {
+            let context = round_context(exp, round, attempt);
+            let config = match secure.round_config(k, model.num_params(), session, context) {
                 Ok(config) => config,
                 Err(why) => {
                     // Fewer clients than wanted: try again on a later tick.
@@ -440,6 +445,20 @@ struct RoundToOpen {
 /// epsilon against observers or, when the experiment says so, as the worst selected
 /// client's epsilon against the coordinator. An attempt that could take it past the
 /// budget never opens: the experiment finishes.
+/// What a secure round's clients sign their messages for: this experiment, round and
+/// attempt.
+fn round_context(
+    exp: &Experiment,
+    round: i64,
+    attempt: i64,
+) -> cohort_aggregation::secagg::RoundContext {
+    cohort_aggregation::secagg::RoundContext {
+        experiment: exp.id.to_string(),
+        round: u64::try_from(round).unwrap_or_default(),
+        attempt: u64::try_from(attempt).unwrap_or_default(),
+    }
+}
+
 async fn open_private(
     state: &AppState,
     exp: &Experiment,
@@ -478,7 +497,8 @@ async fn open_private(
             let (_, model) = experiment_model(exp)?;
             let mut session = [0u8; 32];
             rand::RngExt::fill(&mut rand::rng(), &mut session);
-            match secure.round_config(selected.len(), model.num_params(), session) {
+            let context = round_context(exp, round, attempt);
+            match secure.round_config(selected.len(), model.num_params(), session, context) {
                 Ok(mut config) => {
                     config.quantization.distributed_noise = Some(privacy.distributed_noise());
                     Some(config)

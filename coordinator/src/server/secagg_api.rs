@@ -3,10 +3,12 @@
 //!
 //! | stage | client sends | client fetches (long poll) |
 //! |---|---|---|
-//! | 1 advertise | `POST keys` | `GET keys`: the key directory once advertising closed |
-//! | 2 share | `POST shares` | `GET shares`: its neighbours' shares once sharing closed |
-//! | 3 masked input | `POST .../update` (the masked words) | `GET survivors`: who is in the sum |
-//! | 4 unmask | `POST unmask` | |
+//! | advertising | `POST keys` (signed keys, graph commitment) | `GET roster`: members and their commitments once advertising closed |
+//! | revealing | `POST reveal` (graph nonce) | `GET keys`: the key directory once revealing closed |
+//! | sharing | `POST shares` | `GET shares`: its neighbours' shares once sharing closed |
+//! | collecting | `POST .../update` (the masked words) | `GET survivors`: who is in the sum |
+//! | confirming (consistency check) | `POST confirm` (signature over the survivors) | `GET unmask`: the survivors with the neighbours' signatures |
+//! | unmasking | `POST unmask` | |
 //!
 //! Every message is checked against the round's protocol state, rebuilt from the store
 //! (the stages that have closed, once per replica: [`super::secagg_snapshots`]), before
@@ -20,8 +22,8 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::routing::post;
 use cohort_aggregation::secagg::{
-    AdvertiseKeys, ForwardedShares, KeyDirectory, RoundConfig, SecAggError, ServerSession,
-    ShareKeys, UnmaskRequest, UnmaskShares,
+    AdvertiseKeys, Confirmation, DirectoryEntry, ForwardedShares, GraphReveal, KeyDirectory,
+    Roster, RoundConfig, SecAggError, ServerSession, ShareKeys, UnmaskRequest, UnmaskShares,
 };
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -40,17 +42,20 @@ const BASE: &str = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{at
 pub(crate) fn routes() -> Router<AppState> {
     Router::new()
         .route(&format!("{BASE}/keys"), post(advertise).get(directory))
+        .route(&format!("{BASE}/roster"), axum::routing::get(roster))
+        .route(&format!("{BASE}/reveal"), post(reveal))
         .route(&format!("{BASE}/shares"), post(share).get(shares))
         .route(&format!("{BASE}/survivors"), axum::routing::get(survivors))
-        .route(&format!("{BASE}/unmask"), post(unmask))
+        .route(&format!("{BASE}/confirm"), post(confirm))
+        .route(&format!("{BASE}/unmask"), post(unmask).get(unmask_request))
 }
 
 /// The handlers above, for the OpenAPI document.
 #[derive(utoipa::OpenApi)]
 #[openapi(
-    paths(advertise, directory, share, shares, survivors, unmask),
-    components(schemas(Accepted, DirectoryReply, SharesReply, SurvivorsReply)),
-    tags((name = "secure aggregation", description = "The four stages of a SecAgg+ round, for edge clients"))
+    paths(advertise, roster, reveal, directory, share, shares, survivors, confirm, unmask_request, unmask),
+    components(schemas(Accepted, RosterReply, DirectoryReply, SharesReply, SurvivorsReply)),
+    tags((name = "secure aggregation", description = "The stages of a SecAgg+ round, for edge clients"))
 )]
 pub(crate) struct SecAggDoc;
 
@@ -70,13 +75,25 @@ pub struct Accepted {
     pub stage: String,
 }
 
-/// The key directory (`U1`), once advertising has closed.
+/// The roster (`U1` with every member's graph commitment), once advertising has closed.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct RosterReply {
+    /// The round's stage now.
+    #[schema(value_type = String)]
+    pub stage: RoundStage,
+    /// The roster, `null` until advertising has closed.
+    #[schema(value_type = Option<Object>)]
+    pub roster: Option<Roster>,
+}
+
+/// The key directory (`U1`, the graph nonces, the caller's neighbourhood's signed keys),
+/// once revealing has closed.
 #[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct DirectoryReply {
     /// The round's stage now.
     #[schema(value_type = String)]
     pub stage: RoundStage,
-    /// The directory, `null` until advertising has closed.
+    /// The directory, `null` until revealing has closed.
     #[schema(value_type = Option<Object>)]
     pub directory: Option<KeyDirectory>,
 }
@@ -204,16 +221,7 @@ fn not_in_round(round: &Round, what: &str) -> ApiError {
 
 /// Whether `stage` comes after `of` in a secure round.
 fn past(stage: RoundStage, of: RoundStage) -> bool {
-    let rank = |s| match s {
-        RoundStage::Advertising => 1,
-        RoundStage::Sharing => 2,
-        RoundStage::Collecting => 3,
-        RoundStage::Unmasking => 4,
-        RoundStage::Aggregating => 5,
-        RoundStage::Published => 6,
-        RoundStage::Failed => 0,
-    };
-    rank(stage) > rank(of)
+    stage.rank() > of.rank()
 }
 
 /// The `wait_seconds` query of a long poll, or why it did not parse.
@@ -324,10 +332,17 @@ fn require_stage(v: &ClientView, stage: RoundStage) -> Result<(), ApiError> {
     }
     let done = match stage {
         RoundStage::Advertising => v.me.secagg_stage.is_some(),
+        RoundStage::Revealing => matches!(
+            v.me.secagg_stage.as_deref(),
+            Some("revealed" | "shared" | "masked" | "confirmed" | "unmasked")
+        ),
         RoundStage::Sharing => matches!(
             v.me.secagg_stage.as_deref(),
-            Some("shared" | "masked" | "unmasked")
+            Some("shared" | "masked" | "confirmed" | "unmasked")
         ),
+        RoundStage::Confirming => {
+            matches!(v.me.secagg_stage.as_deref(), Some("confirmed" | "unmasked"))
+        }
         _ => matches!(v.me.secagg_stage.as_deref(), Some("unmasked" | "excluded")),
     };
     if done {
@@ -359,14 +374,15 @@ fn require_stage(v: &ClientView, stage: RoundStage) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Stage 1: the caller's two X25519 public keys.
+/// Advertising: the caller's two X25519 public keys and graph commitment, signed with
+/// the identity it registered.
 #[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/keys",
     tag = "secure aggregation", security(("client_credential" = [])),
     params(("id" = String, Path), ("round" = i64, Path), ("attempt" = i64, Path)),
-    request_body(content = Object, description = "`{\"cipher_pk\": base64url, \"mask_pk\": base64url}`"),
+    request_body(content = Object, description = "`{\"cipher_pk\": base64url, \"mask_pk\": base64url, \"graph_commitment\": base64url, \"signature\": base64url}`"),
     responses((status = 201, body = Accepted), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
-              (status = 409, description = "Not advertising, already sent, or not selected", body = ErrorBody),
-              (status = 422, description = "Not two valid X25519 keys", body = ErrorBody)))]
+              (status = 409, description = "Not advertising, already sent, not selected, or no identity registered", body = ErrorBody),
+              (status = 422, description = "Not two valid X25519 keys, or a signature that does not verify under the caller's identity", body = ErrorBody)))]
 async fn advertise(
     State(state): State<AppState>,
     client: AuthenticatedClient,
@@ -375,11 +391,89 @@ async fn advertise(
 ) -> Result<(StatusCode, Json<Accepted>), ApiError> {
     let v = view(&state, client.0.id, &id, round, attempt).await?;
     require_stage(&v, RoundStage::Advertising)?;
-    // The protocol's own checks (index, low-order keys) on a scratch session.
-    let mut probe = ServerSession::new(v.config.clone()).map_err(ApiError::internal)?;
-    probe.receive_keys(v.index, &keys).map_err(protocol_error)?;
-    let body = serde_json::to_string(&keys).map_err(ApiError::internal)?;
+    let identity = state
+        .store
+        .client_identity(client.0.id)
+        .await?
+        .ok_or_else(|| {
+            ApiError::conflict(
+                "no_identity",
+                "this client has no registered identity to sign its keys with: register \
+                 one (PUT /api/v1/clients/me/identity) before joining a secure round",
+            )
+        })?;
+    // The protocol's own checks (index, signature, low-order keys) on a scratch session.
+    ServerSession::new(v.config.clone())
+        .map_err(ApiError::internal)?
+        .check_keys(v.index, &keys, &identity)
+        .map_err(protocol_error)?;
+    // Stored with the identity it was checked under: the round is rebuilt with it even
+    // if the admin resets the client's identity meanwhile.
+    let entry = DirectoryEntry {
+        index: v.index,
+        keys,
+        identity,
+    };
+    let body = serde_json::to_string(&entry).map_err(ApiError::internal)?;
     record(&state, &v, &client, SecAggMessageKind::Advertise, body).await
+}
+
+/// The roster (`U1` and every member's graph commitment) once advertising has closed.
+#[utoipa::path(get, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/roster",
+    tag = "secure aggregation", security(("client_credential" = [])),
+    params(("id" = String, Path), ("round" = i64, Path), ("attempt" = i64, Path), WaitQuery),
+    responses((status = 200, body = RosterReply), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+              (status = 409, description = "The round failed, or the caller did not advertise", body = ErrorBody)))]
+async fn roster(
+    State(state): State<AppState>,
+    client: AuthenticatedClient,
+    Path((id, round, attempt)): Path<(String, i64, i64)>,
+    query: WaitParam,
+) -> Result<Json<RosterReply>, ApiError> {
+    let state = &state;
+    let at = (id.as_str(), round, attempt);
+    let (stage, roster) = poll_after(
+        state,
+        &client,
+        at,
+        query,
+        RoundStage::Advertising,
+        |v| async move {
+            if v.me.secagg_stage.is_none() {
+                return Err(not_in_round(&v.round, "did not advertise keys in time"));
+            }
+            closed(state, &v, RoundStage::Advertising)
+                .await?
+                .roster()
+                .ok_or_else(|| ApiError::internal("advertising closed without a roster"))
+        },
+    )
+    .await?;
+    Ok(Json(RosterReply { stage, roster }))
+}
+
+/// Revealing: the nonce behind the caller's graph commitment.
+#[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/reveal",
+    tag = "secure aggregation", security(("client_credential" = [])),
+    params(("id" = String, Path), ("round" = i64, Path), ("attempt" = i64, Path)),
+    request_body(content = Object, description = "`{\"nonce\": base64url}`"),
+    responses((status = 201, body = Accepted), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+              (status = 409, description = "Not revealing, already sent, or the caller did not advertise", body = ErrorBody),
+              (status = 422, description = "A nonce that does not match the caller's commitment", body = ErrorBody)))]
+async fn reveal(
+    State(state): State<AppState>,
+    client: AuthenticatedClient,
+    Path((id, round, attempt)): Path<(String, i64, i64)>,
+    Json(message): Json<GraphReveal>,
+) -> Result<(StatusCode, Json<Accepted>), ApiError> {
+    let v = view(&state, client.0.id, &id, round, attempt).await?;
+    require_stage(&v, RoundStage::Revealing)?;
+    closed(&state, &v, RoundStage::Advertising)
+        .await?
+        .check_reveal(v.index, &message)
+        .map_err(protocol_error)?;
+    let body = serde_json::to_string(&message).map_err(ApiError::internal)?;
+    record(&state, &v, &client, SecAggMessageKind::Reveal, body).await
 }
 
 /// The key directory (`U1`) once advertising has closed.
@@ -401,16 +495,16 @@ async fn directory(
         &client,
         at,
         query,
-        RoundStage::Advertising,
+        RoundStage::Revealing,
         |v| async move {
             if v.me.secagg_stage.is_none() {
                 return Err(not_in_round(&v.round, "did not advertise keys in time"));
             }
             // Only the caller's neighbourhood: O(k) keys, not O(n).
-            closed(state, &v, RoundStage::Advertising)
+            closed(state, &v, RoundStage::Revealing)
                 .await?
                 .directory_for(v.index)
-                .ok_or_else(|| ApiError::internal("advertising closed without a key directory"))
+                .ok_or_else(|| ApiError::internal("revealing closed without a key directory"))
         },
     )
     .await?;
@@ -423,7 +517,7 @@ async fn client_seen(state: &AppState, client: &AuthenticatedClient) {
     }
 }
 
-/// Stage 2: one encrypted share pair per neighbour, and the seed commitment.
+/// Sharing: one encrypted share pair per neighbour, and the seed commitment.
 #[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/shares",
     tag = "secure aggregation", security(("client_credential" = [])),
     params(("id" = String, Path), ("round" = i64, Path), ("attempt" = i64, Path)),
@@ -439,7 +533,7 @@ async fn share(
 ) -> Result<(StatusCode, Json<Accepted>), ApiError> {
     let v = view(&state, client.0.id, &id, round, attempt).await?;
     require_stage(&v, RoundStage::Sharing)?;
-    closed(&state, &v, RoundStage::Advertising)
+    closed(&state, &v, RoundStage::Revealing)
         .await?
         .check_shares(v.index, &message)
         .map_err(protocol_error)?;
@@ -507,7 +601,7 @@ async fn survivors(
         |v| async move {
             let request = closed(state, &v, RoundStage::Collecting)
                 .await?
-                .unmask_request()
+                .survivor_list()
                 .ok_or_else(|| ApiError::internal("collection closed without survivors"))?;
             if request.survivors.binary_search(&v.index).is_err() {
                 return Err(not_in_round(
@@ -522,7 +616,81 @@ async fn survivors(
     Ok(Json(SurvivorsReply { stage, request }))
 }
 
-/// Stage 4: the caller's shares of its neighbours' secrets: seeds of survivors, mask
+/// Confirming (consistency check): the caller's signature over the survivor list it was
+/// sent.
+#[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/confirm",
+    tag = "secure aggregation", security(("client_credential" = [])),
+    params(("id" = String, Path), ("round" = i64, Path), ("attempt" = i64, Path)),
+    request_body(content = Object, description = "`{\"signature\": base64url}`"),
+    responses((status = 201, body = Accepted), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+              (status = 409, description = "Not confirming, already sent, or not a survivor", body = ErrorBody),
+              (status = 422, description = "A signature that does not verify under the caller's identity", body = ErrorBody)))]
+async fn confirm(
+    State(state): State<AppState>,
+    client: AuthenticatedClient,
+    Path((id, round, attempt)): Path<(String, i64, i64)>,
+    Json(message): Json<Confirmation>,
+) -> Result<(StatusCode, Json<Accepted>), ApiError> {
+    let v = view(&state, client.0.id, &id, round, attempt).await?;
+    require_stage(&v, RoundStage::Confirming)?;
+    closed(&state, &v, RoundStage::Collecting)
+        .await?
+        .check_confirmation(v.index, &message)
+        .map_err(protocol_error)?;
+    let body = serde_json::to_string(&message).map_err(ApiError::internal)?;
+    record(&state, &v, &client, SecAggMessageKind::Confirm, body).await
+}
+
+/// The stage whose close produces what survivors answer: confirming with the
+/// consistency check, collecting without.
+fn before_unmasking(config: &RoundConfig) -> RoundStage {
+    if config.consistency_check {
+        RoundStage::Confirming
+    } else {
+        RoundStage::Collecting
+    }
+}
+
+/// The survivor list with the signatures of the caller's neighbours over it, once
+/// confirming has closed (without the consistency check: once collection has closed,
+/// and with no signatures).
+#[utoipa::path(get, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/unmask",
+    tag = "secure aggregation", security(("client_credential" = [])),
+    params(("id" = String, Path), ("round" = i64, Path), ("attempt" = i64, Path), WaitQuery),
+    responses((status = 200, body = SurvivorsReply), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+              (status = 409, description = "The round failed, or the caller is not a survivor that signed the list", body = ErrorBody)))]
+async fn unmask_request(
+    State(state): State<AppState>,
+    client: AuthenticatedClient,
+    Path((id, round, attempt)): Path<(String, i64, i64)>,
+    query: WaitParam,
+) -> Result<Json<SurvivorsReply>, ApiError> {
+    let state = &state;
+    let at = (id.as_str(), round, attempt);
+    let config = view(state, client.0.id, &id, round, attempt).await?.config;
+    let (stage, request) = poll_after(
+        state,
+        &client,
+        at,
+        query,
+        before_unmasking(&config),
+        |v| async move {
+            let session = closed(state, &v, before_unmasking(&v.config)).await?;
+            let signed = !v.config.consistency_check || session.confirmed().any(|u| u == v.index);
+            match session.unmask_request_for(v.index) {
+                Some(request) if signed => Ok(request),
+                _ => Err(not_in_round(
+                    &v.round,
+                    "is not a survivor that signed the survivor list in time",
+                )),
+            }
+        },
+    )
+    .await?;
+    Ok(Json(SurvivorsReply { stage, request }))
+}
+
+/// Unmasking: the caller's shares of its neighbours' secrets: seeds of survivors, mask
 /// keys of clients that dropped after sharing.
 #[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/unmask",
     tag = "secure aggregation", security(("client_credential" = [])),
@@ -539,7 +707,7 @@ async fn unmask(
 ) -> Result<(StatusCode, Json<Accepted>), ApiError> {
     let v = view(&state, client.0.id, &id, round, attempt).await?;
     require_stage(&v, RoundStage::Unmasking)?;
-    let checked = closed(&state, &v, RoundStage::Collecting)
+    let checked = closed(&state, &v, before_unmasking(&v.config))
         .await?
         .check_unmask(v.index, &message);
     let body = serde_json::to_string(&message).map_err(ApiError::internal)?;

@@ -11,8 +11,8 @@
 //! job removes the masks from their sum alone.
 
 use cohort_aggregation::secagg::{
-    self, AdvertiseKeys, QuantizationParams, RoundConfig, SecAggError, ServerSession, ShareKeys,
-    UnmaskShares, Unmasked, effective_degree, sizing,
+    self, Confirmation, DirectoryEntry, GraphReveal, QuantizationParams, RoundConfig, RoundContext,
+    SecAggError, ServerSession, ShareKeys, UnmaskShares, Unmasked, effective_degree, sizing,
 };
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -49,10 +49,19 @@ pub struct SecureAggregationSpec {
     pub clip: f32,
     /// Sample counts above this count as this in the weighted mean.
     pub max_weight: u32,
+    /// Whether survivors sign the survivor list and reveal their shares only after
+    /// seeing `threshold` of their neighbours' signatures over the same list (one more
+    /// round trip). On by default: without it a coordinator that cheats can tell
+    /// neighbours different survivor lists and unmask a single client's update.
+    pub consistency_check: bool,
     /// Seconds selected clients have to advertise their keys.
     pub advertise_seconds: u64,
+    /// Seconds clients have to reveal their graph nonces once advertising closed.
+    pub reveal_seconds: u64,
     /// Seconds clients have to send their encrypted shares.
     pub share_seconds: u64,
+    /// Seconds survivors have to sign the survivor list (consistency check).
+    pub confirm_seconds: u64,
     /// Seconds survivors have to reveal their shares.
     pub unmask_seconds: u64,
 }
@@ -66,8 +75,11 @@ impl Default for SecureAggregationSpec {
             colluding_fraction: 0.0,
             clip: q.clip,
             max_weight: q.max_weight,
+            consistency_check: true,
             advertise_seconds: 30,
+            reveal_seconds: 30,
             share_seconds: 30,
+            confirm_seconds: 30,
             unmask_seconds: 30,
         }
     }
@@ -121,10 +133,13 @@ impl SecureAggregationSpec {
         parties: usize,
         dimension: usize,
         session: [u8; 32],
+        context: RoundContext,
     ) -> Result<RoundConfig, String> {
         let (neighbours, threshold) = self.settings_for(parties)?;
         let config = RoundConfig {
             session,
+            context,
+            consistency_check: self.consistency_check,
             parties: parties as u32,
             threshold,
             neighbours,
@@ -144,7 +159,9 @@ impl SecureAggregationSpec {
     pub fn validate(&self, wanted: usize, dimension: usize) -> Result<(), String> {
         for (name, secs) in [
             ("advertise_seconds", self.advertise_seconds),
+            ("reveal_seconds", self.reveal_seconds),
             ("share_seconds", self.share_seconds),
+            ("confirm_seconds", self.confirm_seconds),
             ("unmask_seconds", self.unmask_seconds),
         ] {
             if secs == 0 || secs > 86_400 {
@@ -175,7 +192,8 @@ impl SecureAggregationSpec {
                 ));
             }
         }
-        self.round_config(wanted, dimension, [0; 32]).map(|_| ())
+        self.round_config(wanted, dimension, [0; 32], RoundContext::default())
+            .map(|_| ())
     }
 }
 
@@ -209,40 +227,32 @@ fn parse<T: serde::de::DeserializeOwned>(body: &str, what: &str) -> Result<T, Se
     serde_json::from_str(body).map_err(|e| SecureRoundError::Corrupt(format!("{what}: {e}")))
 }
 
-/// How far to rebuild a round: up to and including the stage the round is at.
-fn stage_rank(stage: RoundStage) -> u8 {
-    match stage {
-        RoundStage::Advertising => 1,
-        RoundStage::Sharing => 2,
-        RoundStage::Collecting => 3,
-        RoundStage::Unmasking => 4,
-        RoundStage::Aggregating | RoundStage::Published => 5,
-        RoundStage::Failed => 0,
-    }
-}
-
 /// Rebuilds the server session of a secure round from the store, up to the stage the
-/// round is at: keys, the directory, shares, the masked inputs' senders (without their
-/// vectors) and revealed shares. A failed round has no session.
+/// round is at: keys, graph nonces, shares, the masked inputs' senders (without their
+/// vectors), signatures over the survivor list and revealed shares. A failed round has
+/// no session.
 pub async fn rebuild(
     store: &Store,
     round: &Round,
     participations: &[Participation],
 ) -> Result<ServerSession, SecureRoundError> {
-    let rank = stage_rank(round.stage);
+    let rank = round.stage.rank();
     if rank == 0 {
         return Err(failed_round(round));
     }
     let (exp, r, a) = (round.experiment_id, round.round, round.attempt);
-    if rank == 1 {
-        let mut session = ServerSession::new(config_of(round)?)?;
-        restore_keys(store, round, &mut session).await?;
-        return Ok(session);
-    }
-    let mut session =
-        rebuild_through(store, round, (rank - 1).min(3), Some(participations)).await?;
-    match rank {
-        2 => {
+    let mut session = rebuild_through(store, round, rank - 1, Some(participations)).await?;
+    match round.stage {
+        RoundStage::Advertising => restore_keys(store, round, &mut session).await?,
+        RoundStage::Revealing => {
+            for m in store
+                .secagg_messages(exp, r, a, SecAggMessageKind::Reveal)
+                .await?
+            {
+                session.receive_reveal(m.index, &parse::<GraphReveal>(&m.body, "stored nonce")?)?;
+            }
+        }
+        RoundStage::Sharing => {
             for m in store
                 .secagg_messages(exp, r, a, SecAggMessageKind::Share)
                 .await?
@@ -250,7 +260,8 @@ pub async fn rebuild(
                 session.receive_shares(m.index, &parse::<ShareKeys>(&m.body, "stored shares")?)?;
             }
         }
-        3 => restore_masked(participations, &mut session)?,
+        RoundStage::Collecting => restore_masked(participations, &mut session)?,
+        RoundStage::Confirming => restore_confirmations(store, round, &mut session).await?,
         _ => {
             for m in store
                 .secagg_messages(exp, r, a, SecAggMessageKind::Unmask)
@@ -275,18 +286,19 @@ pub async fn rebuild(
 /// and nothing of later stages: a snapshot that no request can change any more once the
 /// round is past `closed` (the store records a message only at its own stage), so each
 /// replica can rebuild it once and share it between requests ([`super::secagg_snapshots`]).
-/// `closed` is advertising, sharing or collecting; the round must be past it.
+/// `closed` is a protocol stage from advertising to confirming; the round must be past
+/// it.
 pub async fn rebuild_closed(
     store: &Store,
     round: &Round,
     closed: RoundStage,
 ) -> Result<ServerSession, SecureRoundError> {
-    let wanted = stage_rank(closed);
-    let at = stage_rank(round.stage);
+    let wanted = closed.rank();
+    let at = round.stage.rank();
     if at == 0 {
         return Err(failed_round(round));
     }
-    if !(1..=3).contains(&wanted) || at <= wanted {
+    if !(1..=RoundStage::Confirming.rank()).contains(&wanted) || at <= wanted {
         return Err(SecureRoundError::Corrupt(format!(
             "round {} attempt {} is {}: {} has not closed",
             round.round,
@@ -298,8 +310,10 @@ pub async fn rebuild_closed(
     rebuild_through(store, round, wanted, None).await
 }
 
-/// Rebuilds a session through stage `rank` (1 to 3), closed. The masked inputs' senders
-/// come from `participations` when the caller has them, else from the store.
+/// Rebuilds a session with every stage up to rank `rank` closed (0: none; at most
+/// confirming's). The masked inputs' senders come from `participations` when the caller
+/// has them, else from the store. A round without the consistency check has no
+/// confirming stage to close.
 async fn rebuild_through(
     store: &Store,
     round: &Round,
@@ -308,9 +322,23 @@ async fn rebuild_through(
 ) -> Result<ServerSession, SecureRoundError> {
     let (exp, r, a) = (round.experiment_id, round.round, round.attempt);
     let mut session = ServerSession::new(config_of(round)?)?;
+    let rank = rank.min(RoundStage::Confirming.rank());
+    if rank < RoundStage::Advertising.rank() {
+        return Ok(session);
+    }
     restore_keys(store, round, &mut session).await?;
     session.close_advertise()?;
-    if rank < 2 {
+    if rank < RoundStage::Revealing.rank() {
+        return Ok(session);
+    }
+    for m in store
+        .secagg_messages(exp, r, a, SecAggMessageKind::Reveal)
+        .await?
+    {
+        session.receive_reveal(m.index, &parse::<GraphReveal>(&m.body, "stored nonce")?)?;
+    }
+    session.close_reveal()?;
+    if rank < RoundStage::Sharing.rank() {
         return Ok(session);
     }
     for m in store
@@ -320,7 +348,7 @@ async fn rebuild_through(
         session.receive_shares(m.index, &parse::<ShareKeys>(&m.body, "stored shares")?)?;
     }
     session.close_sharing()?;
-    if rank < 3 {
+    if rank < RoundStage::Collecting.rank() {
         return Ok(session);
     }
     match participations {
@@ -328,6 +356,11 @@ async fn rebuild_through(
         None => restore_masked(&store.participations(exp, r, a).await?, &mut session)?,
     }
     session.close_collection()?;
+    if rank < RoundStage::Confirming.rank() || !session.config().consistency_check {
+        return Ok(session);
+    }
+    restore_confirmations(store, round, &mut session).await?;
+    session.close_confirm()?;
     Ok(session)
 }
 
@@ -342,6 +375,8 @@ fn failed_round(round: &Round) -> SecureRoundError {
     ))
 }
 
+/// Keys as stored: the advertised message with the identity it was checked under, so a
+/// round is rebuilt with the identities it ran with even if one is reset meanwhile.
 async fn restore_keys(
     store: &Store,
     round: &Round,
@@ -356,7 +391,30 @@ async fn restore_keys(
         )
         .await?
     {
-        session.restore_keys(m.index, &parse::<AdvertiseKeys>(&m.body, "stored keys")?)?;
+        let entry = parse::<DirectoryEntry>(&m.body, "stored keys")?;
+        session.restore_keys(m.index, &entry.keys, &entry.identity)?;
+    }
+    Ok(())
+}
+
+async fn restore_confirmations(
+    store: &Store,
+    round: &Round,
+    session: &mut ServerSession,
+) -> Result<(), SecureRoundError> {
+    for m in store
+        .secagg_messages(
+            round.experiment_id,
+            round.round,
+            round.attempt,
+            SecAggMessageKind::Confirm,
+        )
+        .await?
+    {
+        session.receive_confirmation(
+            m.index,
+            &parse::<Confirmation>(&m.body, "stored signature")?,
+        )?;
     }
     Ok(())
 }
@@ -370,7 +428,7 @@ fn restore_masked(
         .filter(|p| {
             matches!(
                 p.secagg_stage.as_deref(),
-                Some("masked" | "unmasked" | "excluded")
+                Some("masked" | "confirmed" | "unmasked" | "excluded")
             )
         })
         .filter_map(|p| p.secagg_index.and_then(|i| u32::try_from(i).ok()))
@@ -389,10 +447,14 @@ pub struct SecureProgress {
     pub selected: usize,
     /// Clients that advertised keys (`U1`).
     pub advertised: usize,
+    /// Clients that revealed their graph nonce.
+    pub revealed: usize,
     /// Clients that sent their shares (`U2`).
     pub shared: usize,
     /// Clients whose masked input is stored (`U3`).
     pub masked: usize,
+    /// Survivors that signed the survivor list (consistency check).
+    pub confirmed: usize,
     /// Survivors that revealed their shares.
     pub unmasked: usize,
     /// Survivors excluded from unmasking for revealing a forged share.
@@ -413,9 +475,27 @@ pub fn progress(participations: &[Participation]) -> SecureProgress {
     };
     SecureProgress {
         selected: participations.len(),
-        advertised: reached(&["advertised", "shared", "masked", "unmasked", "excluded"]),
-        shared: reached(&["shared", "masked", "unmasked", "excluded"]),
-        masked: reached(&["masked", "unmasked", "excluded"]),
+        advertised: reached(&[
+            "advertised",
+            "revealed",
+            "shared",
+            "masked",
+            "confirmed",
+            "unmasked",
+            "excluded",
+        ]),
+        revealed: reached(&[
+            "revealed",
+            "shared",
+            "masked",
+            "confirmed",
+            "unmasked",
+            "excluded",
+        ]),
+        shared: reached(&["shared", "masked", "confirmed", "unmasked", "excluded"]),
+        masked: reached(&["masked", "confirmed", "unmasked", "excluded"]),
+        // With the consistency check every answer comes after a signature.
+        confirmed: reached(&["confirmed", "unmasked", "excluded"]),
         unmasked: reached(&["unmasked"]),
         excluded: reached(&["excluded"]),
     }
@@ -444,10 +524,17 @@ pub async fn step(
     let parts = store.participations(exp, r, a).await?;
     let p = progress(&parts);
     let due = round.stage_deadline.is_some_and(|d| now > d);
+    let consistency = round_config(round)
+        .map_err(secure_error)?
+        .is_some_and(|c| c.consistency_check);
     let everyone = match round.stage {
         RoundStage::Advertising => p.advertised >= p.selected,
-        RoundStage::Sharing => p.shared >= p.advertised,
+        RoundStage::Revealing => p.revealed >= p.advertised,
+        RoundStage::Sharing => p.shared >= p.revealed,
         RoundStage::Collecting => p.masked >= p.shared,
+        RoundStage::Confirming => p.confirmed >= p.masked,
+        // Only survivors that signed the list may answer.
+        RoundStage::Unmasking if consistency => p.unmasked + p.excluded >= p.confirmed,
         RoundStage::Unmasking => p.unmasked + p.excluded >= p.masked,
         _ => return Ok(()),
     };
@@ -476,7 +563,9 @@ pub async fn step(
         let mut session = rebuild(store, round, &parts).await.map_err(secure_error)?;
         let closed = match round.stage {
             RoundStage::Advertising => session.close_advertise().map(|_| ()),
+            RoundStage::Revealing => session.close_reveal(),
             RoundStage::Sharing => session.close_sharing(),
+            RoundStage::Confirming => session.close_confirm(),
             _ => session.close_collection().map(|_| ()),
         };
         match closed {
@@ -487,12 +576,20 @@ pub async fn step(
             }
             Ok(()) => match round.stage {
                 RoundStage::Advertising => SecureNext::Stage {
+                    to: RoundStage::Revealing,
+                    deadline: secs(settings.reveal_seconds),
+                },
+                RoundStage::Revealing => SecureNext::Stage {
                     to: RoundStage::Sharing,
                     deadline: secs(settings.share_seconds),
                 },
                 RoundStage::Sharing => SecureNext::Stage {
                     to: RoundStage::Collecting,
                     deadline: secs(spec.collect_deadline_seconds),
+                },
+                RoundStage::Collecting if consistency => SecureNext::Stage {
+                    to: RoundStage::Confirming,
+                    deadline: secs(settings.confirm_seconds),
                 },
                 _ => SecureNext::Stage {
                     to: RoundStage::Unmasking,
@@ -507,8 +604,10 @@ pub async fn step(
     let point = match (round.stage, &next) {
         (_, SecureNext::Fail { .. }) => None,
         (RoundStage::Advertising, _) => Some(FaultPoint::Advertised),
+        (RoundStage::Revealing, _) => Some(FaultPoint::Revealed),
         (RoundStage::Sharing, _) => Some(FaultPoint::Shared),
         (RoundStage::Collecting, _) => Some(FaultPoint::Collected),
+        (RoundStage::Confirming, _) => Some(FaultPoint::Confirmed),
         _ => Some(FaultPoint::Unmasked),
     };
     if let Some(point) = point {
@@ -624,7 +723,7 @@ mod sizing_tests {
         let spec = SecureAggregationSpec::default();
         for parties in 3..=300 {
             let config = spec
-                .round_config(parties, 8, [0; 32])
+                .round_config(parties, 8, [0; 32], RoundContext::default())
                 .unwrap_or_else(|e| panic!("{parties} parties: {e}"));
             config.validate().unwrap();
             let floors = secagg::ClientFloors::default();
@@ -640,9 +739,14 @@ mod sizing_tests {
             ..SecureAggregationSpec::default()
         };
         // Three clients: two neighbours each, a threshold of 3 cannot be met.
-        assert!(spec.round_config(3, 8, [0; 32]).is_err());
+        assert!(
+            spec.round_config(3, 8, [0; 32], RoundContext::default())
+                .is_err()
+        );
         for parties in 4..=40 {
-            let c = spec.round_config(parties, 8, [0; 32]).unwrap();
+            let c = spec
+                .round_config(parties, 8, [0; 32], RoundContext::default())
+                .unwrap();
             assert!(c.threshold >= 3 && c.validate().is_ok(), "{parties}");
         }
         // The complete graph of 9 (k = 8) needs 5: the 3 asked for is raised, not kept.
@@ -651,7 +755,13 @@ mod sizing_tests {
             threshold: Some(3),
             ..SecureAggregationSpec::default()
         };
-        assert_eq!(complete.round_config(9, 8, [0; 32]).unwrap().threshold, 5);
+        assert_eq!(
+            complete
+                .round_config(9, 8, [0; 32], RoundContext::default())
+                .unwrap()
+                .threshold,
+            5
+        );
     }
 
     #[test]

@@ -958,6 +958,14 @@ fn secure_round(
     let max_weight = cfg.max_weight.unwrap_or_else(|| pop.max_weight());
     let config = secagg::RoundConfig {
         session: derive_seed_bytes(cfg.seed, Stream::SecureAggregation, round_no),
+        context: secagg::RoundContext {
+            experiment: String::new(),
+            round: round_no as u64,
+            attempt: 1,
+        },
+        // In process the coordinator is this program: the check costs a signature per
+        // client, and runs the protocol as `cohort serve` does.
+        consistency_check: true,
         parties: plan.selected.len() as u32,
         threshold,
         neighbours,

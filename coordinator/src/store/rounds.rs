@@ -14,14 +14,20 @@ use super::{
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RoundStage {
-    /// Secure aggregation, stage 1: selected clients advertise their public keys.
+    /// Secure aggregation: selected clients advertise their signed public keys and
+    /// graph commitments.
     Advertising,
-    /// Secure aggregation, stage 2: clients send their encrypted key shares.
+    /// Secure aggregation: clients reveal their graph nonces, from which the neighbour
+    /// graph is drawn.
+    Revealing,
+    /// Secure aggregation: clients send their encrypted key shares.
     Sharing,
     /// Selected clients train and upload until the deadline (with secure aggregation:
-    /// masked inputs, stage 3).
+    /// masked inputs).
     Collecting,
-    /// Secure aggregation, stage 4: survivors reveal the shares that unmask the sum.
+    /// Secure aggregation with the consistency check: survivors sign the survivor list.
+    Confirming,
+    /// Secure aggregation: survivors reveal the shares that unmask the sum.
     Unmasking,
     /// Collection closed with a quorum; the aggregation job folds the uploads.
     Aggregating,
@@ -36,12 +42,30 @@ impl RoundStage {
     pub fn as_str(self) -> &'static str {
         match self {
             RoundStage::Advertising => "advertising",
+            RoundStage::Revealing => "revealing",
             RoundStage::Sharing => "sharing",
             RoundStage::Collecting => "collecting",
+            RoundStage::Confirming => "confirming",
             RoundStage::Unmasking => "unmasking",
             RoundStage::Aggregating => "aggregating",
             RoundStage::Published => "published",
             RoundStage::Failed => "failed",
+        }
+    }
+
+    /// Where the stage comes in a round: 1 for advertising up to 8 for published, 0 for
+    /// failed. Later stages have higher ranks.
+    pub fn rank(self) -> u8 {
+        match self {
+            RoundStage::Failed => 0,
+            RoundStage::Advertising => 1,
+            RoundStage::Revealing => 2,
+            RoundStage::Sharing => 3,
+            RoundStage::Collecting => 4,
+            RoundStage::Confirming => 5,
+            RoundStage::Unmasking => 6,
+            RoundStage::Aggregating => 7,
+            RoundStage::Published => 8,
         }
     }
 
@@ -53,8 +77,10 @@ impl RoundStage {
     pub(crate) fn parse(text: &str) -> Result<Self, StoreError> {
         Ok(match text {
             "advertising" => RoundStage::Advertising,
+            "revealing" => RoundStage::Revealing,
             "sharing" => RoundStage::Sharing,
             "collecting" => RoundStage::Collecting,
+            "confirming" => RoundStage::Confirming,
             "unmasking" => RoundStage::Unmasking,
             "aggregating" => RoundStage::Aggregating,
             "published" => RoundStage::Published,
@@ -253,8 +279,8 @@ pub struct Participation {
     pub train_loss: Option<f64>,
     /// Secure aggregation: the client's index in the round (1..n).
     pub secagg_index: Option<i64>,
-    /// Secure aggregation: the last stage it completed (`advertised`, `shared`,
-    /// `masked`, `unmasked`).
+    /// Secure aggregation: the last stage it completed (`advertised`, `revealed`,
+    /// `shared`, `masked`, `confirmed`, `unmasked`), or `excluded`.
     pub secagg_stage: Option<String>,
     /// Secure aggregation: the stage it dropped out at (`advertise`, `share`, `masked`,
     /// `unmask`).

@@ -15,14 +15,19 @@ use super::{BeginWrite, Pool, Round, RoundStage, Store, StoreError, audit, parse
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SecAggMessageKind {
-    /// Stage 1: public keys.
+    /// Signed public keys and graph commitment, with the identity they were checked
+    /// under.
     Advertise,
-    /// Stage 2: encrypted shares for the neighbours.
+    /// The graph nonce.
+    Reveal,
+    /// Encrypted shares for the neighbours.
     Share,
-    /// Stage 4: revealed shares.
+    /// A signature over the survivor list (consistency check).
+    Confirm,
+    /// Revealed shares.
     Unmask,
-    /// Stage 4: revealed shares of which one did not match its owner's commitment. Kept
-    /// as the evidence for which the client is excluded from unmasking.
+    /// Revealed shares of which one did not match its owner's commitment. Kept as the
+    /// evidence for which the client is excluded from unmasking.
     Forged,
 }
 
@@ -31,7 +36,9 @@ impl SecAggMessageKind {
     pub fn as_str(self) -> &'static str {
         match self {
             SecAggMessageKind::Advertise => "advertise",
+            SecAggMessageKind::Reveal => "reveal",
             SecAggMessageKind::Share => "share",
+            SecAggMessageKind::Confirm => "confirm",
             SecAggMessageKind::Unmask => "unmask",
             SecAggMessageKind::Forged => "forged",
         }
@@ -41,18 +48,24 @@ impl SecAggMessageKind {
     pub fn round_stage(self) -> RoundStage {
         match self {
             SecAggMessageKind::Advertise => RoundStage::Advertising,
+            SecAggMessageKind::Reveal => RoundStage::Revealing,
             SecAggMessageKind::Share => RoundStage::Sharing,
+            SecAggMessageKind::Confirm => RoundStage::Confirming,
             SecAggMessageKind::Unmask | SecAggMessageKind::Forged => RoundStage::Unmasking,
         }
     }
 
-    /// The client's progress before (`None`: fresh) and after the message.
-    fn progress(self) -> (Option<&'static str>, &'static str) {
+    /// The client's progress it may be at before (`None`: fresh) and after the
+    /// message. Unmasking follows masking directly, or confirming with the consistency
+    /// check (which the protocol checks; the store sees only rows).
+    fn progress(self) -> (&'static [Option<&'static str>], &'static str) {
         match self {
-            SecAggMessageKind::Advertise => (None, "advertised"),
-            SecAggMessageKind::Share => (Some("advertised"), "shared"),
-            SecAggMessageKind::Unmask => (Some("masked"), "unmasked"),
-            SecAggMessageKind::Forged => (Some("masked"), "excluded"),
+            SecAggMessageKind::Advertise => (&[None], "advertised"),
+            SecAggMessageKind::Reveal => (&[Some("advertised")], "revealed"),
+            SecAggMessageKind::Share => (&[Some("revealed")], "shared"),
+            SecAggMessageKind::Confirm => (&[Some("masked")], "confirmed"),
+            SecAggMessageKind::Unmask => (&[Some("masked"), Some("confirmed")], "unmasked"),
+            SecAggMessageKind::Forged => (&[Some("masked"), Some("confirmed")], "excluded"),
         }
     }
 }
@@ -159,7 +172,7 @@ impl Store {
                     kind.as_str()
                 )));
             }
-            if progress.as_deref() != before || state == "dropped" {
+            if !before.contains(&progress.as_deref()) || state == "dropped" {
                 return Err(StoreError::Conflict(format!(
                     "client {client} is not at the {} stage of round {round}",
                     kind.as_str()
@@ -253,10 +266,16 @@ impl Store {
         }
         let (laggards, dropped_stage, drop_them) = match from {
             RoundStage::Advertising => ("secagg_stage IS NULL", "advertise", true),
-            RoundStage::Sharing => ("secagg_stage = 'advertised'", "share", true),
+            RoundStage::Revealing => ("secagg_stage = 'advertised'", "reveal", true),
+            RoundStage::Sharing => ("secagg_stage = 'revealed'", "share", true),
             RoundStage::Collecting => ("secagg_stage = 'shared'", "masked", true),
-            // A survivor that does not reveal its shares keeps its input in the sum.
-            RoundStage::Unmasking => ("secagg_stage = 'masked'", "unmask", false),
+            // A survivor that does not sign or reveal keeps its input in the sum.
+            RoundStage::Confirming => ("secagg_stage = 'masked'", "confirm", false),
+            RoundStage::Unmasking => (
+                "secagg_stage IN ('masked', 'confirmed') AND dropped_stage IS NULL",
+                "unmask",
+                false,
+            ),
             // A sum that could not be unmasked: nobody is behind.
             RoundStage::Aggregating if matches!(next, SecureNext::Fail { .. }) => {
                 ("1 = 0", "", false)
