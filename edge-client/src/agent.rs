@@ -771,25 +771,7 @@ async fn serve_secure_task(
             layout.len()
         )));
     }
-    // What this client signs names the round it believes it is in: the task's.
-    let context = &secure.config.context;
-    if context.experiment != task.experiment_id.to_string()
-        || context.round != u64::try_from(task.round).unwrap_or(u64::MAX)
-        || context.attempt != u64::try_from(task.attempt).unwrap_or(u64::MAX)
-    {
-        return Err(AgentError::Task(
-            "the secure round's settings name another round than its task".into(),
-        ));
-    }
-    if !joined
-        .lock()
-        .expect("no panics while held")
-        .insert(secure.config.session)
-    {
-        return Err(AgentError::Task(
-            "the coordinator sent a secure session this client has already joined".into(),
-        ));
-    }
+    admit_secure_round(joined, task, &secure.config)?;
     // Floors first: a round below them is refused before a key or a model is fetched.
     let (mut session, keys) = ClientSession::with_floors(
         secure.config.clone(),
@@ -894,6 +876,36 @@ async fn serve_secure_task(
     Ok(())
 }
 
+/// Refuses a secure round whose settings could make this client sign something a
+/// coordinator that cheats could replay: settings naming another experiment, round or
+/// attempt than the task (the client signs for the task's), or a session this client
+/// has already joined (every signature is bound to the session). Records the session.
+fn admit_secure_round(
+    joined: &std::sync::Mutex<std::collections::HashSet<[u8; 32]>>,
+    task: &Task,
+    config: &cohort_aggregation::secagg::RoundConfig,
+) -> Result<(), AgentError> {
+    let context = &config.context;
+    if context.experiment != task.experiment_id.to_string()
+        || context.round != u64::try_from(task.round).unwrap_or(u64::MAX)
+        || context.attempt != u64::try_from(task.attempt).unwrap_or(u64::MAX)
+    {
+        return Err(AgentError::Task(
+            "the secure round's settings name another round than its task".into(),
+        ));
+    }
+    if !joined
+        .lock()
+        .expect("no panics while held")
+        .insert(config.session)
+    {
+        return Err(AgentError::Task(
+            "the coordinator sent a secure session this client has already joined".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// The seed a task of round `round` trains with, given the agent's `--seed`: the two
 /// mixed (SplitMix64's finaliser) so that neighbouring rounds get unrelated streams.
 /// Public so that a test can recompute exactly the update an agent sent.
@@ -932,6 +944,61 @@ pub(crate) fn local_model(
 mod tests {
     use super::*;
     use rand::SeedableRng;
+
+    /// Issue 21: a coordinator that cheats could replay signed messages of one round
+    /// in another by sending its settings again. The client signs only for its task's
+    /// round and joins each session once.
+    #[test]
+    fn a_secure_round_naming_another_round_or_a_joined_session_is_refused() {
+        let task = Task {
+            experiment_id: uuid::Uuid::new_v4(),
+            round: 4,
+            attempt: 2,
+            deadline_ms: None,
+            model: "logreg".into(),
+            features: 4,
+            classes: 2,
+            train: crate::train::TrainConfig::default(),
+            secure_aggregation: None,
+            kind: TaskKind::Train,
+            tensors: None,
+            hyperparameters: None,
+            report_metrics: false,
+        };
+        let config = |experiment: &str, round: u64, attempt: u64, session: u8| {
+            cohort_aggregation::secagg::RoundConfig {
+                session: [session; 32],
+                context: cohort_aggregation::secagg::RoundContext {
+                    experiment: experiment.into(),
+                    round,
+                    attempt,
+                },
+                consistency_check: true,
+                parties: 3,
+                threshold: 2,
+                neighbours: 2,
+                dimension: 10,
+                quantization: Default::default(),
+            }
+        };
+        let joined = std::sync::Mutex::new(std::collections::HashSet::new());
+        let exp = task.experiment_id.to_string();
+        for (other, why) in [
+            (config("another", 4, 2, 1), "experiment"),
+            (config(&exp, 3, 2, 1), "round"),
+            (config(&exp, 4, 1, 1), "attempt"),
+        ] {
+            let refused = admit_secure_round(&joined, &task, &other).unwrap_err();
+            assert!(
+                refused.to_string().contains("another round"),
+                "{why}: {refused}"
+            );
+        }
+        admit_secure_round(&joined, &task, &config(&exp, 4, 2, 1)).unwrap();
+        let again = admit_secure_round(&joined, &task, &config(&exp, 4, 2, 1)).unwrap_err();
+        assert!(again.to_string().contains("already joined"), "{again}");
+        admit_secure_round(&joined, &task, &config(&exp, 4, 2, 2)).unwrap();
+    }
 
     #[test]
     fn backoff_grows_is_capped_and_jittered() {
