@@ -105,6 +105,11 @@ pub struct EdgeArgs {
     /// are accepted)
     #[arg(long, value_name = "Z", default_value_t = ClientFloors::default().min_noise_multiplier)]
     pub min_noise_multiplier: f64,
+    /// Secure rounds: take rounds without the consistency check. Without it a
+    /// coordinator that cheats can unmask a client's update on a sparse neighbour graph
+    /// (by showing each client its own survivor list); refused by default
+    #[arg(long)]
+    pub allow_no_consistency_check: bool,
 }
 
 /// Runs the client to the end: exit status 2 for bad input, 1 for a failure, 0 when it
@@ -187,6 +192,7 @@ pub fn run(args: EdgeArgs) -> ExitCode {
         min_neighbours: args.min_neighbours,
         min_threshold: args.min_threshold,
         min_noise_multiplier: args.min_noise_multiplier,
+        require_consistency_check: !args.allow_no_consistency_check,
     };
     if let Err(e) = floors.validate() {
         eprintln!("error: {e}");

@@ -350,9 +350,17 @@ impl Honest {
     pub fn new(u: u32, consistency_check: bool) -> Self {
         let identity = round_identity(u);
         let mut rng = ChaCha20Rng::seed_from_u64(u64::from(u));
-        let (session, keys) =
-            ClientSession::new(round_config(consistency_check), u, &identity, &mut rng)
-                .expect("a valid client");
+        let (session, keys) = ClientSession::with_floors(
+            round_config(consistency_check),
+            u,
+            cohort_aggregation::secagg::ClientFloors {
+                require_consistency_check: false,
+                ..Default::default()
+            },
+            &identity,
+            &mut rng,
+        )
+        .expect("a valid client");
         Self {
             session,
             keys,

@@ -18,8 +18,9 @@ use super::crypto::{self, KeyPair};
 use super::identity::IdentityError;
 use super::local::{ClientInput, run_round};
 use super::messages::SHARE_PLAINTEXT_BYTES;
+use super::prg::{self, Mask, MaskSign};
 use super::shamir::{self, SHARE_BYTES, Share};
-use super::tests::{Round, advertise_and_reveal, config, join, update_of};
+use super::tests::{Round, advertise_and_reveal, config, join, study_floors, update_of};
 use super::*;
 
 /// The shares of each client's two secrets that honest clients revealed to the
@@ -38,8 +39,7 @@ impl Loot {
             (&mut self.keys, &reply.key_shares),
         ] {
             for r in revealed {
-                let share = Share::from_bytes(&r.share).unwrap();
-                kind.entry(r.owner).or_default().push(share);
+                keep(kind, r.owner, Share::from_bytes(&r.share).unwrap());
             }
         }
     }
@@ -47,8 +47,8 @@ impl Loot {
     /// Keeps a share pair the coordinator decrypted itself (dealt to a neighbour it
     /// impersonates).
     fn take_pair(&mut self, owner: u32, seed: Share, key: Share) {
-        self.seeds.entry(owner).or_default().push(seed);
-        self.keys.entry(owner).or_default().push(key);
+        keep(&mut self.seeds, owner, seed);
+        keep(&mut self.keys, owner, key);
     }
 
     fn seed_shares(&self, owner: u32) -> usize {
@@ -84,6 +84,82 @@ impl Loot {
         let seed = self.seed(&round.cfg, owner, &round.shares[&owner].seed_commitment);
         let key = self.mask_key(&round.cfg, owner, &round.keys[&owner].mask_pk);
         assert!(seed.is_none() || key.is_none());
+        // The counts above cover one route; the attempt covers every one, the
+        // neighbours' mask keys included.
+        if round.inputs.contains_key(&owner) {
+            assert_eq!(self.try_unmask_upload(round, owner), None, "client {owner}");
+        }
+    }
+
+    /// The coordinator's attempt on `victim`'s masked `input` with every secret this loot
+    /// rebuilds: the victim's self-mask seed, and for each neighbour it masked with
+    /// (`masked_with`, those whose shares the coordinator forwarded it) the pair's mask
+    /// seed, from either end's rebuilt mask key. `keys` are the keys as the victim was
+    /// shown them, `shares` the share messages (for the seed commitment). `None` when a
+    /// secret is missing; otherwise the input with every mask the victim added removed.
+    fn try_unmask(
+        &self,
+        cfg: &RoundConfig,
+        victim: u32,
+        input: &[u32],
+        masked_with: &[u32],
+        keys: &BTreeMap<u32, AdvertiseKeys>,
+        shares: &BTreeMap<u32, ShareKeys>,
+    ) -> Option<Vec<u32>> {
+        let victim_pk = keys.get(&victim)?.mask_pk;
+        let self_seed = self.seed(cfg, victim, &shares.get(&victim)?.seed_commitment)?;
+        let victim_key = self.mask_key(cfg, victim, &victim_pk);
+        let mut pair_seeds = Vec::with_capacity(masked_with.len());
+        for &v in masked_with {
+            let v_pk = keys.get(&v)?.mask_pk;
+            let shared = match &victim_key {
+                Some(key) => key.agree(&v_pk).ok()?,
+                None => self.mask_key(cfg, v, &v_pk)?.agree(&victim_pk).ok()?,
+            };
+            // The victim added +PRG(s) towards a higher index and -PRG(s) towards a lower.
+            let undo = if victim < v {
+                MaskSign::Subtract
+            } else {
+                MaskSign::Add
+            };
+            pair_seeds.push((
+                crypto::pairwise_mask_seed(&shared, &cfg.session, victim, v),
+                undo,
+            ));
+        }
+        let mut masks = vec![Mask {
+            seed: &self_seed,
+            sign: MaskSign::Subtract,
+        }];
+        masks.extend(
+            pair_seeds
+                .iter()
+                .map(|(seed, sign)| Mask { seed, sign: *sign }),
+        );
+        let mut words = input.to_vec();
+        prg::apply_masks(&masks, 0, &mut words).ok()?;
+        Some(words)
+    }
+
+    /// [`try_unmask`](Self::try_unmask) on what `round` kept of `victim`'s upload.
+    fn try_unmask_upload(&self, round: &Masked, victim: u32) -> Option<Vec<u32>> {
+        self.try_unmask(
+            &round.cfg,
+            victim,
+            &round.inputs[&victim],
+            &round.masked_with[&victim],
+            &round.keys,
+            &round.shares,
+        )
+    }
+}
+
+/// Adds a share unless its holder already gave one of the same secret: the same round
+/// replayed gives the same share again, and a repeated holder would spoil the combining.
+fn keep(kind: &mut BTreeMap<u32, Vec<Share>>, owner: u32, share: Share) {
+    let held = kind.entry(owner).or_default();
+    if !held.iter().any(|s| s.holder == share.holder) {
+        held.push(share);
     }
 }
 
@@ -97,6 +173,13 @@ struct Masked {
     identities: BTreeMap<u32, Identity>,
     keys: BTreeMap<u32, AdvertiseKeys>,
     shares: BTreeMap<u32, ShareKeys>,
+    /// Each uploader's quantised input, before masking: what an attack must not recover.
+    quantized: BTreeMap<u32, Vec<u32>>,
+    /// Each uploader's masked input, as the coordinator received it.
+    inputs: BTreeMap<u32, Vec<u32>>,
+    /// For each uploader, the neighbours whose shares it was forwarded, and so masked
+    /// with.
+    masked_with: BTreeMap<u32, Vec<u32>>,
 }
 
 fn through_masking(cfg: &RoundConfig, seed: u64) -> Masked {
@@ -121,12 +204,21 @@ fn through_masking_without(cfg: &RoundConfig, seed: u64, absent: &[u32]) -> Mask
         shares.insert(u, m);
     }
     server.close_sharing().unwrap();
+    let (mut quantized, mut inputs, mut masked_with) =
+        (BTreeMap::new(), BTreeMap::new(), BTreeMap::new());
     for (&u, c) in clients.iter_mut().filter(|(u, _)| !absent.contains(u)) {
         let f = server.forwarded_for(u).unwrap();
-        let m = c
-            .mask(&f, &update_of(u, cfg.dimension, seed), 1, 0.0, &mut rng)
+        // What `mask` does, in two steps (drawing the same randomness), to keep the
+        // quantised input.
+        let q = c
+            .quantizer()
+            .encode(&update_of(u, cfg.dimension, seed), 1, 0.0, &mut rng)
             .unwrap();
+        let m = c.mask_quantized(&f, q.clone()).unwrap();
         server.receive_masked(u, &m).unwrap();
+        quantized.insert(u, q);
+        inputs.insert(u, m);
+        masked_with.insert(u, f.shares.iter().map(|s| s.from).collect());
     }
     Masked {
         cfg: cfg.clone(),
@@ -135,6 +227,9 @@ fn through_masking_without(cfg: &RoundConfig, seed: u64, absent: &[u32]) -> Mask
         identities,
         keys,
         shares,
+        quantized,
+        inputs,
+        masked_with,
     }
 }
 
@@ -250,6 +345,352 @@ fn split_lists(
         answers.insert(u, answer);
     }
     (loot, answers)
+}
+
+/// Tells each client `lists[u]` and asks it to unmask. Without the consistency check
+/// the list goes alone; with it, each client first signs its list, and is then sent the
+/// signatures of its listed neighbours, first all of them (refused on the first over
+/// another list), then only those over its own. Returns what the coordinator collected
+/// and each client's final answer.
+fn tell_lists(
+    round: &mut Masked,
+    lists: &BTreeMap<u32, UnmaskRequest>,
+) -> (Loot, BTreeMap<u32, Answer>) {
+    let mut loot = Loot::default();
+    let mut answers = BTreeMap::new();
+    if !round.cfg.consistency_check {
+        for (&u, c) in round.clients.iter_mut() {
+            let answer = match c.unmask(&lists[&u]) {
+                Ok(reply) => {
+                    loot.take(&reply);
+                    Answer::Revealed
+                }
+                Err(e) => Answer::Refused(e),
+            };
+            answers.insert(u, answer);
+        }
+        return (loot, answers);
+    }
+    let mut signed = BTreeMap::new();
+    for (&u, c) in round.clients.iter_mut() {
+        let confirmation = c.confirm(&lists[&u], &round.identities[&u]).unwrap();
+        signed.insert(
+            u,
+            SurvivorSignature {
+                index: u,
+                signature: confirmation.signature,
+            },
+        );
+    }
+    for (&u, c) in round.clients.iter_mut() {
+        let mine = &lists[&u];
+        let on_my_list: Vec<u32> = round
+            .server
+            .neighbours(u)
+            .unwrap()
+            .into_iter()
+            .filter(|v| mine.survivors.binary_search(v).is_ok())
+            .collect();
+        let request = |signers: &[u32]| UnmaskRequest {
+            signatures: signers.iter().map(|v| signed[v].clone()).collect(),
+            ..mine.clone()
+        };
+        let same_list = |v: &u32| lists[v].survivors == mine.survivors;
+        if let Some(&other) = on_my_list.iter().find(|v| !same_list(v)) {
+            assert_eq!(
+                c.unmask(&request(&on_my_list)),
+                Err(IdentityError::BadSignature(other).into()),
+                "client {u}"
+            );
+        }
+        let valid: Vec<u32> = on_my_list.iter().copied().filter(same_list).collect();
+        let answer = match c.unmask(&request(&valid)) {
+            Ok(reply) => {
+                loot.take(&reply);
+                Answer::Revealed
+            }
+            Err(e) => Answer::Refused(e),
+        };
+        answers.insert(u, answer);
+    }
+    (loot, answers)
+}
+
+/// For each client, the clients it is told dropped.
+type Plan = BTreeMap<u32, BTreeSet<u32>>;
+
+/// Each client's neighbours.
+type Graph = BTreeMap<u32, Vec<u32>>;
+
+/// The neighbours' route to `victim`'s input: for each neighbour `v`, `t` of `v`'s own
+/// neighbours told "v dropped" (to reveal shares of `v`'s mask key), no client told
+/// that more than `k - t` of its neighbours dropped (more and it refuses), and nobody
+/// told that the victim dropped (so that its holders reveal its seed). Returns, for each
+/// client, the neighbours of the victim it is told dropped, or `None` when the graph
+/// admits no such plan.
+fn neighbour_key_plan(graph: &BTreeMap<u32, Vec<u32>>, victim: u32, t: usize) -> Option<Plan> {
+    fn place(
+        targets: &[u32],
+        graph: &BTreeMap<u32, Vec<u32>>,
+        t: usize,
+        drops: &mut BTreeMap<u32, BTreeSet<u32>>,
+    ) -> bool {
+        let Some((&v, rest)) = targets.split_first() else {
+            return true;
+        };
+        let holders = &graph[&v];
+        for bits in 0u32..1 << holders.len() {
+            if bits.count_ones() as usize != t {
+                continue;
+            }
+            let chosen: Vec<u32> = (0..holders.len())
+                .filter(|i| bits >> i & 1 == 1)
+                .map(|i| holders[i])
+                .collect();
+            if chosen
+                .iter()
+                .any(|h| drops.get(h).map_or(0, BTreeSet::len) + t >= graph[h].len())
+            {
+                continue;
+            }
+            for &h in &chosen {
+                drops.entry(h).or_default().insert(v);
+            }
+            if place(rest, graph, t, drops) {
+                return true;
+            }
+            for &h in &chosen {
+                drops.get_mut(&h).unwrap().remove(&v);
+            }
+        }
+        false
+    }
+    let mut drops = BTreeMap::new();
+    place(&graph[&victim], graph, t, &mut drops).then_some(drops)
+}
+
+/// The survivor lists of a [`neighbour_key_plan`]: each client is told the true list
+/// less the clients the plan has it told dropped.
+fn plan_lists(alive: &UnmaskRequest, plan: &Plan) -> BTreeMap<u32, UnmaskRequest> {
+    alive
+        .survivors
+        .iter()
+        .map(|&u| {
+            let gone = plan.get(&u).cloned().unwrap_or_default();
+            let list = UnmaskRequest {
+                survivors: alive
+                    .survivors
+                    .iter()
+                    .copied()
+                    .filter(|v| !gone.contains(v))
+                    .collect(),
+                signatures: vec![],
+            };
+            (u, list)
+        })
+        .collect()
+}
+
+/// A round of `cfg` and a victim whose graph admits a [`neighbour_key_plan`]: the first
+/// found over `seeds`, with the graph, or `None`.
+fn round_with_a_plan(
+    cfg: &RoundConfig,
+    seeds: std::ops::Range<u64>,
+) -> Option<(u64, u32, Graph, Plan)> {
+    for seed in seeds {
+        let round = through_masking(cfg, seed);
+        let graph: Graph = (1..=cfg.parties)
+            .map(|u| (u, round.server.neighbours(u).unwrap()))
+            .collect();
+        for victim in 1..=cfg.parties {
+            if let Some(plan) = neighbour_key_plan(&graph, victim, cfg.threshold) {
+                return Some((seed, victim, graph, plan));
+            }
+        }
+    }
+    None
+}
+
+/// The control for every `try_unmask` that comes back `None`: given both kinds of
+/// secret, which no honest client gives, it recovers the victim's exact quantised input,
+/// through the victim's own mask key or through every neighbour's, and not with one
+/// secret short. The secrets come from replays of one deterministic round, each told
+/// another survivor list, as if the holders answered more than once.
+#[test]
+fn try_unmask_recovers_the_exact_input_once_it_holds_every_secret_and_not_before() {
+    let cfg = config(7, 6, 4, 3);
+    // In the middle, so that it added some pairwise masks and subtracted others.
+    let victim = 4;
+    let replay = |dropped: Option<u32>, loot: &mut Loot| -> Masked {
+        let mut round = through_masking(&cfg, 50);
+        let alive = round.server.close_collection().unwrap();
+        let list = dropped.map_or_else(|| alive.clone(), |d| list_without(&alive, d));
+        for (_, c) in round
+            .clients
+            .iter_mut()
+            .filter(|(u, _)| Some(**u) != dropped)
+        {
+            loot.take(&c.unmask(&list).unwrap());
+        }
+        round
+    };
+    // By the book, every client survived: the coordinator rebuilds every seed and no
+    // key, and unmasks no one.
+    let mut by_the_book = Loot::default();
+    let round = replay(None, &mut by_the_book);
+    for u in 1..=7 {
+        assert_eq!(by_the_book.try_unmask_upload(&round, u), None, "client {u}");
+    }
+    let expected = &round.quantized[&victim];
+    assert_ne!(&round.inputs[&victim], expected);
+    // Through the victim's own key: the key alone is not enough, with the seed it is.
+    let mut own = Loot::default();
+    let replayed = replay(Some(victim), &mut own);
+    assert_eq!(
+        replayed.inputs, round.inputs,
+        "the replay is the same round"
+    );
+    assert_eq!(own.try_unmask_upload(&round, victim), None);
+    replay(None, &mut own);
+    assert_eq!(
+        own.try_unmask_upload(&round, victim).as_ref(),
+        Some(expected)
+    );
+    // Through the neighbours' keys: the seed and all but one of them is not enough.
+    let mut theirs = Loot::default();
+    replay(None, &mut theirs);
+    let neighbours: Vec<u32> = (1..=7).filter(|&v| v != victim).collect();
+    for &v in &neighbours {
+        assert_eq!(theirs.try_unmask_upload(&round, victim), None, "before {v}");
+        replay(Some(v), &mut theirs);
+    }
+    assert_eq!(theirs.key_shares(victim), 0);
+    assert_eq!(
+        theirs.try_unmask_upload(&round, victim).as_ref(),
+        Some(expected)
+    );
+}
+
+/// Attack (f), the neighbours' route, on a sparse graph with the consistency check: the
+/// victim's input is unmasked by its seed and, instead of its own mask key, the mask
+/// key of every neighbour. The coordinator tells the victim's holders that it survived
+/// and each neighbour's other holders that that neighbour dropped, each holder the list
+/// that suits it, on a graph where such lists exist. Its levers are refused first: a
+/// neighbour will not sign a list without itself (`NotInRound`), a client not one that
+/// drops more than `k - t` of its neighbours (`TooFewNeighbours`). Then the plan's
+/// lists fall apart on the check (`BadSignature`, `TooFewConfirmations`): a neighbour
+/// that reveals a share of the victim's seed had `t` of its neighbours sign its list,
+/// which names it, and a share of its own key needs `t` others to answer lists without
+/// it; `2t > k` neighbours would have to sign two lists. Every neighbour that reveals
+/// for the victim keeps its own key, and the victim's input stays masked.
+#[test]
+fn in_a_sparse_graph_the_neighbours_mask_keys_route_is_refused_with_the_consistency_check() {
+    let cfg = RoundConfig {
+        consistency_check: true,
+        ..config(20, 6, 4, 2)
+    };
+    let t = cfg.threshold;
+    let (seed, victim, graph, plan) = round_with_a_plan(&cfg, 60..61).unwrap();
+    let mut round = through_masking(&cfg, seed);
+    let alive = round.server.close_collection().unwrap();
+    let targets = graph[&victim].clone();
+    for &v in &targets {
+        let c = round.clients.get_mut(&v).unwrap();
+        assert_eq!(
+            c.confirm(&list_without(&alive, v), &round.identities[&v]),
+            Err(SecAggError::NotInRound(v))
+        );
+        assert_eq!(c.stage(), Some(Stage::Confirm));
+    }
+    let all_gone = UnmaskRequest {
+        survivors: alive
+            .survivors
+            .iter()
+            .copied()
+            .filter(|v| !targets.contains(v))
+            .collect(),
+        signatures: vec![],
+    };
+    let c = round.clients.get_mut(&victim).unwrap();
+    assert_eq!(
+        c.confirm(&all_gone, &round.identities[&victim]),
+        Err(SecAggError::TooFewNeighbours {
+            client: victim,
+            have: 0,
+            need: t
+        })
+    );
+    assert_eq!(c.stage(), Some(Stage::Confirm));
+    let lists = plan_lists(&alive, &plan);
+    let (loot, answers) = tell_lists(&mut round, &lists);
+    // Each client answers by its own rule: t of its neighbours signed its list.
+    for (&u, answer) in &answers {
+        let have = graph[&u]
+            .iter()
+            .filter(|w| lists[w].survivors == lists[&u].survivors)
+            .count();
+        let expected = if have >= t {
+            Answer::Revealed
+        } else {
+            Answer::Refused(SecAggError::TooFewConfirmations {
+                client: u,
+                have,
+                need: t,
+            })
+        };
+        assert_eq!(*answer, expected, "client {u}");
+    }
+    for &v in &targets {
+        if answers[&v] == Answer::Revealed {
+            assert!(loot.mask_key(&cfg, v, &round.keys[&v].mask_pk).is_none());
+        }
+    }
+    assert!(
+        answers.values().any(|a| *a != Answer::Revealed),
+        "the plan went through"
+    );
+    assert_eq!(loot.try_unmask_upload(&round, victim), None);
+    for u in 1..=cfg.parties {
+        loot.assert_cannot_unmask(&round, u);
+    }
+}
+
+/// Attack (f) without the consistency check, the same plan on the same graph.
+///
+/// Why every client requires the consistency check by default. Without it this attack
+/// succeeds: on the ring graph with k = 6 and t = 4 (20 clients), every client is told a
+/// list that drops at most k - t = 2 of its neighbours, so each one answers; the victim's
+/// holders all list it (seed rebuilt), and each of its 6 neighbours is dropped by 4 of
+/// its own neighbours (mask key rebuilt), so `try_unmask` returns the victim's exact
+/// quantised input. The one-kind-per-holder rule protects only the victim's own pair of
+/// secrets, not its neighbours' keys. (With k = 4, t = 3 the ring admits no plan: 12
+/// drops needed, 9 available.) So a client with the default floors refuses such a round
+/// before it makes a key, and only one run with `--allow-no-consistency-check` is
+/// exposed, as this test shows.
+#[test]
+fn without_the_consistency_check_the_neighbours_mask_keys_route_unmasks_so_clients_refuse_it() {
+    assert!(round_with_a_plan(&config(12, 4, 3, 2), 60..62).is_none());
+    let cfg = config(20, 6, 4, 2);
+    assert!(!cfg.consistency_check);
+    let mut rng = ChaCha20Rng::seed_from_u64(7);
+    let identity = Identity::from_rng(&mut rng);
+    let refused = ClientSession::new(cfg.clone(), 1, &identity, &mut rng).unwrap_err();
+    assert!(
+        matches!(&refused, SecAggError::BelowFloor(f) if f.flag == "--allow-no-consistency-check"),
+        "{refused}"
+    );
+    // Clients that allow it (the study floors) are exposed.
+    let (seed, victim, _, plan) = round_with_a_plan(&cfg, 60..61).unwrap();
+    let mut round = through_masking(&cfg, seed);
+    let alive = round.server.close_collection().unwrap();
+    let lists = plan_lists(&alive, &plan);
+    let (loot, answers) = tell_lists(&mut round, &lists);
+    assert!(answers.values().all(|a| *a == Answer::Revealed));
+    assert_eq!(
+        loot.try_unmask_upload(&round, victim).as_ref(),
+        Some(&round.quantized[&victim]),
+        "the attack this floor exists for"
+    );
 }
 
 /// Attack (a): the coordinator puts keys it made, whose private halves it holds, in
@@ -488,6 +929,7 @@ fn a_neighbour_impersonated_under_an_enrolled_identity_is_one_share_pair_short_o
         );
         // Between the victim and the real client 2 the shares no longer open: the
         // coordinator drops them, and each still holds t.
+        let (mut upload, mut masked_with) = (Vec::new(), Vec::new());
         for (&u, c) in clients.iter_mut() {
             let mut f = server.forwarded_for(u).unwrap();
             f.shares.retain(|s| {
@@ -495,6 +937,10 @@ fn a_neighbour_impersonated_under_an_enrolled_identity_is_one_share_pair_short_o
             });
             let m = c.mask(&f, &update_of(u, 2, 33), 1, 0.0, &mut rng).unwrap();
             server.receive_masked(u, &m).unwrap();
+            if u == victim {
+                upload = m;
+                masked_with = f.shares.iter().map(|s| s.from).collect();
+            }
         }
         let alive = server.close_collection().unwrap();
         let dropped = list_without(&alive, victim);
@@ -518,6 +964,14 @@ fn a_neighbour_impersonated_under_an_enrolled_identity_is_one_share_pair_short_o
         assert_eq!(seed.is_some(), seeds >= cfg.threshold);
         assert_eq!(mask_key.is_some(), keys_ >= cfg.threshold);
         assert!(seed.is_none() || mask_key.is_none());
+        // The keys as the victim was shown them, the impostor's among them.
+        let mut shown = keys.clone();
+        shown.extend(directory.entries.iter().map(|e| (e.index, e.keys.clone())));
+        assert_eq!(
+            loot.try_unmask(&cfg, victim, &upload, &masked_with, &shown, &shares),
+            None,
+            "{told_alive} told alive"
+        );
     }
 }
 
@@ -899,6 +1353,10 @@ fn keys_signed_for_one_attempt_are_refused_in_the_next() {
     for (_, c) in attempt1.clients.iter_mut().filter(|(u, _)| **u != replayed) {
         loot.take(&c.unmask(&list).unwrap());
     }
+    // Rebuilding the leaver's key is the protocol working; it unmasks no one's input.
+    for &u in attempt1.inputs.keys() {
+        assert_eq!(loot.try_unmask_upload(&attempt1, u), None, "client {u}");
+    }
     // The lever: the coordinator holds the private half of the replayed mask key.
     let old_keys = attempt1.keys[&replayed].clone();
     let rebuilt = loot
@@ -918,7 +1376,9 @@ fn keys_signed_for_one_attempt_are_refused_in_the_next() {
     let mut clients = BTreeMap::new();
     let mut keys = BTreeMap::new();
     for (&u, identity) in &attempt1.identities {
-        let (c, k) = ClientSession::new(second.clone(), u, identity, &mut rng).unwrap();
+        let (c, k) =
+            ClientSession::with_floors(second.clone(), u, study_floors(), identity, &mut rng)
+                .unwrap();
         server.receive_keys(u, &k, &identity.public()).unwrap();
         clients.insert(u, c);
         keys.insert(u, k);

@@ -28,6 +28,12 @@ pub struct ClientFloors {
     /// (`--min-noise-multiplier`), for the round as planned and for the survivors whose
     /// noise shares are really in the sum. 0 accepts rounds without noise.
     pub min_noise_multiplier: f64,
+    /// Whether the round must run the consistency check (on unless
+    /// `--allow-no-consistency-check`). Without it a coordinator that cheats can show
+    /// each client its own survivor list on a sparse graph and rebuild a client's
+    /// neighbours' mask keys along with its self-mask seed: enough to unmask it
+    /// (`secagg::attacks`).
+    pub require_consistency_check: bool,
 }
 
 impl Default for ClientFloors {
@@ -37,6 +43,7 @@ impl Default for ClientFloors {
             min_neighbours: 2,
             min_threshold: 2,
             min_noise_multiplier: 0.0,
+            require_consistency_check: true,
         }
     }
 }
@@ -64,6 +71,7 @@ impl ClientFloors {
             min_neighbours: 1,
             min_threshold: 1,
             min_noise_multiplier: 0.0,
+            require_consistency_check: false,
         }
     }
 
@@ -90,6 +98,14 @@ impl ClientFloors {
 
     /// Checks a round's settings when the client joins it.
     pub fn check(&self, config: &RoundConfig) -> Result<(), BelowFloor> {
+        if self.require_consistency_check && !config.consistency_check {
+            return Err(BelowFloor {
+                setting: "consistency check",
+                found: "off".into(),
+                floor: "on".into(),
+                flag: "--allow-no-consistency-check",
+            });
+        }
         if config.parties < self.min_parties {
             return Err(BelowFloor {
                 setting: "party count",
@@ -188,7 +204,7 @@ mod tests {
                 }),
                 ..QuantizationParams::default()
             },
-            consistency_check: false,
+            consistency_check: true,
         }
     }
 
@@ -199,8 +215,23 @@ mod tests {
             min_neighbours: 8,
             min_threshold: 5,
             min_noise_multiplier: 1.0,
+            require_consistency_check: true,
         };
         assert_eq!(floors.check(&config(100, 8, 5, Some(1.0))), Ok(()));
+        let unchecked = RoundConfig {
+            consistency_check: false,
+            ..config(100, 8, 5, Some(1.0))
+        };
+        assert_eq!(
+            floors.check(&unchecked).unwrap_err().to_string(),
+            "the round's consistency check is off, below this client's floor of on \
+             (--allow-no-consistency-check)"
+        );
+        let allowing = ClientFloors {
+            require_consistency_check: false,
+            ..floors
+        };
+        assert_eq!(allowing.check(&unchecked), Ok(()));
         let flag = |c: RoundConfig| floors.check(&c).unwrap_err().flag;
         assert_eq!(flag(config(9, 8, 5, Some(1.0))), "--min-parties");
         assert_eq!(flag(config(100, 6, 4, Some(1.0))), "--min-neighbours");

@@ -32,10 +32,13 @@
 //!    survivor signs the list it was sent, once. A survivor goes on only when it holds
 //!    at least `t` valid signatures over the same list from its own neighbours: within
 //!    one neighbourhood two different lists cannot both gather `t > k/2` signatures
-//!    from honest clients. (Neighbourhoods of a sparse graph differ, so two holders of
-//!    one client's shares may still be told different lists; what keeps that client
-//!    safe is that each honest holder reveals one kind of share per neighbour, once, and
-//!    `t > k/2`: the server never gets `t` of both kinds, `attacks` shows it.)
+//!    from honest clients. That is what stops the server from rebuilding a client's
+//!    self-mask seed from holders told it survived and its neighbours' mask keys from
+//!    holders told they dropped: a neighbour that reveals a share of the client's seed
+//!    had `t` of its neighbours sign a list naming it, and its own key would need `t`
+//!    others to answer a list without it, `2t > k` signers in all. Without the check
+//!    that route works on sparse graphs (`attacks` shows a victim's exact input
+//!    rebuilt), so [`ClientFloors`] refuse such rounds by default.
 //! 6. **Unmask**: each surviving client reveals, for each neighbour in `U2`, the share of
 //!    its seed if it is in `U3` and of its mask key if it is not, never both. The server
 //!    rebuilds the seeds of `U3` and the keys of `U2 \ U3`, removes their masks, and

@@ -12,6 +12,15 @@ use super::identity::IdentityError;
 use super::local::{ClientInput, run_round};
 use super::*;
 
+/// The default floors, but taking rounds without the consistency check: the tests
+/// study both kinds of round (the edge client refuses the second by default).
+pub(super) fn study_floors() -> ClientFloors {
+    ClientFloors {
+        require_consistency_check: false,
+        ..ClientFloors::default()
+    }
+}
+
 pub(super) fn config(
     parties: u32,
     neighbours: usize,
@@ -78,7 +87,8 @@ pub(super) fn join(
         (BTreeMap::new(), BTreeMap::new(), BTreeMap::new());
     for u in members {
         let identity = Identity::from_rng(rng);
-        let (c, k) = ClientSession::new(cfg.clone(), u, &identity, rng).unwrap();
+        let (c, k) =
+            ClientSession::with_floors(cfg.clone(), u, study_floors(), &identity, rng).unwrap();
         clients.insert(u, c);
         identities.insert(u, identity);
         keys.insert(u, k);
@@ -158,7 +168,9 @@ fn local_graph(cfg: &RoundConfig, seed: [u8; 32], members: &[u32]) -> NeighbourG
     for &u in members {
         let mut rng = local_rng(seed, u);
         let identity = Identity::from_rng(&mut rng);
-        let (c, k) = ClientSession::new(cfg.clone(), u, &identity, &mut rng).unwrap();
+        let (c, k) =
+            ClientSession::with_floors(cfg.clone(), u, study_floors(), &identity, &mut rng)
+                .unwrap();
         sessions.push(c);
         commitments.push(k.graph_commitment);
     }
