@@ -86,6 +86,55 @@ fn timed<T>(f: impl FnOnce() -> T) -> (T, f64) {
     (out, start.elapsed().as_secs_f64())
 }
 
+type Clients = BTreeMap<u32, (ClientSession, ChaCha20Rng)>;
+
+/// Each client's message of one stage, with the seconds it took, computed on every core
+/// with `parallel`.
+fn answers<M: Send>(
+    clients: &mut Clients,
+    parallel: bool,
+    make: impl Fn(u32, &mut ClientSession, &mut ChaCha20Rng) -> Result<M, SecAggError> + Sync,
+) -> Vec<(u32, Result<M, SecAggError>, f64)> {
+    let answer = |(&u, (session, rng)): (&u32, &mut (ClientSession, ChaCha20Rng))| {
+        let (r, secs) = timed(|| make(u, session, rng));
+        (u, r, secs)
+    };
+    if parallel {
+        clients.par_iter_mut().map(answer).collect()
+    } else {
+        clients.iter_mut().map(answer).collect()
+    }
+}
+
+/// Hands the clients' messages to the server: a client that refused to answer leaves
+/// the round; a message the server refuses ends it (`Err`). Returns the server's seconds.
+fn deliver<M: serde::Serialize>(
+    answered: Vec<(u32, Result<M, SecAggError>, f64)>,
+    mut receive: impl FnMut(u32, &M) -> Result<(), SecAggError>,
+    clients: &mut Clients,
+    client_times: &mut Vec<f64>,
+    bytes: &mut BTreeMap<u32, usize>,
+    aborted: &mut BTreeMap<u32, SecAggError>,
+) -> Result<f64, SecAggError> {
+    let mut server_time = 0.0;
+    for (u, r, secs) in answered {
+        client_times.push(secs);
+        match r {
+            Ok(message) => {
+                *bytes.entry(u).or_default() += json_len(&message);
+                let (r, secs) = timed(|| receive(u, &message));
+                server_time += secs;
+                r?;
+            }
+            Err(e) => {
+                aborted.insert(u, e);
+                clients.remove(&u);
+            }
+        }
+    }
+    Ok(server_time)
+}
+
 /// Runs one round among clients `1..=config.parties`. A client in `drop_at` stops
 /// answering at that stage (it sends nothing from that stage on). Randomness for client
 /// `i`, its identity included, comes from a ChaCha20 stream of `seed` and `i`, so a
@@ -162,7 +211,7 @@ where
     } else {
         indices.iter().map(advertise).collect()
     };
-    let mut clients: BTreeMap<u32, (ClientSession, ChaCha20Rng)> = BTreeMap::new();
+    let mut clients: Clients = BTreeMap::new();
     let mut identities: BTreeMap<u32, Identity> = BTreeMap::new();
     let mut server_time = 0.0;
     for (u, made, rng, identity, secs) in joined {
@@ -192,33 +241,20 @@ where
 
     // Graph nonces: revealed only once every commitment is fixed.
     clients.retain(|&u, _| present(u, Stage::Reveal));
-    let reveal = |(&u, (session, _)): (&u32, &mut (ClientSession, ChaCha20Rng))| {
-        let (r, secs) = timed(|| session.reveal(&roster));
-        (u, r, secs)
+    let revealed = answers(&mut clients, parallel, |_, session, _| {
+        session.reveal(&roster)
+    });
+    let server_time = match deliver(
+        revealed,
+        |u, m| server.receive_reveal(u, m),
+        &mut clients,
+        &mut timings.client_reveal,
+        &mut bytes,
+        &mut aborted,
+    ) {
+        Ok(secs) => secs,
+        Err(e) => return finish(Err(e), timings, bytes, aborted),
     };
-    let revealed: Vec<_> = if parallel {
-        clients.par_iter_mut().map(reveal).collect()
-    } else {
-        clients.iter_mut().map(reveal).collect()
-    };
-    let mut server_time = 0.0;
-    for (u, r, secs) in revealed {
-        timings.client_reveal.push(secs);
-        match r {
-            Ok(message) => {
-                *bytes.entry(u).or_default() += json_len(&message);
-                let (r, secs) = timed(|| server.receive_reveal(u, &message));
-                server_time += secs;
-                if let Err(e) = r {
-                    return finish(Err(e), timings, bytes, aborted);
-                }
-            }
-            Err(e) => {
-                aborted.insert(u, e);
-                clients.remove(&u);
-            }
-        }
-    }
     let (closed, secs) = timed(|| server.close_reveal());
     timings.server_reveal = server_time + secs;
     if let Err(e) = closed {
@@ -228,37 +264,24 @@ where
 
     // Stage 2.
     clients.retain(|&u, _| present(u, Stage::Share));
-    let share = |(&u, (session, rng)): (&u32, &mut (ClientSession, ChaCha20Rng))| {
+    let shared = answers(&mut clients, parallel, |u, session, rng| {
         // Each client gets its own neighbourhood's keys, as over HTTP.
         let directory = server_ref
             .directory_for(u)
             .expect("every member of U1 has a directory");
-        let (r, secs) = timed(|| session.share_keys(&directory, rng));
-        (u, r, secs)
+        session.share_keys(&directory, rng)
+    });
+    let server_time = match deliver(
+        shared,
+        |u, m| server.receive_shares(u, m),
+        &mut clients,
+        &mut timings.client_share,
+        &mut bytes,
+        &mut aborted,
+    ) {
+        Ok(secs) => secs,
+        Err(e) => return finish(Err(e), timings, bytes, aborted),
     };
-    let shared: Vec<_> = if parallel {
-        clients.par_iter_mut().map(share).collect()
-    } else {
-        clients.iter_mut().map(share).collect()
-    };
-    let mut server_time = 0.0;
-    for (u, r, secs) in shared {
-        timings.client_share.push(secs);
-        match r {
-            Ok(message) => {
-                *bytes.entry(u).or_default() += json_len(&message);
-                let (r, secs) = timed(|| server.receive_shares(u, &message));
-                server_time += secs;
-                if let Err(e) = r {
-                    return finish(Err(e), timings, bytes, aborted);
-                }
-            }
-            Err(e) => {
-                aborted.insert(u, e);
-                clients.remove(&u);
-            }
-        }
-    }
     let (closed, secs) = timed(|| server.close_sharing());
     timings.server_share = server_time + secs;
     if let Err(e) = closed {
@@ -324,33 +347,20 @@ where
     if config.consistency_check {
         clients.retain(|&u, _| present(u, Stage::Confirm));
         let identities = &identities;
-        let confirm = |(&u, (session, _)): (&u32, &mut (ClientSession, ChaCha20Rng))| {
-            let (r, secs) = timed(|| session.confirm(&request, &identities[&u]));
-            (u, r, secs)
+        let confirmed = answers(&mut clients, parallel, |u, session, _| {
+            session.confirm(&request, &identities[&u])
+        });
+        let server_time = match deliver(
+            confirmed,
+            |u, m| server.receive_confirmation(u, m),
+            &mut clients,
+            &mut timings.client_confirm,
+            &mut bytes,
+            &mut aborted,
+        ) {
+            Ok(secs) => secs,
+            Err(e) => return finish(Err(e), timings, bytes, aborted),
         };
-        let confirmed: Vec<_> = if parallel {
-            clients.par_iter_mut().map(confirm).collect()
-        } else {
-            clients.iter_mut().map(confirm).collect()
-        };
-        let mut server_time = 0.0;
-        for (u, r, secs) in confirmed {
-            timings.client_confirm.push(secs);
-            match r {
-                Ok(message) => {
-                    *bytes.entry(u).or_default() += json_len(&message);
-                    let (r, secs) = timed(|| server.receive_confirmation(u, &message));
-                    server_time += secs;
-                    if let Err(e) = r {
-                        return finish(Err(e), timings, bytes, aborted);
-                    }
-                }
-                Err(e) => {
-                    aborted.insert(u, e);
-                    clients.remove(&u);
-                }
-            }
-        }
         let (closed, secs) = timed(|| server.close_confirm());
         timings.server_confirm = server_time + secs;
         if let Err(e) = closed {
@@ -361,35 +371,23 @@ where
     // Unmasking: each survivor gets the list with its neighbours' signatures.
     clients.retain(|&u, _| present(u, Stage::Unmask));
     let server_ref = &server;
-    let unmask = |(&u, (session, _)): (&u32, &mut (ClientSession, ChaCha20Rng))| {
+    let revealed = answers(&mut clients, parallel, |u, session, _| {
         let request = server_ref
             .unmask_request_for(u)
             .unwrap_or_else(|| request.clone());
-        let (r, secs) = timed(|| session.unmask(&request));
-        (u, r, secs)
+        session.unmask(&request)
+    });
+    let server_time = match deliver(
+        revealed,
+        |u, m| server.receive_unmask(u, m),
+        &mut clients,
+        &mut timings.client_unmask,
+        &mut bytes,
+        &mut aborted,
+    ) {
+        Ok(secs) => secs,
+        Err(e) => return finish(Err(e), timings, bytes, aborted),
     };
-    let revealed: Vec<_> = if parallel {
-        clients.par_iter_mut().map(unmask).collect()
-    } else {
-        clients.iter_mut().map(unmask).collect()
-    };
-    let mut server_time = 0.0;
-    for (u, r, secs) in revealed {
-        timings.client_unmask.push(secs);
-        match r {
-            Ok(reply) => {
-                *bytes.entry(u).or_default() += json_len(&reply);
-                let (r, secs) = timed(|| server.receive_unmask(u, &reply));
-                server_time += secs;
-                if let Err(e) = r {
-                    return finish(Err(e), timings, bytes, aborted);
-                }
-            }
-            Err(e) => {
-                aborted.insert(u, e);
-            }
-        }
-    }
     let (result, secs) = timed(|| server.finish());
     timings.server_unmask = server_time + secs;
     timings.round = started.elapsed().as_secs_f64();

@@ -317,6 +317,36 @@ async fn record(
     ))
 }
 
+/// Takes the caller's message of `kind` (revealing, sharing or confirming): refused
+/// unless the round is at that stage, then checked by `check` against the snapshot of
+/// the stages before it, then recorded.
+async fn take<M: Serialize>(
+    state: &AppState,
+    client: &AuthenticatedClient,
+    (id, round, attempt): (&str, i64, i64),
+    kind: SecAggMessageKind,
+    message: &M,
+    check: impl FnOnce(&ServerSession, u32) -> Result<(), SecAggError>,
+) -> Result<(StatusCode, Json<Accepted>), ApiError> {
+    let v = view(state, client.0.id, id, round, attempt).await?;
+    let stage = kind.round_stage();
+    require_stage(&v, stage)?;
+    let before = match stage {
+        RoundStage::Revealing => RoundStage::Advertising,
+        RoundStage::Sharing => RoundStage::Revealing,
+        RoundStage::Confirming => RoundStage::Collecting,
+        other => {
+            return Err(ApiError::internal(format!(
+                "no message is taken at {}",
+                other.as_str()
+            )));
+        }
+    };
+    check(&*closed(state, &v, before).await?, v.index).map_err(protocol_error)?;
+    let body = serde_json::to_string(message).map_err(ApiError::internal)?;
+    record(state, &v, client, kind, body).await
+}
+
 /// Refuses a message the round does not take now. A client that already sent this
 /// stage's message gets the distinct code `already_sent`, so that a retry after a lost
 /// answer knows its message is in.
@@ -466,14 +496,16 @@ async fn reveal(
     Path((id, round, attempt)): Path<(String, i64, i64)>,
     Json(message): Json<GraphReveal>,
 ) -> Result<(StatusCode, Json<Accepted>), ApiError> {
-    let v = view(&state, client.0.id, &id, round, attempt).await?;
-    require_stage(&v, RoundStage::Revealing)?;
-    closed(&state, &v, RoundStage::Advertising)
-        .await?
-        .check_reveal(v.index, &message)
-        .map_err(protocol_error)?;
-    let body = serde_json::to_string(&message).map_err(ApiError::internal)?;
-    record(&state, &v, &client, SecAggMessageKind::Reveal, body).await
+    let at = (id.as_str(), round, attempt);
+    take(
+        &state,
+        &client,
+        at,
+        SecAggMessageKind::Reveal,
+        &message,
+        |s, i| s.check_reveal(i, &message),
+    )
+    .await
 }
 
 /// The key directory (`U1`) once advertising has closed.
@@ -531,14 +563,16 @@ async fn share(
     Path((id, round, attempt)): Path<(String, i64, i64)>,
     Json(message): Json<ShareKeys>,
 ) -> Result<(StatusCode, Json<Accepted>), ApiError> {
-    let v = view(&state, client.0.id, &id, round, attempt).await?;
-    require_stage(&v, RoundStage::Sharing)?;
-    closed(&state, &v, RoundStage::Revealing)
-        .await?
-        .check_shares(v.index, &message)
-        .map_err(protocol_error)?;
-    let body = serde_json::to_string(&message).map_err(ApiError::internal)?;
-    record(&state, &v, &client, SecAggMessageKind::Share, body).await
+    let at = (id.as_str(), round, attempt);
+    take(
+        &state,
+        &client,
+        at,
+        SecAggMessageKind::Share,
+        &message,
+        |s, i| s.check_shares(i, &message),
+    )
+    .await
 }
 
 /// The shares the caller's neighbours in `U2` encrypted for it, once sharing has closed.
@@ -631,14 +665,16 @@ async fn confirm(
     Path((id, round, attempt)): Path<(String, i64, i64)>,
     Json(message): Json<Confirmation>,
 ) -> Result<(StatusCode, Json<Accepted>), ApiError> {
-    let v = view(&state, client.0.id, &id, round, attempt).await?;
-    require_stage(&v, RoundStage::Confirming)?;
-    closed(&state, &v, RoundStage::Collecting)
-        .await?
-        .check_confirmation(v.index, &message)
-        .map_err(protocol_error)?;
-    let body = serde_json::to_string(&message).map_err(ApiError::internal)?;
-    record(&state, &v, &client, SecAggMessageKind::Confirm, body).await
+    let at = (id.as_str(), round, attempt);
+    take(
+        &state,
+        &client,
+        at,
+        SecAggMessageKind::Confirm,
+        &message,
+        |s, i| s.check_confirmation(i, &message),
+    )
+    .await
 }
 
 /// The stage whose close produces what survivors answer: confirming with the
