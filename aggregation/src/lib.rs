@@ -14,12 +14,14 @@
 //! - [`reduce`]: the hot loops (weighted sums, modular sums, mask expansion) behind one
 //!   [`reduce::Reducer`] interface with a CPU backend.
 //! - [`privacy`]: differential privacy accounting (RDP).
+//! - [`fedbuff`]: FedBuff's buffer fold and staleness weight.
 //! - [`robust`]: aggregation rules that resist malicious clients (median, trimmed mean,
 //!   Krum, Multi-Krum).
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod fedavg;
+pub mod fedbuff;
 pub mod model_file;
 mod model_vector;
 pub mod privacy;

@@ -12,9 +12,10 @@ use cohort_edge::data::{self, Dataset, Standardizer};
 use cohort_edge::model::ModelKind;
 use cohort_edge::partition::{PartitionScheme, partition};
 
-use crate::server::admin::{ExperimentSpec, TrainSettings};
 use crate::server::{ServeFlags, ServeSettings, auth, driver, prepare};
 use crate::store::{ExperimentState, RoundStage};
+use cohort_core::ExperimentSpec;
+use cohort_core::TrainSettings;
 
 /// Settings of a demo run.
 #[derive(Debug, Clone, clap::Args)]
@@ -205,7 +206,7 @@ async fn run_async(args: &DemoArgs) -> Result<DemoOutcome, String> {
         seed: args.seed,
         secure_aggregation: args
             .secure_aggregation
-            .then(crate::server::secure_rounds::SecureAggregationSpec::default),
+            .then(cohort_core::SecureAggregationSpec::default),
         privacy: None,
         aggregator: None,
         max_weight: None,

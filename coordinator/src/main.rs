@@ -172,7 +172,7 @@ struct SimulateArgs {
     /// sampled: the worst sampled client's own rounds, unamplified; needs
     /// --secure-aggregation) [default: observers]
     #[arg(long, value_name = "WHOM")]
-    dp_budget_against: Option<cohort_coordinator::server::privacy::BudgetAgainst>,
+    dp_budget_against: Option<cohort_core::privacy::BudgetAgainst>,
     /// Differential privacy, central noise: adapt the clip (starting at --dp-clip) to this
     /// quantile of the update norms, from a noised count (Andrew et al. 2021)
     #[arg(long, value_name = "Q")]

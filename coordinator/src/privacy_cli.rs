@@ -2,7 +2,7 @@
 
 use cohort_aggregation::privacy::rdp;
 
-use crate::server::privacy::BudgetAgainst;
+use cohort_core::privacy::BudgetAgainst;
 
 /// `cohort privacy` subcommands.
 #[derive(Debug, Clone, clap::Subcommand)]
@@ -89,7 +89,7 @@ pub struct AgainstArgs {
     /// observers (of the published models: amplified by sampling) | coordinator (draws
     /// the sample and knows who took part: each of a client's rounds at q = 1)
     #[arg(long, value_name = "WHOM", default_value = "observers")]
-    pub against: crate::server::privacy::BudgetAgainst,
+    pub against: cohort_core::privacy::BudgetAgainst,
     /// Against the coordinator: the rounds the client took part in [default: T, the
     /// worst case; a client is in q*T of them on average]
     #[arg(long, value_name = "K")]

@@ -7,20 +7,26 @@
 //! - [`model`]: multinomial logistic regression and MLPs with forward and backward passes.
 //! - [`train`]: local training (mini-batch SGD with momentum, weight decay, FedProx) and
 //!   evaluation, behind the [`train::Trainer`] trait.
-//! - [`protocol`]: the client side of the coordinator's REST API.
+//! - [`protocol`]: the coordinator's REST API as the client speaks it: its types, and
+//!   (with the `agent` feature, on by default) the HTTP client.
+//! - [`identity`]: this client's long-term Ed25519 identity, kept in the state
+//!   directory and registered with the coordinator.
+//! - [`local_dp`]: optional local differential privacy: clip and noise before upload,
+//!   with the client's own ledger and budget.
+//!
+//! With the `agent` feature (the default):
 //! - [`agent`]: the edge loop: enrol once, then check in, train, upload, with retries.
 //! - [`trainer`]: who trains a task: the built-in models, the user's own program
 //!   (`--trainer`), or an app's callback; and the checks on what they return.
 //! - [`ffi`]: the C API (`cdylib`, `staticlib`, header `include/cohort_edge.h`), for
 //!   apps that train inside their own process.
-//! - [`identity`]: this client's long-term Ed25519 identity, kept in the state
-//!   directory and registered with the coordinator.
-//! - [`local_dp`]: optional local differential privacy: clip and noise before upload,
-//!   with the client's own ledger and budget.
 
+#[cfg(feature = "agent")]
 pub mod agent;
+#[cfg(feature = "agent")]
 pub mod cli;
 pub mod data;
+#[cfg(feature = "agent")]
 pub mod ffi;
 pub mod identity;
 pub mod local_dp;
@@ -28,4 +34,5 @@ pub mod model;
 pub mod partition;
 pub mod protocol;
 pub mod train;
+#[cfg(feature = "agent")]
 pub mod trainer;

@@ -15,10 +15,11 @@ use sqlx::Row;
 use tower::ServiceExt;
 use uuid::Uuid;
 
-use crate::server::admin::{ExperimentSpec, TrainSettings};
 use crate::server::auth::{generate_secret, hash_secret};
 use crate::server::{ServeFlags, ServeSettings, prepare};
 use crate::store::now_millis;
+use cohort_core::ExperimentSpec;
+use cohort_core::TrainSettings;
 
 /// Pages must answer within this at the server.
 pub const PAGE_BUDGET_MS: f64 = 50.0;

@@ -6,9 +6,10 @@ use std::collections::HashMap;
 use cohort_aggregation::Strategy;
 use cohort_edge::model::ModelKind;
 
-use crate::server::admin::{ExperimentSpec, TrainSettings};
-use crate::server::privacy::PrivacySpec;
-use crate::server::secure_rounds::SecureAggregationSpec;
+use cohort_core::ExperimentSpec;
+use cohort_core::SecureAggregationSpec;
+use cohort_core::TrainSettings;
+use cohort_core::privacy::PrivacySpec;
 
 /// What kind of control a field is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -486,7 +487,7 @@ fn default_privacy() -> PrivacySpec {
         epsilon_budget: 8.0,
         clip_quantile: None,
         clip_count_noise: None,
-        budget_against: crate::server::privacy::BudgetAgainst::Observers,
+        budget_against: cohort_core::privacy::BudgetAgainst::Observers,
     }
 }
 
@@ -948,7 +949,7 @@ pub fn parse(fields: &[(String, String)]) -> Parsed {
     if spec.name.is_empty() {
         r.errors.insert("name", "required".into());
     }
-    for problem in spec.problems() {
+    for problem in spec.validate().err().into_iter().flat_map(|e| e.problems) {
         r.errors.entry(problem.field).or_insert(problem.message);
     }
     if r.errors.is_empty() {
@@ -1085,7 +1086,7 @@ mod tests {
         ])) {
             Parsed::Spec(spec) => assert_eq!(
                 spec.privacy.unwrap().budget_against,
-                crate::server::privacy::BudgetAgainst::Coordinator
+                cohort_core::privacy::BudgetAgainst::Coordinator
             ),
             Parsed::Invalid(sets) => panic!("{sets:?}"),
         }
@@ -1191,7 +1192,7 @@ mod tests {
             ("hyperparameters", r#"{"epochs": 2}"#),
         ])) {
             Parsed::Spec(spec) => {
-                assert_eq!(spec.model, crate::server::models::SpecModel::File);
+                assert_eq!(spec.model, cohort_core::SpecModel::File);
                 assert_eq!(spec.initial_model, Some(id));
                 assert_eq!(spec.hyperparameters.unwrap()["epochs"], 2);
             }

@@ -19,13 +19,13 @@ use super::multipart;
 use super::session::{Session, field, form_fields};
 use super::{Chrome, PageError, render};
 use crate::server::AppState;
-use crate::server::admin::{
-    ExperimentSpec, current_model, current_safetensors, octets, resolve_initial_model,
-};
+use crate::server::admin::{current_model, current_safetensors, octets, resolve_initial_model};
 use crate::server::auth::{generate_secret, hash_secret};
 use crate::server::error::ApiError;
-use crate::server::models::{EvaluationSummary, SpecModel, summarise};
+use crate::server::models::{EvaluationSummary, summarise};
 use crate::store::{ExperimentState, Round, RoundStage, now_millis};
+use cohort_core::ExperimentSpec;
+use cohort_core::SpecModel;
 
 /// Rounds per page of the experiment page's round table.
 pub const ROUNDS_PER_PAGE: usize = 50;
@@ -193,8 +193,10 @@ pub async fn create(
             let errors: HashMap<&'static str, String> =
                 match resolve_initial_model(&state, &mut spec).await {
                     Ok(()) => spec
-                        .problems()
+                        .validate()
+                        .err()
                         .into_iter()
+                        .flat_map(|e| e.problems)
                         .map(|p| (p.field, p.message))
                         .collect(),
                     Err(ApiError::UnprocessableEntity { message, .. }) => {
@@ -905,7 +907,7 @@ struct PrivacyCard {
 
 struct PrivacyFigures {
     budget: f64,
-    against: crate::server::privacy::BudgetAgainst,
+    against: cohort_core::privacy::BudgetAgainst,
     observers: f64,
     coordinator: crate::server::privacy::CoordinatorEpsilon,
     by_attempt: HashMap<(i64, i64), Option<f64>>,
@@ -917,7 +919,7 @@ impl PrivacyCard {
         exp: &crate::store::Experiment,
         rounds: &[Round],
     ) -> Result<Self, PageError> {
-        let spec: Option<crate::server::admin::ExperimentSpec> =
+        let spec: Option<cohort_core::ExperimentSpec> =
             serde_json::from_value(exp.spec.clone()).ok();
         let Some((spec, privacy)) = spec.and_then(|s| Some((s.clone(), s.privacy?))) else {
             return Ok(Self { figures: None });
@@ -955,7 +957,8 @@ impl PrivacyCard {
                 String::new()
             }
         };
-        use crate::server::privacy::{BudgetAgainst, CoordinatorEpsilon};
+        use crate::server::privacy::CoordinatorEpsilon;
+        use cohort_core::privacy::BudgetAgainst;
         let coordinator = match f.coordinator {
             CoordinatorEpsilon::Bounded { epsilon, rounds } => format!(
                 "against the coordinator, which knows who took part: ε {epsilon:.3}, the worst \
@@ -982,8 +985,8 @@ impl PrivacyCard {
     fn budgeted(&self) -> f64 {
         let Some(f) = &self.figures else { return 0.0 };
         match f.against {
-            crate::server::privacy::BudgetAgainst::Observers => f.observers,
-            crate::server::privacy::BudgetAgainst::Coordinator => {
+            cohort_core::privacy::BudgetAgainst::Observers => f.observers,
+            cohort_core::privacy::BudgetAgainst::Coordinator => {
                 f.coordinator.epsilon().unwrap_or(f64::INFINITY)
             }
         }
@@ -1010,8 +1013,7 @@ fn privacy_summary(
     rounds: &[Round],
     card: &PrivacyCard,
 ) -> (String, String) {
-    let spec: Option<crate::server::admin::ExperimentSpec> =
-        serde_json::from_value(spec.clone()).ok();
+    let spec: Option<cohort_core::ExperimentSpec> = serde_json::from_value(spec.clone()).ok();
     let Some(spec) = spec else {
         return ("unknown".into(), "the stored settings do not parse".into());
     };

@@ -375,7 +375,7 @@ pub struct CheckInReply {
 /// A task of experiment `experiment` with `spec`'s model and training settings, and no
 /// secure aggregation.
 pub(super) fn plain_task(
-    spec: &super::admin::ExperimentSpec,
+    spec: &cohort_core::ExperimentSpec,
     experiment: Uuid,
     round: i64,
     attempt: i64,
@@ -443,7 +443,7 @@ pub const FINAL_EVALUATION_WINDOW_MS: i64 = 24 * 3600 * 1000;
 async fn evaluation_task(state: &AppState, client: Uuid) -> Result<Option<Task>, ApiError> {
     let since = now_millis() - FINAL_EVALUATION_WINDOW_MS;
     for (experiment, version, spec) in state.store.final_models_to_evaluate(client, since).await? {
-        let Ok(spec) = serde_json::from_value::<super::admin::ExperimentSpec>(spec) else {
+        let Ok(spec) = serde_json::from_value::<cohort_core::ExperimentSpec>(spec) else {
             continue;
         };
         if super::models::evaluation_refusal(&spec).is_some() || spec.fedbuff().is_some() {

@@ -15,16 +15,17 @@ use std::time::Duration;
 use cohort_aggregation::{ModelVector, WeightedMean, wire};
 use cohort_edge::model::ModelSpec;
 
-use super::models::{ExperimentModel, SpecModel};
+use super::models::ExperimentModel;
+use cohort_core::SpecModel;
 use rand::seq::index;
 use uuid::Uuid;
 
 use super::AppState;
-use super::admin::ExperimentSpec;
 use crate::store::{
     Experiment, ExperimentState, Job, JobKind, PublishedModel, Round, RoundMetrics, RoundStage,
     StoreError, now_millis,
 };
+use cohort_core::ExperimentSpec;
 
 /// Uploads an aggregation job reads and folds at a time.
 pub const FOLD_BATCH: usize = 16;
@@ -463,7 +464,7 @@ async fn open_private(
     state: &AppState,
     exp: &Experiment,
     spec: &ExperimentSpec,
-    privacy: &super::privacy::PrivacySpec,
+    privacy: &cohort_core::privacy::PrivacySpec,
     available: &[Uuid],
     to_open: RoundToOpen,
 ) -> Result<(), DriverError> {
@@ -866,7 +867,7 @@ async fn aggregate_central(
     state: &AppState,
     exp: &Experiment,
     spec: &ExperimentSpec,
-    privacy: &super::privacy::PrivacySpec,
+    privacy: &cohort_core::privacy::PrivacySpec,
     record: &crate::store::RoundPrivacy,
     model: &ExperimentModel,
     round: &Round,

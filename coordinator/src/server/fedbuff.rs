@@ -19,19 +19,17 @@
 //! synchronous rounds do.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use super::models::ExperimentModel;
 use axum::Router;
 use axum::extract::{Path, State};
 use axum::routing::get;
-use cohort_aggregation::{Layout, ModelVector, WeightedMean, wire};
-use serde::{Deserialize, Serialize};
+use cohort_aggregation::{ModelVector, wire};
+use serde::Serialize;
 use utoipa::ToSchema;
 use uuid::Uuid;
 
 use super::AppState;
-use super::admin::ExperimentSpec;
 use super::client_api::Task;
 use super::driver::{self, DriverError, FOLD_BATCH, JOB_ATTEMPTS};
 use super::error::{ApiError, ErrorBody, Json};
@@ -39,274 +37,19 @@ use crate::store::{
     BufferRules, Buffered, Experiment, ExperimentState, FedBuffDrops, NewUpload, PublishedModel,
     RoundMetrics, RoundStage, StepStats, StoreError, Upload, now_millis,
 };
+use cohort_core::ExperimentSpec;
 
-pub use crate::simulate::staleness_weight;
+use cohort_aggregation::fedbuff::{BufferFold, BufferedUpdate};
+use cohort_core::mode::{ExperimentMode, FedBuffSettings};
 
-/// The default staleness exponent A: `s(tau) = 1 / sqrt(1 + tau)`, the paper's choice and
-/// `cohort simulate`'s default.
-pub const DEFAULT_STALENESS_EXPONENT: f64 = crate::simulate::DEFAULT_STALENESS_EXPONENT;
-
-/// Largest `buffer_size` a spec may ask for.
-pub const MAX_BUFFER_SIZE: usize = 10_000;
-/// Largest `concurrency` a spec may ask for.
-pub const MAX_CONCURRENCY: usize = 100_000;
-/// Largest staleness exponent a spec may ask for (beyond it, any stale update weighs
-/// nothing).
-pub const MAX_STALENESS_EXPONENT: f64 = 10.0;
-
-/// How an experiment schedules training and aggregation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ToSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum ExperimentMode {
-    /// Synchronous rounds: a selected cohort, a deadline, a quorum.
-    #[default]
-    Sync,
-    /// Buffered asynchronous aggregation: a server step every `buffer_size` updates.
-    Fedbuff,
-}
-
-impl ExperimentMode {
-    /// Whether this is the default, synchronous mode (which a stored spec leaves out).
-    pub fn is_sync(&self) -> bool {
-        *self == ExperimentMode::Sync
-    }
-
-    /// The spec's text for the mode.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ExperimentMode::Sync => "sync",
-            ExperimentMode::Fedbuff => "fedbuff",
-        }
-    }
-}
-
-/// A mode name that is neither `sync` nor `fedbuff`.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown mode `{0}`: expected sync or fedbuff")]
-pub struct UnknownMode(String);
-
-impl std::str::FromStr for ExperimentMode {
-    type Err = UnknownMode;
-
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
-        match text.trim().to_ascii_lowercase().as_str() {
-            "sync" => Ok(ExperimentMode::Sync),
-            "fedbuff" => Ok(ExperimentMode::Fedbuff),
-            _ => Err(UnknownMode(text.to_string())),
-        }
-    }
-}
-
-/// A FedBuff experiment's settings, defaults filled in.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, ToSchema)]
-pub struct FedBuffSettings {
-    /// Updates per server step (K).
-    pub buffer_size: usize,
-    /// Clients training at once (C).
-    pub concurrency: usize,
-    /// The staleness exponent A of `s(tau) = 1 / (1 + tau)^A`.
-    pub staleness_exponent: f64,
-    /// Updates staler than this are dropped; none keeps every update.
-    pub max_staleness: Option<u32>,
-    /// How long a task may take, seconds (`collect_deadline_seconds`).
-    pub task_seconds: u64,
-}
-
-impl FedBuffSettings {
-    /// The store's rules for the buffers.
-    pub fn rules(&self, last_step: u32) -> BufferRules {
-        BufferRules {
-            buffer_size: self.buffer_size as i64,
-            max_staleness: self.max_staleness.map(i64::from),
-            task_ms: self.task_ms(),
-            last_step: i64::from(last_step),
-            job_attempts: JOB_ATTEMPTS,
-        }
-    }
-
-    /// How long a task may take, ms.
-    pub fn task_ms(&self) -> i64 {
-        (self.task_seconds as i64).saturating_mul(1000)
-    }
-}
-
-impl ExperimentSpec {
-    /// The FedBuff settings, defaults filled in, when the experiment is in mode `fedbuff`:
-    /// `buffer_size` defaults to `clients_per_round` and `concurrency` to the clients a
-    /// synchronous round would select (`clients_per_round * over_selection`).
-    pub fn fedbuff(&self) -> Option<FedBuffSettings> {
-        (self.mode == ExperimentMode::Fedbuff).then(|| FedBuffSettings {
-            buffer_size: self.buffer_size.unwrap_or(self.clients_per_round),
-            concurrency: self
-                .concurrency
-                .unwrap_or_else(|| self.selected_per_round()),
-            staleness_exponent: self
-                .staleness_exponent
-                .unwrap_or(DEFAULT_STALENESS_EXPONENT),
-            max_staleness: self.max_staleness,
-            task_seconds: self.collect_deadline_seconds,
-        })
-    }
-}
-
-/// The mode's problems with a spec, each reported through `bad(field, message)`.
-pub(super) fn problems(spec: &ExperimentSpec, bad: &mut impl FnMut(&'static str, String)) {
-    if spec.mode == ExperimentMode::Sync {
-        let given = [
-            ("buffer_size", spec.buffer_size.is_some()),
-            ("concurrency", spec.concurrency.is_some()),
-            ("staleness_exponent", spec.staleness_exponent.is_some()),
-            ("max_staleness", spec.max_staleness.is_some()),
-        ];
-        for (field, _) in given.into_iter().filter(|(_, set)| *set) {
-            bad(
-                field,
-                format!("{field} is a FedBuff setting: it needs mode fedbuff"),
-            );
-        }
-        return;
-    }
-    if spec.secure_aggregation.is_some() {
-        bad(
-            "secure_aggregation",
-            "secure_aggregation does not combine with mode fedbuff: SecAgg+ masks cancel only \
-             in the sum of one fixed cohort per round, and a FedBuff buffer fills from \
-             whichever clients finish first, trained on different model versions"
-                .into(),
-        );
-    }
-    if spec.privacy.is_some() {
-        bad(
-            "privacy",
-            "privacy does not combine with mode fedbuff yet: the accountant charges rounds \
-             that sample clients at a known rate, and a FedBuff buffer fills from whichever \
-             clients check in and finish first"
-                .into(),
-        );
-    }
-    if let Some(rule) = spec.aggregator {
-        bad(
-            "aggregator",
-            format!(
-                "aggregator: {rule} does not combine with mode fedbuff: a buffer's updates start \
-                 from different model versions and carry staleness weights, which the robust \
-                 rules do not take"
-            ),
-        );
-    }
-    if let Some(k) = spec.buffer_size
-        && !(1..=MAX_BUFFER_SIZE).contains(&k)
-    {
-        bad(
-            "buffer_size",
-            format!("buffer_size must be between 1 and {MAX_BUFFER_SIZE}, got {k}"),
-        );
-    }
-    if let Some(c) = spec.concurrency
-        && !(1..=MAX_CONCURRENCY).contains(&c)
-    {
-        bad(
-            "concurrency",
-            format!("concurrency must be between 1 and {MAX_CONCURRENCY}, got {c}"),
-        );
-    }
-    if let Some(a) = spec.staleness_exponent
-        && !(a.is_finite() && (0.0..=MAX_STALENESS_EXPONENT).contains(&a))
-    {
-        bad(
-            "staleness_exponent",
-            format!("staleness_exponent must be between 0 and {MAX_STALENESS_EXPONENT}, got {a}"),
-        );
-    }
-}
-
-/// Why a buffer could not be folded.
-#[derive(Debug, thiserror::Error)]
-pub enum FoldError {
-    /// An update or base model does not fit, or a value is not finite.
-    #[error(transparent)]
-    Aggregation(#[from] cohort_aggregation::AggregationError),
-    /// A model could not be built in the experiment's layout.
-    #[error(transparent)]
-    Layout(#[from] cohort_aggregation::LayoutError),
-    /// The buffer was empty.
-    #[error("a buffer with no updates has nothing to fold")]
-    Empty,
-}
-
-/// A buffer's updates folded, a batch at a time, through the experiment's reducer:
-/// `sum_i w_i delta_i / sum_i w_i` with `w_i = n_i s(tau_i)` and `delta_i` the trained
-/// model minus the model it started from.
-pub struct BufferFold {
-    mean: WeightedMean,
-    exponent: f64,
-    weight: f64,
-    samples: f64,
-}
-
-/// One buffered update: the trained model, the model it started from, its sample count
-/// and its staleness.
-pub type BufferedUpdate<'a> = (&'a ModelVector, &'a ModelVector, u64, u32);
-
-impl BufferFold {
-    /// An empty fold for models in `layout`.
-    pub fn new(
-        layout: Arc<Layout>,
-        reducer: &dyn cohort_aggregation::reduce::Reducer,
-        exponent: f64,
-    ) -> Result<Self, FoldError> {
-        Ok(Self {
-            mean: WeightedMean::with_reducer(layout, reducer)?,
-            exponent,
-            weight: 0.0,
-            samples: 0.0,
-        })
-    }
-
-    /// The weight of an update of `samples` samples, `tau` steps stale.
-    pub fn weight(&self, samples: u64, tau: u32) -> f64 {
-        samples as f64 * staleness_weight(tau, self.exponent)
-    }
-
-    /// Folds a batch; a batch with a bad update changes nothing.
-    pub fn fold_batch(&mut self, batch: &[BufferedUpdate<'_>]) -> Result<(), FoldError> {
-        let mut deltas = Vec::with_capacity(batch.len());
-        for &(trained, base, samples, tau) in batch {
-            let delta: Vec<f32> = trained
-                .values()
-                .iter()
-                .zip(base.values())
-                .map(|(p, b)| p - b)
-                .collect();
-            let delta = ModelVector::new(trained.layout().clone(), delta)?;
-            deltas.push((delta, self.weight(samples, tau), samples));
-        }
-        let pairs: Vec<(&ModelVector, f64)> = deltas.iter().map(|(d, w, _)| (d, *w)).collect();
-        self.mean.fold_batch(&pairs)?;
-        for (_, w, n) in &deltas {
-            self.weight += w;
-            self.samples += *n as f64;
-        }
-        Ok(())
-    }
-
-    /// The model the server optimizer steps towards from `global`:
-    /// `global + sum_i w_i delta_i / sum_i n_i`. Dividing by the samples, not the weights,
-    /// follows the paper (and the simulation): stale updates shrink the step instead of
-    /// only each other's share.
-    pub fn target(self, global: &ModelVector) -> Result<ModelVector, FoldError> {
-        if self.samples <= 0.0 {
-            return Err(FoldError::Empty);
-        }
-        let scale = (self.weight / self.samples) as f32;
-        let mean = self.mean.finish()?;
-        let values = global
-            .values()
-            .iter()
-            .zip(mean.values())
-            .map(|(g, d)| g + scale * d)
-            .collect();
-        Ok(ModelVector::new(global.layout().clone(), values)?)
+/// The store's rules for an experiment's buffers.
+pub fn buffer_rules(settings: &FedBuffSettings, last_step: u32) -> BufferRules {
+    BufferRules {
+        buffer_size: settings.buffer_size as i64,
+        max_staleness: settings.max_staleness.map(i64::from),
+        task_ms: settings.task_ms(),
+        last_step: i64::from(last_step),
+        job_attempts: JOB_ATTEMPTS,
     }
 }
 
@@ -510,7 +253,7 @@ pub(super) async fn record_upload(
             round,
             attempt,
             upload,
-            settings.rules(spec.rounds),
+            buffer_rules(settings, spec.rounds),
             now_millis(),
         )
         .await?;
@@ -604,160 +347,3 @@ pub(crate) fn routes() -> Router<AppState> {
     ))
 )]
 pub(crate) struct FedBuffDoc;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn layout(n: usize) -> Arc<Layout> {
-        Arc::new(Layout::new(vec![cohort_aggregation::TensorSpec::new("w", [n])]).unwrap())
-    }
-
-    fn vector(layout: &Arc<Layout>, values: &[f32]) -> ModelVector {
-        ModelVector::new(layout.clone(), values.to_vec()).unwrap()
-    }
-
-    fn spec(extra: serde_json::Value) -> ExperimentSpec {
-        let mut spec = serde_json::json!({
-            "name": "s", "features": 4, "classes": 2, "model": "logreg",
-            "rounds": 5, "clients_per_round": 4, "min_participants": 2
-        });
-        spec.as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        serde_json::from_value(spec).unwrap()
-    }
-
-    fn fields(spec: &ExperimentSpec) -> Vec<&'static str> {
-        spec.problems().into_iter().map(|p| p.field).collect()
-    }
-
-    #[test]
-    fn sync_is_the_default_mode_and_stays_out_of_the_stored_spec() {
-        let s = spec(serde_json::json!({}));
-        assert_eq!(s.mode, ExperimentMode::Sync);
-        assert!(s.fedbuff().is_none());
-        assert!(fields(&s).is_empty());
-        assert!(serde_json::to_value(&s).unwrap().get("mode").is_none());
-        let f = spec(serde_json::json!({"mode": "fedbuff"}));
-        assert_eq!(serde_json::to_value(&f).unwrap()["mode"], "fedbuff");
-    }
-
-    #[test]
-    fn fedbuff_defaults_follow_the_round_settings_and_the_simulation() {
-        let s = spec(serde_json::json!({"mode": "fedbuff", "over_selection": 1.5}));
-        let f = s.fedbuff().unwrap();
-        assert_eq!((f.buffer_size, f.concurrency), (4, 6));
-        assert_eq!(f.staleness_exponent, 0.5);
-        assert_eq!(f.max_staleness, None);
-        assert_eq!(f.task_seconds, s.collect_deadline_seconds);
-        let s = spec(serde_json::json!({"mode": "fedbuff", "buffer_size": 3,
-            "concurrency": 9, "staleness_exponent": 1.0, "max_staleness": 4}));
-        let f = s.fedbuff().unwrap();
-        assert_eq!(
-            (f.buffer_size, f.concurrency, f.max_staleness),
-            (3, 9, Some(4))
-        );
-        assert!(fields(&s).is_empty());
-    }
-
-    #[test]
-    fn fedbuff_settings_are_checked_and_name_their_fields() {
-        let s = spec(serde_json::json!({"mode": "fedbuff", "buffer_size": 0,
-            "concurrency": 0, "staleness_exponent": -1.0}));
-        assert_eq!(
-            fields(&s),
-            ["buffer_size", "concurrency", "staleness_exponent"]
-        );
-        let s = spec(serde_json::json!({"buffer_size": 3, "max_staleness": 2}));
-        assert_eq!(fields(&s), ["buffer_size", "max_staleness"]);
-        let secure = spec(serde_json::json!({"mode": "fedbuff", "secure_aggregation": {}}));
-        let problems = secure.problems();
-        assert_eq!(problems[0].field, "secure_aggregation");
-        assert!(problems[0].message.contains("mode fedbuff"), "{problems:?}");
-        // Differential privacy and the robust rules assume sync rounds.
-        let private = spec(serde_json::json!({"mode": "fedbuff", "privacy":
-            {"noise_multiplier": 1.0, "clip": 0.5, "epsilon_budget": 8}}));
-        assert!(
-            fields(&private).contains(&"privacy"),
-            "{:?}",
-            private.problems()
-        );
-        let robust = spec(serde_json::json!({"mode": "fedbuff", "aggregator": "median"}));
-        assert!(
-            fields(&robust).contains(&"aggregator"),
-            "{:?}",
-            robust.problems()
-        );
-        let unknown = serde_json::from_value::<ExperimentSpec>(serde_json::json!({
-            "name": "s", "features": 4, "classes": 2, "model": "logreg", "rounds": 5,
-            "clients_per_round": 4, "min_participants": 2, "mode": "async"
-        }));
-        assert!(unknown.is_err());
-        assert_eq!(
-            "FedBuff".parse::<ExperimentMode>(),
-            Ok(ExperimentMode::Fedbuff)
-        );
-        assert!("async".parse::<ExperimentMode>().is_err());
-    }
-
-    #[test]
-    fn fresh_updates_average_by_samples_like_fedavg() {
-        let l = layout(2);
-        let global = vector(&l, &[1.0, 1.0]);
-        let (a, b) = (vector(&l, &[3.0, 1.0]), vector(&l, &[1.0, 5.0]));
-        let reducer = cohort_aggregation::reduce::cpu();
-        let mut fold = BufferFold::new(l.clone(), reducer.as_ref(), 0.5).unwrap();
-        fold.fold_batch(&[(&a, &global, 1, 0), (&b, &global, 3, 0)])
-            .unwrap();
-        // deltas (2, 0) x1 and (0, 4) x3 over 4 samples.
-        let target = fold.target(&global).unwrap();
-        assert_eq!(target.values(), &[1.5, 4.0]);
-    }
-
-    #[test]
-    fn stale_updates_count_from_their_own_base_and_shrink_the_step() {
-        let l = layout(1);
-        let global = vector(&l, &[10.0]);
-        let old_base = vector(&l, &[0.0]);
-        let fresh = vector(&l, &[12.0]); // delta 2 from the current model
-        let stale = vector(&l, &[4.0]); // delta 4 from version 0, three steps ago
-        let reducer = cohort_aggregation::reduce::cpu();
-        let mut fold = BufferFold::new(l.clone(), reducer.as_ref(), 0.5).unwrap();
-        fold.fold_batch(&[(&fresh, &global, 1, 0), (&stale, &old_base, 1, 3)])
-            .unwrap();
-        // s(3) = 1/2: (1 * 2 + 0.5 * 4) / 2 samples = 2.
-        let target = fold.target(&global).unwrap();
-        assert!((target.values()[0] - 12.0).abs() < 1e-6, "{target:?}");
-    }
-
-    #[test]
-    fn exponent_zero_ignores_staleness_and_an_empty_buffer_is_refused() {
-        let l = layout(1);
-        let global = vector(&l, &[0.0]);
-        let trained = vector(&l, &[2.0]);
-        let reducer = cohort_aggregation::reduce::cpu();
-        let mut fold = BufferFold::new(l.clone(), reducer.as_ref(), 0.0).unwrap();
-        assert_eq!(fold.weight(5, 100), 5.0);
-        fold.fold_batch(&[(&trained, &global, 5, 100)]).unwrap();
-        assert_eq!(fold.target(&global).unwrap().values(), &[2.0]);
-        let empty = BufferFold::new(l.clone(), reducer.as_ref(), 0.5).unwrap();
-        assert!(matches!(empty.target(&global), Err(FoldError::Empty)));
-    }
-
-    #[test]
-    fn a_non_finite_update_is_refused_and_changes_nothing() {
-        let l = layout(1);
-        let global = vector(&l, &[0.0]);
-        let good = vector(&l, &[1.0]);
-        let nan = vector(&l, &[f32::NAN]);
-        let reducer = cohort_aggregation::reduce::cpu();
-        let mut fold = BufferFold::new(l.clone(), reducer.as_ref(), 0.5).unwrap();
-        assert!(
-            fold.fold_batch(&[(&good, &global, 1, 0), (&nan, &global, 1, 0)])
-                .is_err()
-        );
-        fold.fold_batch(&[(&good, &global, 1, 0)]).unwrap();
-        assert_eq!(fold.target(&global).unwrap().values(), &[1.0]);
-    }
-}

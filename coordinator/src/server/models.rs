@@ -8,8 +8,6 @@
 //! counts.
 
 use std::collections::BTreeMap;
-use std::fmt;
-use std::str::FromStr;
 use std::sync::Arc;
 
 use axum::Router;
@@ -17,7 +15,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use cohort_aggregation::{Layout, ModelVector, TensorSpec};
-use cohort_edge::model::{ModelKind, ModelSpec};
+use cohort_edge::model::ModelSpec;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
@@ -28,59 +26,7 @@ use super::client_api::AuthenticatedClient;
 use super::error::{ApiError, ErrorBody, Json};
 use crate::store::{ClientEvaluation, ModelFile, TaskFailure, now_millis};
 
-/// What an experiment spec names as its model: a built-in family, or `file` (the
-/// tensors of its `initial_model`, trained by the clients' own trainers).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum SpecModel {
-    /// `logreg`, `mlp`, `mlp:H1,H2,...`: trained by the edge client itself.
-    BuiltIn(ModelKind),
-    /// `file`: defined by an uploaded safetensors file.
-    File,
-}
-
-impl FromStr for SpecModel {
-    type Err = cohort_edge::model::ModelError;
-
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
-        if text.trim().eq_ignore_ascii_case("file") {
-            return Ok(SpecModel::File);
-        }
-        text.parse().map(SpecModel::BuiltIn).map_err(|e| match e {
-            cohort_edge::model::ModelError::Unknown(t) => {
-                cohort_edge::model::ModelError::Unknown(format!("{t}` (or `file"))
-            }
-            other => other,
-        })
-    }
-}
-
-impl fmt::Display for SpecModel {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            SpecModel::BuiltIn(kind) => kind.fmt(f),
-            SpecModel::File => f.write_str("file"),
-        }
-    }
-}
-
-impl From<ModelKind> for SpecModel {
-    fn from(kind: ModelKind) -> Self {
-        SpecModel::BuiltIn(kind)
-    }
-}
-
-impl Serialize for SpecModel {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-impl<'de> Deserialize<'de> for SpecModel {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let text = String::deserialize(d)?;
-        text.parse().map_err(serde::de::Error::custom)
-    }
-}
+use cohort_core::SpecModel;
 
 /// The model an experiment trains, resolved from its spec.
 #[derive(Debug, Clone, PartialEq)]
@@ -493,7 +439,7 @@ async fn report_evaluation(
 /// with secure aggregation, which hides each client's update from the coordinator: a
 /// client's metrics in the clear beside its masked update would tell what the masking
 /// hides (the weight and loss it needs travel inside the masked vector instead).
-pub fn evaluation_refusal(spec: &super::admin::ExperimentSpec) -> Option<String> {
+pub fn evaluation_refusal(spec: &cohort_core::ExperimentSpec) -> Option<String> {
     if spec.model != SpecModel::File {
         return Some(
             "client evaluations are taken for file models only; the coordinator evaluates built-in ones".into(),

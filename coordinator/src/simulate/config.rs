@@ -12,7 +12,7 @@ use cohort_edge::partition::PartitionScheme;
 use serde::{Deserialize, Serialize};
 
 use super::straggler::StragglerModel;
-use crate::server::privacy::BudgetAgainst;
+use cohort_core::privacy::BudgetAgainst;
 
 /// Which data a simulation trains on.
 #[derive(Debug, Clone, PartialEq)]
@@ -676,8 +676,7 @@ impl SimulationConfig {
 /// FedBuff's default buffer size K (the paper's choice for its cross-device runs).
 pub const DEFAULT_BUFFER_SIZE: usize = 10;
 
-/// FedBuff's default staleness exponent: `s(tau) = 1 / sqrt(1 + tau)`, as in the paper.
-pub const DEFAULT_STALENESS_EXPONENT: f64 = 0.5;
+pub use cohort_aggregation::fedbuff::DEFAULT_STALENESS_EXPONENT;
 
 /// How a simulation schedules training and aggregation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

@@ -14,7 +14,8 @@
 //! ```
 //!
 //! where `n_i` is the client's sample count and `tau_i` the server steps taken since it
-//! downloaded its model. Weighting by samples, as synchronous FedAvg does, keeps the two
+//! downloaded its model: [`BufferFold`], the fold `cohort serve` takes its FedBuff steps
+//! with. Weighting by samples, as synchronous FedAvg does, keeps the two
 //! modes' aggregates the same when nothing is stale; dividing by the samples rather than
 //! by the staleness-weighted samples follows the paper (it divides by K), so stale
 //! updates shrink the step rather than only each other's share. With equal sample
@@ -30,6 +31,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cohort_aggregation::ModelVector;
+use cohort_aggregation::fedbuff::BufferFold;
+use cohort_aggregation::reduce::Reducer;
 use cohort_edge::train::TrainConfig;
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -41,11 +44,6 @@ use super::run::{RoundRecord, SimulationResult, malicious_clients};
 use super::straggler::Stragglers;
 use crate::engine::{ClientId, EngineError, RoundStatus};
 use crate::seeds::{Stream, derive_seed};
-
-/// The weight of an update `tau` server steps stale: `1 / (1 + tau)^exponent`.
-pub fn staleness_weight(tau: u32, exponent: f64) -> f64 {
-    (1.0 + f64::from(tau)).powf(-exponent)
-}
 
 /// A client's task between its start and its finish.
 struct Task {
@@ -182,8 +180,7 @@ impl Scheduler<'_> {
 
 /// The buffer of staleness-weighted updates since the last server step.
 struct Buffer {
-    /// `sum_i n_i s(tau_i) delta_i`, in f64 so that K small terms lose nothing.
-    weighted: Vec<f64>,
+    fold: BufferFold,
     updates: usize,
     samples: u64,
     loss_sum: f64,
@@ -192,25 +189,21 @@ struct Buffer {
 }
 
 impl Buffer {
-    fn new(len: usize) -> Self {
-        Self {
-            weighted: vec![0.0; len],
+    fn new(
+        global: &ModelVector,
+        reducer: &dyn Reducer,
+        exponent: f64,
+    ) -> Result<Self, SimulationError> {
+        let fold = BufferFold::new(global.layout().clone(), reducer, exponent)
+            .map_err(|e| EngineError::InvalidConfig(format!("FedBuff buffer: {e}")))?;
+        Ok(Self {
+            fold,
             updates: 0,
             samples: 0,
             loss_sum: 0.0,
             loss_samples: 0,
             dropped: 0,
-        }
-    }
-
-    /// Empties the buffer, keeping its allocation.
-    fn clear(&mut self) {
-        let mut weighted = std::mem::take(&mut self.weighted);
-        weighted.fill(0.0);
-        *self = Self {
-            weighted,
-            ..Self::new(0)
-        };
+        })
     }
 }
 
@@ -224,6 +217,9 @@ pub(super) fn run(
     let n = pop.clients();
     let k = cfg.buffer_size();
     let exponent = cfg.staleness_exponent();
+    let reducer = cohort_aggregation::reduce::select(cfg.reducer)
+        .map_err(|e| ConfigError(format!("--reducer {}: {e}", cfg.reducer)))?
+        .reducer;
     let mut optimizer = cfg
         .strategy
         .server_optimizer(cfg.server_lr.map(|lr| lr as f32))
@@ -254,7 +250,7 @@ pub(super) fn run(
     for _ in 0..cfg.concurrency().min(n) {
         sched.start(0.0, &global, version);
     }
-    let mut buffer = Buffer::new(global.len());
+    let mut buffer = Buffer::new(&global, reducer.as_ref(), exponent)?;
     let mut records = Vec::with_capacity(cfg.rounds as usize);
     let (mut total_updates, mut staleness_sum) = (0usize, 0u64);
     let mut training_seconds = 0.0;
@@ -287,39 +283,43 @@ pub(super) fn run(
             Some(Ok(update)) => {
                 let tau = version - task.version;
                 let samples = update.num_samples as u64;
-                let weight = samples as f64 * staleness_weight(tau, exponent);
                 let attacked = malicious.contains(&task.client);
-                for ((b, p), s) in buffer
-                    .weighted
-                    .iter_mut()
-                    .zip(update.params.values())
+                let delta: Vec<f32> = update
+                    .params
+                    .values()
+                    .iter()
                     .zip(task.model.values())
-                {
-                    let delta = if attacked {
-                        cfg.attack.apply(p - s)
-                    } else {
-                        p - s
-                    };
-                    *b += weight * f64::from(delta);
+                    .map(|(p, s)| {
+                        if attacked {
+                            cfg.attack.apply(p - s)
+                        } else {
+                            p - s
+                        }
+                    })
+                    .collect();
+                let delta = ModelVector::new(global.layout().clone(), delta)
+                    .expect("the model's own layout");
+                // An update that is not finite (an attack's overflow) is refused, as the
+                // coordinator refuses its upload, and counts as a dropout.
+                if buffer.fold.fold_deltas(&[(&delta, samples, tau)]).is_err() {
+                    buffer.dropped += 1;
+                } else {
+                    buffer.updates += 1;
+                    buffer.samples += samples;
+                    if update.train_loss.is_finite() {
+                        buffer.loss_sum += update.train_loss * samples as f64;
+                        buffer.loss_samples += samples;
+                    }
+                    staleness_sum += u64::from(tau);
                 }
-                buffer.updates += 1;
-                buffer.samples += samples;
-                if update.train_loss.is_finite() {
-                    buffer.loss_sum += update.train_loss * samples as f64;
-                    buffer.loss_samples += samples;
-                }
-                staleness_sum += u64::from(tau);
             }
         }
         if buffer.updates == k {
-            let mean: Vec<f32> = global
-                .values()
-                .iter()
-                .zip(&buffer.weighted)
-                .map(|(g, w)| g + (w / buffer.samples.max(1) as f64) as f32)
-                .collect();
-            let mean =
-                ModelVector::new(global.layout().clone(), mean).expect("the model's own layout");
+            let fresh = Buffer::new(&global, reducer.as_ref(), exponent)?;
+            let buffer = std::mem::replace(&mut buffer, fresh);
+            let mean = buffer.fold.target(&global).map_err(|e| {
+                EngineError::InvalidConfig(format!("FedBuff server step {}: {e}", version + 1))
+            })?;
             let mut next = (*global).clone();
             optimizer.step(&mut next, &mean).map_err(|e| {
                 EngineError::InvalidConfig(format!("FedBuff server step {}: {e}", version + 1))
@@ -347,7 +347,6 @@ pub(super) fn run(
             };
             on_round(&record)?;
             records.push(record);
-            buffer.clear();
             step_started = Instant::now();
         } else {
             training_seconds += busy.elapsed().as_secs_f64();
@@ -373,14 +372,6 @@ pub(super) fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn staleness_weight_is_one_when_fresh_and_decays_with_the_exponent() {
-        assert_eq!(staleness_weight(0, 0.5), 1.0);
-        assert_eq!(staleness_weight(3, 0.5), 0.5);
-        assert_eq!(staleness_weight(9, 1.0), 0.1);
-        assert_eq!(staleness_weight(100, 0.0), 1.0);
-    }
 
     #[test]
     fn finish_events_pop_earliest_first_and_ties_in_start_order() {

@@ -27,11 +27,11 @@ use cohort_edge::partition::PartitionError;
 use cohort_edge::train::TrainError;
 use serde::Serialize;
 
+pub use cohort_aggregation::fedbuff::staleness_weight;
 pub use config::{
     Attack, ConfigError, DEFAULT_BUFFER_SIZE, DEFAULT_STALENESS_EXPONENT, DatasetSpec, Mode,
     SimulationConfig,
 };
-pub use fedbuff::staleness_weight;
 pub use output::{MetricsWriter, StagedDir};
 pub use plot::{Series, write_plots};
 pub use population::{ClientFailure, ClientTask, Population, TaskResult};

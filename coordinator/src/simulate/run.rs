@@ -21,8 +21,8 @@ use crate::engine::{
     RoundStatus, SecureMean,
 };
 use crate::seeds::{Stream, derive_seed, derive_seed_bytes};
-use crate::server::privacy::BudgetAgainst;
 use cohort_aggregation::secagg::{self, Stage, local};
+use cohort_core::privacy::BudgetAgainst;
 
 /// One row of `metrics.csv`: the state after a round.
 #[derive(Debug, Clone, PartialEq, Serialize)]

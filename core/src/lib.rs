@@ -1,0 +1,27 @@
+//! Cohort's rules, written once.
+//!
+//! The coordinator runs experiments two ways: `cohort serve` over HTTP with every change
+//! in a store transaction, and `cohort simulate` in memory with thousands of virtual
+//! clients. Both obey the rules in this crate, so that a setting means the same thing in
+//! either and a rule changed here changes in both. The crate does no I/O and no async
+//! (no tokio, sqlx or axum); the math beneath it is [`cohort_aggregation`].
+//!
+//! - [`spec`]: what an admin asks for ([`ExperimentSpec`]) and the one function that
+//!   checks it ([`ExperimentSpec::validate`]).
+//! - [`model`]: the model a spec names ([`SpecModel`]).
+//! - [`mode`]: synchronous rounds or FedBuff, and FedBuff's settings.
+//! - [`privacy`]: differential privacy settings ([`PrivacySpec`]).
+//! - [`secure`]: secure aggregation settings ([`SecureAggregationSpec`]) and the round
+//!   configuration sized from them.
+
+pub mod mode;
+pub mod model;
+pub mod privacy;
+pub mod secure;
+pub mod spec;
+
+pub use mode::{ExperimentMode, FedBuffSettings, UnknownMode};
+pub use model::SpecModel;
+pub use privacy::{BudgetAgainst, PrivacySpec};
+pub use secure::SecureAggregationSpec;
+pub use spec::{ExperimentSpec, InvalidSpec, SpecProblem, TrainSettings, default_max_weight};

@@ -1,0 +1,417 @@
+//! What an admin asks for when creating an experiment, and the one function that checks
+//! it: [`ExperimentSpec::validate`] returns every problem, each tied to its field, so the
+//! API answers with the first and the dashboard's form shows all of them next to their
+//! fields. `serve`, `simulate` and the Python SDK check a spec through this function only.
+
+use cohort_aggregation::Strategy;
+use cohort_edge::model::ModelSpec;
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::SpecModel;
+
+/// Local training settings sent to clients with every task.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainSettings {
+    /// Local epochs per round.
+    pub local_epochs: u32,
+    /// Mini-batch size.
+    pub batch_size: usize,
+    /// SGD learning rate.
+    pub lr: f32,
+    /// SGD momentum.
+    pub momentum: f32,
+    /// L2 weight decay.
+    pub weight_decay: f32,
+}
+
+impl Default for TrainSettings {
+    fn default() -> Self {
+        let d = cohort_edge::train::TrainConfig::default();
+        Self {
+            local_epochs: d.local_epochs,
+            batch_size: d.batch_size,
+            lr: d.lr,
+            momentum: d.momentum,
+            weight_decay: d.weight_decay,
+        }
+    }
+}
+
+/// What an admin sends to create an experiment. Unknown fields are refused.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ExperimentSpec {
+    /// Human name.
+    pub name: String,
+    /// Feature columns of the clients' data (built-in models).
+    #[serde(default)]
+    pub features: usize,
+    /// Number of classes (built-in models).
+    #[serde(default)]
+    pub classes: usize,
+    /// `logreg`, `mlp` or `mlp:H1,H2,...` (built in, trained by the edge client), or
+    /// `file`: the tensors of `initial_model`, trained by each client's own trainer
+    /// (`cohort-edge --trainer`), with metrics from the clients' evaluations.
+    #[cfg_attr(feature = "openapi", schema(value_type = String, example = "mlp:64"))]
+    pub model: crate::SpecModel,
+    /// An uploaded model file (`POST /api/v1/admin/models`) to start from: required for
+    /// `file`; for a built-in model, its tensors must be the model's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initial_model: Option<Uuid>,
+    /// The tensors of `initial_model`, filled in by the coordinator when the experiment
+    /// is created (a value sent is replaced).
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Vec<Object>>))]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensors: Option<Vec<cohort_aggregation::TensorSpec>>,
+    /// Free-form settings passed to the clients' trainers with every task (a JSON object,
+    /// at most 16 KiB), e.g. `{"feature_scale": 0.0625}`.
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hyperparameters: Option<serde_json::Map<String, serde_json::Value>>,
+    /// `fedavg`, `fedprox:MU`, `fedadam`, `fedyogi` or `fedadagrad`.
+    #[cfg_attr(feature = "openapi", schema(value_type = String, example = "fedavg"))]
+    #[serde(default = "default_strategy")]
+    pub strategy: Strategy,
+    /// Rounds to run.
+    pub rounds: u32,
+    /// Clients whose updates a round needs.
+    pub clients_per_round: usize,
+    /// Minimum uploads for a round to count (the quorum).
+    pub min_participants: usize,
+    /// Clients selected per round, as a multiple of `clients_per_round` (>= 1), so that
+    /// dropouts still leave enough uploads.
+    #[serde(default = "default_over_selection")]
+    pub over_selection: f64,
+    /// Seconds selected clients have to upload.
+    #[serde(default = "default_collect_seconds")]
+    pub collect_deadline_seconds: u64,
+    /// Times a round without quorum is tried again before the experiment fails.
+    #[serde(default = "default_round_retries")]
+    pub max_round_attempts: u32,
+    /// Local training settings.
+    #[serde(default)]
+    pub train: TrainSettings,
+    /// Seed of the initial model.
+    #[serde(default)]
+    pub seed: u64,
+    /// Secure aggregation (SecAgg+): clients upload only masked updates and the
+    /// coordinator learns only their sum. `{}` takes every default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secure_aggregation: Option<crate::secure::SecureAggregationSpec>,
+    /// Differential privacy: clipping, noise (central on plain rounds, distributed among
+    /// the clients under secure aggregation) and an epsilon budget.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub privacy: Option<crate::privacy::PrivacySpec>,
+    /// A robust rule in place of the weighted mean, for plaintext rounds: `median`,
+    /// `trimmed-mean:BETA`, `krum:F` or `multi-krum:F:M`. Absent: the weighted mean.
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, example = "median"))]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aggregator: Option<cohort_aggregation::robust::RobustRule>,
+    /// Plain rounds: the most one upload weighs in the weighted mean (and in the mean
+    /// training loss). A client reports its own sample count, so without a cap one
+    /// client claiming 10^12 samples would be the whole mean; a count above this counts
+    /// as this, and the audit log records the clamp. Absent: 1000, the default of
+    /// `secure_aggregation.max_weight`, which secure rounds use instead; differentially
+    /// private rounds weigh every client equally and take none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_weight: Option<u32>,
+    /// `sync` (the default): rounds with a selected cohort, a deadline and a quorum.
+    /// `fedbuff`: buffered asynchronous aggregation (see [`crate::mode`]); `rounds` is
+    /// then the number of server steps (model versions) to publish,
+    /// `collect_deadline_seconds` how long a task may take before its slot is freed, and
+    /// `min_participants` and `max_round_attempts` are not used (a step waits for its
+    /// `buffer_size` updates, however long they take).
+    #[serde(default, skip_serializing_if = "crate::mode::ExperimentMode::is_sync")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, example = "sync"))]
+    pub mode: crate::mode::ExperimentMode,
+    /// FedBuff: updates per server step (K), 1 to 10000; default `clients_per_round`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub buffer_size: Option<usize>,
+    /// FedBuff: clients training at once (C); default `clients_per_round *
+    /// over_selection`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<usize>,
+    /// FedBuff: A in the staleness weight `1 / (1 + tau)^A`, 0 to 10; default 0.5.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staleness_exponent: Option<f64>,
+    /// FedBuff: updates more than this many server steps stale are dropped (and counted);
+    /// default none, every update is kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_staleness: Option<u32>,
+}
+
+fn default_strategy() -> Strategy {
+    Strategy::FedAvg
+}
+fn default_over_selection() -> f64 {
+    1.0
+}
+fn default_collect_seconds() -> u64 {
+    120
+}
+fn default_round_retries() -> u32 {
+    3
+}
+
+/// The weight cap of plain rounds when the spec sets none: the secure rounds' default,
+/// so that an experiment weighs its clients alike with or without secure aggregation.
+pub fn default_max_weight() -> u32 {
+    cohort_aggregation::secagg::QuantizationParams::default().max_weight
+}
+
+impl ExperimentSpec {
+    /// The most a plain round's upload weighs: [`max_weight`](Self::max_weight), or
+    /// [`default_max_weight`].
+    pub fn weight_cap(&self) -> i64 {
+        i64::from(self.max_weight.unwrap_or_else(default_max_weight))
+    }
+
+    /// The weight a plain round gives an upload whose client reports `num_samples`.
+    pub fn sample_weight(&self, num_samples: i64) -> i64 {
+        num_samples.min(self.weight_cap())
+    }
+
+    /// Clients selected per round when enough are available:
+    /// `ceil(clients_per_round * over_selection)`.
+    pub fn selected_per_round(&self) -> usize {
+        ((self.clients_per_round as f64 * self.over_selection).ceil() as usize).max(1)
+    }
+
+    /// Checks the spec as a whole: `Err` holds every problem, each tied to the field it
+    /// is about (so that a form can show all of them next to their fields at once); its
+    /// message is the first one's, which names the field.
+    pub fn validate(&self) -> Result<(), InvalidSpec> {
+        let mut problems = Vec::new();
+        let mut bad =
+            |field: &'static str, message: String| problems.push(SpecProblem { field, message });
+        if self.name.trim().is_empty() || self.name.len() > 200 {
+            bad("name", "name must be 1 to 200 characters".into());
+        }
+        let params = match &self.model {
+            SpecModel::BuiltIn(kind) => match ModelSpec::new(kind, self.features, self.classes) {
+                Ok(m) => Some(m.num_params()),
+                Err(e) => {
+                    let field = if self.features == 0 {
+                        "features"
+                    } else if self.classes < 2 {
+                        "classes"
+                    } else {
+                        "model"
+                    };
+                    bad(field, format!("model: {e}"));
+                    None
+                }
+            },
+            SpecModel::File => {
+                if self.initial_model.is_none() {
+                    bad(
+                        "initial_model",
+                        "initial_model is required with model `file`: upload the model's \
+                         safetensors file to /api/v1/admin/models and give its id"
+                            .into(),
+                    );
+                }
+                self.tensors
+                    .as_ref()
+                    .map(|t| t.iter().map(cohort_aggregation::TensorSpec::numel).sum())
+            }
+        };
+        if let Some(h) = &self.hyperparameters {
+            let size = serde_json::to_vec(h).map_or(usize::MAX, |v| v.len());
+            if size > 16 * 1024 {
+                bad(
+                    "hyperparameters",
+                    format!("hyperparameters must be at most 16384 bytes of JSON, got {size}"),
+                );
+            }
+        }
+        if self.rounds == 0 || self.rounds > 100_000 {
+            bad(
+                "rounds",
+                format!("rounds must be between 1 and 100000, got {}", self.rounds),
+            );
+        }
+        if self.clients_per_round == 0 {
+            bad(
+                "clients_per_round",
+                "clients_per_round must be at least 1".into(),
+            );
+        }
+        if self.min_participants == 0 || self.min_participants > self.clients_per_round {
+            bad(
+                "min_participants",
+                format!(
+                    "min_participants must be between 1 and clients_per_round ({}), got {}",
+                    self.clients_per_round, self.min_participants
+                ),
+            );
+        }
+        if !(self.over_selection.is_finite() && (1.0..=10.0).contains(&self.over_selection)) {
+            bad(
+                "over_selection",
+                format!(
+                    "over_selection must be between 1 and 10, got {}",
+                    self.over_selection
+                ),
+            );
+        }
+        if self.collect_deadline_seconds == 0 || self.collect_deadline_seconds > 86_400 {
+            bad(
+                "collect_deadline_seconds",
+                "collect_deadline_seconds must be between 1 and 86400".into(),
+            );
+        }
+        if self.max_round_attempts == 0 {
+            bad(
+                "max_round_attempts",
+                "max_round_attempts must be at least 1".into(),
+            );
+        }
+        match self.strategy.server_optimizer(None) {
+            Err(e) => bad("strategy", format!("strategy: {e}")),
+            // The coordinator does not store the adaptive optimizers' moments yet, and
+            // without them every round would restart Adam from zero.
+            Ok(o) if o.name() != "average" => bad(
+                "strategy",
+                format!(
+                    "strategy: {} is available in `cohort simulate` only for now; use fedavg or fedprox:MU",
+                    self.strategy
+                ),
+            ),
+            Ok(_) => {}
+        }
+        if let Some(secure) = &self.secure_aggregation
+            && let Err(e) = secure.validate(self.selected_per_round(), params.unwrap_or(1))
+        {
+            let field = [
+                "advertise_seconds",
+                "reveal_seconds",
+                "share_seconds",
+                "confirm_seconds",
+                "unmask_seconds",
+                "neighbours",
+                "threshold",
+                "colluding_fraction",
+                "clip",
+                "max_weight",
+            ]
+            .into_iter()
+            .find(|name| e.starts_with(name))
+            .map_or("secure_aggregation", |name| match name {
+                "advertise_seconds" => "secure_aggregation.advertise_seconds",
+                "reveal_seconds" => "secure_aggregation.reveal_seconds",
+                "share_seconds" => "secure_aggregation.share_seconds",
+                "confirm_seconds" => "secure_aggregation.confirm_seconds",
+                "unmask_seconds" => "secure_aggregation.unmask_seconds",
+                "neighbours" => "secure_aggregation.neighbours",
+                "threshold" => "secure_aggregation.threshold",
+                "colluding_fraction" => "secure_aggregation.colluding_fraction",
+                "clip" => "secure_aggregation.clip",
+                _ => "secure_aggregation.max_weight",
+            });
+            bad(field, format!("secure_aggregation: {e}"));
+        }
+        if let Some(privacy) = &self.privacy {
+            for (field, message) in
+                privacy.problems(self.selected_per_round(), self.secure_aggregation.is_some())
+            {
+                bad(field, message);
+            }
+        }
+        match self.max_weight {
+            Some(0) => bad("max_weight", "max_weight must be at least 1".into()),
+            Some(_) if self.secure_aggregation.is_some() => bad(
+                "max_weight",
+                "max_weight caps plain rounds' sample weights; with secure aggregation the \
+                 weight is capped inside the masked vector: set secure_aggregation.max_weight"
+                    .into(),
+            ),
+            Some(_) if self.privacy.is_some() => bad(
+                "max_weight",
+                "max_weight does not apply: a differentially private experiment weighs every \
+                 client equally"
+                    .into(),
+            ),
+            _ => {}
+        }
+        if let Some(rule) = self.aggregator {
+            if self.secure_aggregation.is_some() {
+                bad(
+                    "aggregator",
+                    format!(
+                        "aggregator: {rule} needs to see each client's update, and secure \
+                         aggregation shows the coordinator only their sum; choose one"
+                    ),
+                );
+            } else if self.privacy.is_some() {
+                bad(
+                    "aggregator",
+                    format!(
+                        "aggregator: {rule} with differential privacy is not supported: the \
+                         noise is calibrated to the sensitivity of the clipped mean"
+                    ),
+                );
+            } else if let Err(e) = rule.check(self.min_participants) {
+                bad(
+                    "aggregator",
+                    format!(
+                        "aggregator: {e} (a round may aggregate as few as min_participants = {} \
+                         updates)",
+                        self.min_participants
+                    ),
+                );
+            }
+        }
+        crate::mode::problems(self, &mut bad);
+        let train = cohort_edge::train::TrainConfig {
+            local_epochs: self.train.local_epochs,
+            batch_size: self.train.batch_size,
+            lr: self.train.lr,
+            momentum: self.train.momentum,
+            weight_decay: self.train.weight_decay,
+            proximal_mu: self.strategy.proximal_mu(),
+        };
+        if let Err(e) = train.validate() {
+            let text = e.to_string();
+            let field = [
+                ("local epochs", "train.local_epochs"),
+                ("batch size", "train.batch_size"),
+                ("learning rate", "train.lr"),
+                ("momentum", "train.momentum"),
+                ("weight decay", "train.weight_decay"),
+                ("proximal mu", "strategy"),
+            ]
+            .into_iter()
+            .find(|(words, _)| text.contains(words))
+            .map_or("train", |(_, field)| field);
+            bad(field, format!("train: {e}"));
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(InvalidSpec { problems })
+        }
+    }
+}
+
+/// Why an [`ExperimentSpec`] was refused: every problem found, at least one.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}", .problems[0].message)]
+pub struct InvalidSpec {
+    /// The problems, in the order the fields are checked.
+    pub problems: Vec<SpecProblem>,
+}
+
+/// One thing wrong with an [`ExperimentSpec`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpecProblem {
+    /// The field, as the form names it: `rounds`, `train.lr`,
+    /// `secure_aggregation.threshold`, ...
+    pub field: &'static str,
+    /// What is wrong, naming the field.
+    pub message: String,
+}

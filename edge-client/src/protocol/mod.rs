@@ -1,0 +1,89 @@
+//! The coordinator's REST API as the edge client speaks it: the types a task and its
+//! replies carry (always built, so that crates without an HTTP client, such as the
+//! coordinator's core, share them), and the HTTP client itself ([`CoordinatorClient`],
+//! with the `agent` feature). Bodies match the coordinator's `/api/v1/clients/...`
+//! routes; the cross-crate tests run this client against the real server, so the two
+//! cannot drift.
+
+use cohort_aggregation::secagg::RoundConfig;
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::train::TrainConfig;
+
+#[cfg(feature = "agent")]
+mod client;
+#[cfg(feature = "agent")]
+pub use client::*;
+
+/// A client's credential: its id and secret, kept in the state directory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Credential {
+    /// The client's id.
+    pub client_id: Uuid,
+    /// The client's secret (only its hash is on the server).
+    pub secret: String,
+}
+
+impl Credential {
+    /// The `Authorization: Bearer` value: `id.secret`.
+    pub fn bearer(&self) -> String {
+        format!("{}.{}", self.client_id, self.secret)
+    }
+}
+
+/// A round a coordinator selected this client for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Task {
+    /// The experiment.
+    pub experiment_id: Uuid,
+    /// The round.
+    pub round: i64,
+    /// The round's attempt.
+    pub attempt: i64,
+    /// Upload before this time, Unix ms.
+    pub deadline_ms: Option<i64>,
+    /// Model family and shape, e.g. `mlp:64`.
+    pub model: String,
+    /// Feature columns the model takes.
+    pub features: usize,
+    /// Classes the model predicts.
+    pub classes: usize,
+    /// Local training settings.
+    pub train: TrainConfig,
+    /// For a secure round: the protocol settings and this client's index.
+    #[serde(default)]
+    pub secure_aggregation: Option<SecureTask>,
+    /// Train and upload, or only evaluate the current model and report.
+    #[serde(default)]
+    pub kind: TaskKind,
+    /// For a model defined by a file (`model` is `file`): its tensors.
+    #[serde(default)]
+    pub tensors: Option<Vec<cohort_aggregation::TensorSpec>>,
+    /// The experiment's free-form settings for the trainer.
+    #[serde(default)]
+    pub hyperparameters: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Whether the coordinator takes this client's evaluation of the model it received.
+    #[serde(default)]
+    pub report_metrics: bool,
+}
+
+/// What a task asks for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskKind {
+    /// Train from the current model and upload the update.
+    #[default]
+    Train,
+    /// Evaluate the current model and report metrics; nothing is uploaded.
+    Evaluate,
+}
+
+/// This client's part in a secure round.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SecureTask {
+    /// The client's index in the round (1..n).
+    pub index: u32,
+    /// The round's public protocol settings.
+    pub config: RoundConfig,
+}
