@@ -25,6 +25,7 @@ use crate::store::{
     Experiment, ExperimentState, Job, JobKind, PublishedModel, Round, RoundMetrics, RoundStage,
     StoreError, now_millis,
 };
+use cohort_aggregation::privacy::central::CentralSum;
 use cohort_core::ExperimentSpec;
 
 /// Uploads an aggregation job reads and folds at a time.
@@ -889,46 +890,31 @@ async fn aggregate_central(
             use rand::SeedableRng;
             let bad = |e: &dyn std::fmt::Display| DriverError::Aggregation(e.to_string());
             let global = step.load(&current_path)?;
-            let mut sum = vec![0.0f32; global.len()];
-            let mut within = 0;
+            let mut sum = CentralSum::new(global.len(), clip);
             for upload in &uploads {
                 let bytes = blobs.get_verified(&upload.blob_path, &upload.sha256)?;
                 let update = wire::decode(&layout, &bytes).map_err(|e| bad(&e))?;
-                let mut delta: Vec<f32> = update
+                let delta: Vec<f32> = update
                     .values()
                     .iter()
                     .zip(global.values())
                     .map(|(u, g)| u - g)
                     .collect();
-                let norm = cohort_aggregation::privacy::clip::clip_l2(&mut delta, clip);
-                within += usize::from(norm <= clip);
-                for (s, d) in sum.iter_mut().zip(&delta) {
-                    *s += d;
-                }
+                sum.add(delta).map_err(|e| bad(&e))?;
             }
             let mut seed = [0u8; 32];
             rand::RngExt::fill(&mut rand::rng(), &mut seed);
             let mut noise_rng = rand_chacha::ChaCha20Rng::from_seed(seed);
-            cohort_aggregation::privacy::noise::add_gaussian(
-                &mut sum,
-                update_sigma,
-                clip,
-                &mut noise_rng,
-            )
-            .map_err(|e| bad(&e))?;
-            let next_clip = match adaptive.as_mut() {
-                Some(rule) => Some(f64::from(
-                    rule.update_noised(within, denominator.round() as usize, &mut noise_rng)
-                        .map_err(|e| bad(&e))?,
-                )),
-                None => None,
-            };
-            let mean: Vec<f32> = global
-                .values()
-                .iter()
-                .zip(&sum)
-                .map(|(g, s)| g + (f64::from(*s) / denominator) as f32)
-                .collect();
+            let (mean, next_clip) = sum
+                .finish(
+                    global.values(),
+                    update_sigma,
+                    denominator,
+                    adaptive.as_mut(),
+                    &mut noise_rng,
+                )
+                .map_err(|e| bad(&e))?;
+            let next_clip = next_clip.map(f64::from);
             let (published, tested) = step.finish(global, &step.vector(mean)?)?;
             Ok((published, tested, next_clip))
         },

@@ -21,6 +21,7 @@ use crate::engine::{
     RoundStatus, SecureMean,
 };
 use crate::seeds::{Stream, derive_seed, derive_seed_bytes};
+use cohort_aggregation::privacy::central::CentralSum;
 use cohort_aggregation::secagg::{self, Stage, local};
 use cohort_core::privacy::BudgetAgainst;
 
@@ -784,20 +785,20 @@ fn private_round(
     };
     let task = &plan.task;
     let global = task.global.values();
+    let mut sum = CentralSum::new(global.len(), clip);
     let mut updates: Vec<(Vec<f32>, u64, f64, bool)> = Vec::new();
     train_clients(cfg, pop, task, round_no, reporting, failures, |part| {
         updates.par_extend(part.into_par_iter().map(|(_, u)| {
             let mut delta: Vec<f32> = delta(u.params.values(), global);
-            let norm = cohort_aggregation::privacy::clip::clip_l2(&mut delta, clip);
-            (delta, u.num_samples as u64, u.train_loss, norm <= clip)
+            let within = sum.clip(&mut delta);
+            (delta, u.num_samples as u64, u.train_loss, within)
         }));
         Ok(())
     })?;
-    let mut sum = vec![0.0f32; global.len()];
-    for (delta, ..) in &updates {
-        for (s, d) in sum.iter_mut().zip(delta) {
-            *s += d;
-        }
+    let noise_error = |e: &dyn std::fmt::Display| SimulationError::Noise(e.to_string());
+    for (delta, _, _, within) in &updates {
+        sum.add_clipped(delta, *within)
+            .map_err(|e| noise_error(&e))?;
     }
     let mut noise_rng = rand_chacha::ChaCha20Rng::seed_from_u64(derive_seed(
         cfg.seed,
@@ -805,20 +806,16 @@ fn private_round(
         round_no,
         0,
     ));
-    let noise_error = |e: &dyn std::fmt::Display| SimulationError::Noise(e.to_string());
-    cohort_aggregation::privacy::noise::add_gaussian(&mut sum, update_sigma, clip, &mut noise_rng)
+    // The fixed denominator again: the adaptive rule's fraction is over the expected count.
+    let (mean, _) = sum
+        .finish(
+            global,
+            update_sigma,
+            expected,
+            adaptive_clip.as_mut(),
+            &mut noise_rng,
+        )
         .map_err(|e| noise_error(&e))?;
-    if let Some(rule) = adaptive_clip {
-        let within = updates.iter().filter(|u| u.3).count();
-        // The fixed denominator again: the fraction is over the expected count.
-        rule.update_noised(within, expected.round() as usize, &mut noise_rng)
-            .map_err(|e| noise_error(&e))?;
-    }
-    let mean: Vec<f32> = global
-        .iter()
-        .zip(&sum)
-        .map(|(g, s)| g + (f64::from(*s) / expected) as f32)
-        .collect();
     let samples: u64 = updates.iter().map(|u| u.1).sum();
     Ok(engine.close_round_secure(Some(SecureMean {
         mean: cohort_aggregation::ModelVector::new(task.global.layout().clone(), mean)
