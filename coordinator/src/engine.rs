@@ -13,6 +13,9 @@ use cohort_aggregation::reduce::Reducer;
 use cohort_aggregation::{
     AggregationError, Finite, ModelVector, ServerOptimizer, Strategy, WeightedMean,
 };
+use cohort_core::round::{
+    ParticipationState, ParticipationView, RoundStage, RoundView, UploadRefusal, check_upload,
+};
 use cohort_edge::train::TrainConfig;
 use rand::Rng;
 use rand::seq::index;
@@ -366,20 +369,37 @@ impl RoundEngine {
     ) -> Result<(), EngineError> {
         let open = self.open.as_mut().ok_or(EngineError::NoOpenRound)?;
         let mut in_batch = BTreeSet::new();
+        // The same upload rule `cohort serve` checks in its store; a simulated round is
+        // collecting while it is open and has no deadline (stragglers are cut by the
+        // straggler model instead).
+        let view = RoundView {
+            round: i64::from(open.round),
+            attempt: 1,
+            stage: RoundStage::Collecting,
+            deadline_ms: None,
+            secure: false,
+        };
         for (client, update) in updates {
             let client = *client;
-            if !open.selected.contains(&client) {
-                return Err(EngineError::NotSelected {
+            let part = open.selected.contains(&client).then(|| ParticipationView {
+                state: if open.reported.contains(&client) || in_batch.contains(&client) {
+                    ParticipationState::Uploaded
+                } else {
+                    ParticipationState::Selected
+                },
+                shared_keys: false,
+            });
+            check_upload(&view, part.as_ref(), 0).map_err(|refusal| match refusal {
+                UploadRefusal::NotSelected { .. } => EngineError::NotSelected {
                     client,
                     round: open.round,
-                });
-            }
-            if open.reported.contains(&client) || !in_batch.insert(client) {
-                return Err(EngineError::DuplicateUpdate {
+                },
+                _ => EngineError::DuplicateUpdate {
                     client,
                     round: open.round,
-                });
-            }
+                },
+            })?;
+            in_batch.insert(client);
             if update.num_samples == 0 {
                 return Err(EngineError::NoSamples { client });
             }

@@ -835,7 +835,7 @@ async fn secure_message_for_another_stage_is_409(h: &Harness) {
     h.refused(
         h.masked_upload(c, &round.task, &[0; 12], ""),
         StatusCode::CONFLICT,
-        "conflict",
+        "round_not_collecting",
     )
     .await;
 }
@@ -972,7 +972,7 @@ async fn secure_masked_input_from_a_client_that_did_not_share_is_409(h: &Harness
     h.refused(
         h.masked_upload(c0, &round.task, &[7u32; 12], ""),
         StatusCode::CONFLICT,
-        "conflict",
+        "round_not_collecting",
     )
     .await;
     for (c, session) in round.clients.iter_mut() {
@@ -985,7 +985,7 @@ async fn secure_masked_input_from_a_client_that_did_not_share_is_409(h: &Harness
     h.refused(
         h.masked_upload(&round.outsider, &round.task, &[7u32; 12], ""),
         StatusCode::CONFLICT,
-        "conflict",
+        "not_selected",
     )
     .await;
 }
@@ -1216,7 +1216,7 @@ async fn upload_from_a_client_not_selected_is_409(h: &Harness) {
     h.refused(
         h.upload(Some(&round.outsider), &round.task, floats(&[1.0; 10])),
         StatusCode::CONFLICT,
-        "conflict",
+        "not_selected",
     )
     .await;
 }
@@ -1274,7 +1274,7 @@ async fn upload_after_collection_closed_is_409(h: &Harness) {
     h.refused(
         h.upload(Some(&round.b), &round.task, floats(&[1.0; 10])),
         StatusCode::CONFLICT,
-        "conflict",
+        "round_not_collecting",
     )
     .await;
 }
@@ -1287,7 +1287,7 @@ async fn replayed_upload_is_409(h: &Harness) {
         h.refused(
             h.upload(Some(&round.a), &round.task, floats(&values)),
             StatusCode::CONFLICT,
-            "conflict",
+            "already_uploaded",
         )
         .await;
     }
@@ -1336,7 +1336,7 @@ async fn a_retried_upload_with_its_upload_id_is_recognised_not_counted_again(h: 
     h.refused(
         with_id(&round.a, uuid::Uuid::new_v4(), [9.0; 10]),
         StatusCode::CONFLICT,
-        "conflict",
+        "already_uploaded",
     )
     .await;
     let other = with_id(&round.b, upload_id, [2.0; 10])

@@ -10,6 +10,7 @@ use cohort_coordinator::store::{
     ParticipationState, PublishedModel, RoundMetrics, RoundStage, SecAggMessageKind, SecureNext,
     Store, StoreError, TaskFailure, now_millis,
 };
+use cohort_core::round::UploadRefusal;
 use sqlx::postgres::PgConnectOptions;
 use uuid::Uuid;
 
@@ -233,7 +234,7 @@ async fn enrolment_token_enrols_exactly_once(store: &Store) {
     let again = store.enrol(b"hash-of-token", b"other", now_millis()).await;
     assert!(matches!(
         again,
-        Err(StoreError::Refused("enrolment token already used"))
+        Err(StoreError::TokenRefused("enrolment token already used"))
     ));
     let tokens = store.enrolment_tokens().await.unwrap();
     assert_eq!(tokens.len(), 1);
@@ -257,7 +258,7 @@ async fn concurrent_enrolments_with_one_token_enrol_one_client(store: &Store) {
     for attempt in attempts {
         match attempt.await.unwrap() {
             Ok(_) => enrolled += 1,
-            Err(StoreError::Refused(_)) => {}
+            Err(StoreError::TokenRefused(_)) => {}
             // SQLite may report a busy database under a burst of writers; that, too,
             // must not enrol anyone.
             Err(StoreError::Database(_)) => {}
@@ -272,7 +273,7 @@ async fn refused_enrolments_change_nothing(store: &Store) {
     let now = now_millis();
     assert!(matches!(
         store.enrol(b"never-issued", b"s", now).await,
-        Err(StoreError::Refused("unknown enrolment token"))
+        Err(StoreError::TokenRefused("unknown enrolment token"))
     ));
     let revoked = store
         .create_enrolment_token(b"revoked", "r", None)
@@ -281,7 +282,7 @@ async fn refused_enrolments_change_nothing(store: &Store) {
     store.revoke_enrolment_token(revoked.id).await.unwrap();
     assert!(matches!(
         store.enrol(b"revoked", b"s", now).await,
-        Err(StoreError::Refused("enrolment token revoked"))
+        Err(StoreError::TokenRefused("enrolment token revoked"))
     ));
     assert!(matches!(
         store.revoke_enrolment_token(revoked.id).await,
@@ -293,7 +294,7 @@ async fn refused_enrolments_change_nothing(store: &Store) {
         .unwrap();
     assert!(matches!(
         store.enrol(b"expired", b"s", now).await,
-        Err(StoreError::Refused("enrolment token expired"))
+        Err(StoreError::TokenRefused("enrolment token expired"))
     ));
     assert!(store.clients().await.unwrap().is_empty());
     assert!(
@@ -800,9 +801,17 @@ async fn uploads_outside_collection_are_refused_and_change_nothing(store: &Store
             .record_upload(e.id, 2, 1, &upload(c[1], 5), t0 + 1)
             .await,
     ];
-    for r in &refused[..3] {
-        assert!(matches!(r, Err(StoreError::Conflict(_))), "{r:?}");
-    }
+    let codes: Vec<&str> = refused[..3]
+        .iter()
+        .map(|r| match r {
+            Err(StoreError::Refused(refusal)) => refusal.code(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        codes,
+        ["already_uploaded", "not_selected", "deadline_passed"]
+    );
     assert!(matches!(refused[3], Err(StoreError::NotFound(_))));
     let round = store.round(e.id, 1, 1).await.unwrap();
     assert_eq!(round.reported, 1);
@@ -815,7 +824,7 @@ async fn uploads_outside_collection_are_refused_and_change_nothing(store: &Store
         store
             .record_upload(e.id, 1, 1, &upload(c[1], 5), t0 + 1)
             .await,
-        Err(StoreError::Conflict(_))
+        Err(StoreError::Refused(UploadRefusal::NotCollecting { .. }))
     ));
     assert!(matches!(
         store.close_collection(e.id, 1, 1, 1, 3, t0 + 1_003).await,
@@ -1145,21 +1154,25 @@ async fn secure_round_moves_through_its_stages_and_records_who_dropped_where(sto
             .unwrap();
     }
     // c[3] never advertised, so it cannot add a masked input.
-    assert!(matches!(
-        store
-            .record_upload(
-                e.id,
-                1,
-                1,
-                &NewUpload {
-                    client_id: c[3],
-                    ..masked.clone()
-                },
-                t0 + 7
-            )
-            .await,
-        Err(StoreError::Conflict(_))
-    ));
+    let r = store
+        .record_upload(
+            e.id,
+            1,
+            1,
+            &NewUpload {
+                client_id: c[3],
+                ..masked.clone()
+            },
+            t0 + 7,
+        )
+        .await;
+    assert!(
+        matches!(
+            r,
+            Err(StoreError::Refused(UploadRefusal::Dropped { round: 1 }))
+        ),
+        "{r:?}"
+    );
     next(3, t0 + 8).await;
     // c[4] uploaded but never signs the survivor list.
     for client in [c[0], c[1]] {
@@ -1286,7 +1299,7 @@ async fn secure_messages_out_of_turn_are_refused_and_change_nothing(store: &Stor
         store
             .record_upload(e.id, 1, 1, &upload(c[0], 1), t0 + 3)
             .await,
-        Err(StoreError::Conflict(_))
+        Err(StoreError::Refused(UploadRefusal::NotCollecting { .. }))
     ));
     let messages = store
         .secagg_messages(e.id, 1, 1, SecAggMessageKind::Advertise)

@@ -11,17 +11,23 @@
 //! - [`model`]: the model a spec names ([`SpecModel`]).
 //! - [`mode`]: synchronous rounds or FedBuff, and FedBuff's settings.
 //! - [`privacy`]: differential privacy settings ([`PrivacySpec`]).
+//! - [`round`]: the rules of a synchronous round: its stages, a client's part in it, and
+//!   whether an upload is taken ([`check_upload`]).
 //! - [`secure`]: secure aggregation settings ([`SecureAggregationSpec`]) and the round
 //!   configuration sized from them.
 
 pub mod mode;
 pub mod model;
 pub mod privacy;
+pub mod round;
 pub mod secure;
 pub mod spec;
 
 pub use mode::{ExperimentMode, FedBuffSettings, UnknownMode};
 pub use model::SpecModel;
 pub use privacy::{BudgetAgainst, PrivacySpec};
+pub use round::{
+    ParticipationState, ParticipationView, RoundStage, RoundView, UploadRefusal, check_upload,
+};
 pub use secure::SecureAggregationSpec;
 pub use spec::{ExperimentSpec, InvalidSpec, SpecProblem, TrainSettings, default_max_weight};

@@ -128,7 +128,7 @@ impl From<crate::store::StoreError> for PageError {
         match e {
             StoreError::NotFound(what) => PageError::NotFound(what),
             StoreError::Conflict(why) => PageError::Conflict(why),
-            StoreError::Refused(why) => PageError::Conflict(why.to_string()),
+            StoreError::TokenRefused(why) => PageError::Conflict(why.to_string()),
             other => PageError::internal(other),
         }
     }

@@ -24,7 +24,8 @@ impl From<StoreError> for ApiError {
         match e {
             StoreError::NotFound(what) => ApiError::NotFound(what),
             StoreError::Conflict(message) => ApiError::conflict("conflict", message),
-            StoreError::Refused(why) => ApiError::Unauthorized(why.to_string()),
+            StoreError::Refused(refusal) => ApiError::conflict(refusal.code(), refusal.to_string()),
+            StoreError::TokenRefused(why) => ApiError::Unauthorized(why.to_string()),
             StoreError::Database(e) if database_unreachable(&e) => ApiError::Unavailable {
                 detail: e.to_string(),
                 retry_after_seconds: DATABASE_RETRY_AFTER_SECONDS,

@@ -344,6 +344,21 @@ mod tests {
         }
     }
 
+    /// A client tells "too late" from "not yours" by the error code alone, so every code
+    /// the upload rules can give must be in the document: a new refusal added to the
+    /// core without documenting it fails here.
+    #[test]
+    fn every_upload_refusal_code_is_documented_on_the_upload_route() {
+        let doc = serde_json::to_value(openapi()).unwrap();
+        let path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/update";
+        let conflict = doc["paths"][path]["post"]["responses"]["409"]["description"]
+            .as_str()
+            .unwrap_or_default();
+        for code in cohort_core::UploadRefusal::CODES {
+            assert!(conflict.contains(&format!("`{code}`")), "{code}: {conflict}");
+        }
+    }
+
     #[test]
     fn document_has_the_error_schema_and_the_security_scheme() {
         let doc = serde_json::to_value(openapi()).unwrap();

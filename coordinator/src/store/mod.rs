@@ -57,7 +57,11 @@ pub enum StoreError {
     UnsupportedUrl(String),
     /// A token or credential was refused (unknown, used, revoked or expired).
     #[error("{0}")]
-    Refused(&'static str),
+    TokenRefused(&'static str),
+    /// An upload was refused by the round's rules ([`cohort_core::round::check_upload`]),
+    /// with nothing changed.
+    #[error(transparent)]
+    Refused(#[from] cohort_core::round::UploadRefusal),
     /// The row asked for does not exist.
     #[error("{0} not found")]
     NotFound(String),

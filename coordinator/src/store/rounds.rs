@@ -10,84 +10,18 @@ use super::{
     BeginWrite, Pool, Store, StoreError, audit, experiment_state_for_update, parse_uuid, with_pool,
 };
 
-/// Where a round attempt is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RoundStage {
-    /// Secure aggregation: selected clients advertise their signed public keys and
-    /// graph commitments.
-    Advertising,
-    /// Secure aggregation: clients reveal their graph nonces, from which the neighbour
-    /// graph is drawn.
-    Revealing,
-    /// Secure aggregation: clients send their encrypted key shares.
-    Sharing,
-    /// Selected clients train and upload until the deadline (with secure aggregation:
-    /// masked inputs).
-    Collecting,
-    /// Secure aggregation with the consistency check: survivors sign the survivor list.
-    Confirming,
-    /// Secure aggregation: survivors reveal the shares that unmask the sum.
-    Unmasking,
-    /// Collection closed with a quorum; the aggregation job folds the uploads.
-    Aggregating,
-    /// The new global model is published.
-    Published,
-    /// Too few uploads by the deadline; the round runs again as the next attempt.
-    Failed,
+pub use cohort_core::round::{ParticipationState, RoundStage};
+use cohort_core::round::{ParticipationView, RoundView, UploadRefusal, check_upload};
+
+/// A stored round stage.
+pub(crate) fn parse_stage(text: &str) -> Result<RoundStage, StoreError> {
+    text.parse()
+        .map_err(|e: cohort_core::round::UnknownStage| StoreError::Corrupt(e.to_string()))
 }
 
-impl RoundStage {
-    /// The stored text.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RoundStage::Advertising => "advertising",
-            RoundStage::Revealing => "revealing",
-            RoundStage::Sharing => "sharing",
-            RoundStage::Collecting => "collecting",
-            RoundStage::Confirming => "confirming",
-            RoundStage::Unmasking => "unmasking",
-            RoundStage::Aggregating => "aggregating",
-            RoundStage::Published => "published",
-            RoundStage::Failed => "failed",
-        }
-    }
-
-    /// Where the stage comes in a round: 1 for advertising up to 8 for published, 0 for
-    /// failed. Later stages have higher ranks.
-    pub fn rank(self) -> u8 {
-        match self {
-            RoundStage::Failed => 0,
-            RoundStage::Advertising => 1,
-            RoundStage::Revealing => 2,
-            RoundStage::Sharing => 3,
-            RoundStage::Collecting => 4,
-            RoundStage::Confirming => 5,
-            RoundStage::Unmasking => 6,
-            RoundStage::Aggregating => 7,
-            RoundStage::Published => 8,
-        }
-    }
-
-    /// Whether the round is still running (not published or failed).
-    pub fn in_progress(self) -> bool {
-        !matches!(self, RoundStage::Published | RoundStage::Failed)
-    }
-
-    pub(crate) fn parse(text: &str) -> Result<Self, StoreError> {
-        Ok(match text {
-            "advertising" => RoundStage::Advertising,
-            "revealing" => RoundStage::Revealing,
-            "sharing" => RoundStage::Sharing,
-            "collecting" => RoundStage::Collecting,
-            "confirming" => RoundStage::Confirming,
-            "unmasking" => RoundStage::Unmasking,
-            "aggregating" => RoundStage::Aggregating,
-            "published" => RoundStage::Published,
-            "failed" => RoundStage::Failed,
-            other => return Err(StoreError::Corrupt(format!("round stage `{other}`"))),
-        })
-    }
+/// A stored participation state.
+fn parse_participation(text: &str) -> Result<ParticipationState, StoreError> {
+    text.parse().map_err(StoreError::Corrupt)
 }
 
 /// One attempt at one round.
@@ -200,7 +134,7 @@ impl Round {
             experiment_id: parse_uuid(&r.0)?,
             round: r.1,
             attempt: r.2,
-            stage: RoundStage::parse(&r.3)?,
+            stage: parse_stage(&r.3)?,
             stage_deadline: r.4,
             selected: r.5,
             reported: r.6,
@@ -232,33 +166,6 @@ impl Round {
             self.privacy = Some(privacy);
         }
         Ok(self)
-    }
-}
-
-/// A client's part in a round attempt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ParticipationState {
-    /// Selected; no upload yet.
-    Selected,
-    /// Its upload is durable.
-    Uploaded,
-    /// Missed the deadline.
-    Dropped,
-}
-
-impl ParticipationState {
-    fn parse(text: &str) -> Result<Self, StoreError> {
-        Ok(match text {
-            "selected" => ParticipationState::Selected,
-            "uploaded" => ParticipationState::Uploaded,
-            "dropped" => ParticipationState::Dropped,
-            other => {
-                return Err(StoreError::Corrupt(format!(
-                    "participation state `{other}`"
-                )));
-            }
-        })
     }
 }
 
@@ -692,19 +599,15 @@ impl Store {
             .bind(attempt)
             .fetch_optional(&mut *tx)
             .await?;
-            let secure = match stage {
-                None => return Err(StoreError::NotFound(format!("round {round} attempt {attempt}"))),
-                Some((s, _, _)) if s != "collecting" => {
-                    return Err(StoreError::Conflict(format!(
-                        "round {round} attempt {attempt} is {s}, not collecting uploads"
-                    )));
-                }
-                Some((_, Some(deadline), _)) if now > deadline => {
-                    return Err(StoreError::Conflict(format!(
-                        "round {round} attempt {attempt} stopped collecting at its deadline"
-                    )));
-                }
-                Some((_, _, secagg)) => secagg.is_some(),
+            let Some((stage, deadline_ms, secagg)) = stage else {
+                return Err(StoreError::NotFound(format!("round {round} attempt {attempt}")));
+            };
+            let view = RoundView {
+                round,
+                attempt,
+                stage: parse_stage(&stage)?,
+                deadline_ms,
+                secure: secagg.is_some(),
             };
             let part: Option<(String, Option<String>)> = sqlx::query_as(
                 "SELECT state, secagg_stage FROM participations WHERE experiment_id = $1 AND round = $2 \
@@ -716,30 +619,16 @@ impl Store {
             .bind(&client)
             .fetch_optional(&mut *tx)
             .await?;
-            match part {
-                None => {
-                    return Err(StoreError::Conflict(format!(
-                        "client {client} is not selected for round {round}"
-                    )));
-                }
-                Some((s, _)) if s == "uploaded" => {
-                    return Err(StoreError::Conflict(format!(
-                        "client {client} already uploaded for round {round}"
-                    )));
-                }
-                Some((s, _)) if s != "selected" => {
-                    return Err(StoreError::Conflict(format!(
-                        "client {client} is {s} in round {round}"
-                    )));
-                }
-                Some((_, stage)) if secure && stage.as_deref() != Some("shared") => {
+            let part = match part {
+                None => None,
+                Some((state, secure_stage)) => Some(ParticipationView {
+                    state: parse_participation(&state)?,
                     // Only clients whose key shares went out (U2) may add a masked input.
-                    return Err(StoreError::Conflict(format!(
-                        "client {client} did not share keys in round {round}"
-                    )));
-                }
-                Some(_) => {}
-            }
+                    shared_keys: secure_stage.as_deref() == Some("shared"),
+                }),
+            };
+            check_upload(&view, part.as_ref(), now)?;
+            let secure = view.secure;
             // With secure aggregation the weight and loss travel inside the masked
             // vector; the row keeps neither.
             let (samples, loss) = if secure {
@@ -763,9 +652,7 @@ impl Store {
             .execute(&mut *tx)
             .await?;
             if moved.rows_affected() != 1 {
-                return Err(StoreError::Conflict(format!(
-                    "client {client} already uploaded for round {round}"
-                )));
+                return Err(UploadRefusal::AlreadyUploaded { round }.into());
             }
             sqlx::query(
                 "INSERT INTO uploads (id, experiment_id, round, attempt, client_id, blob_path, \
@@ -1145,7 +1032,7 @@ fn participation_from_row(
 ) -> Result<Participation, StoreError> {
     Ok(Participation {
         client_id: parse_uuid(&c)?,
-        state: ParticipationState::parse(&s)?,
+        state: parse_participation(&s)?,
         selected_at: sel,
         uploaded_at: up,
         num_samples: n,

@@ -189,16 +189,16 @@ impl Store {
                 .fetch_optional(&mut *tx)
                 .await?;
             let Some((token_id, label, expires_at, used_at, revoked_at)) = token else {
-                return Err(StoreError::Refused("unknown enrolment token"));
+                return Err(StoreError::TokenRefused("unknown enrolment token"));
             };
             if revoked_at.is_some() {
-                return Err(StoreError::Refused("enrolment token revoked"));
+                return Err(StoreError::TokenRefused("enrolment token revoked"));
             }
             if used_at.is_some() {
-                return Err(StoreError::Refused("enrolment token already used"));
+                return Err(StoreError::TokenRefused("enrolment token already used"));
             }
             if expires_at.is_some_and(|t| t <= now) {
-                return Err(StoreError::Refused("enrolment token expired"));
+                return Err(StoreError::TokenRefused("enrolment token expired"));
             }
             let spent = sqlx::query(
                 "UPDATE enrolment_tokens SET used_at = $1, used_by = $2 \
@@ -210,7 +210,7 @@ impl Store {
             .execute(&mut *tx)
             .await?;
             if spent.rows_affected() != 1 {
-                return Err(StoreError::Refused("enrolment token already used"));
+                return Err(StoreError::TokenRefused("enrolment token already used"));
             }
             sqlx::query(
                 "INSERT INTO clients (id, secret_hash, label, token_id, enrolled_at) \

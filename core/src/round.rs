@@ -1,0 +1,382 @@
+//! The rules of a synchronous round: where an attempt is ([`RoundStage`]), where a
+//! selected client is ([`ParticipationState`]), and whether an upload is taken
+//! ([`check_upload`]). The store checks them inside its transactions; the simulation's
+//! engine checks them in memory.
+
+use serde::Serialize;
+
+/// Where a round attempt is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum RoundStage {
+    /// Secure aggregation: selected clients advertise their signed public keys and
+    /// graph commitments.
+    Advertising,
+    /// Secure aggregation: clients reveal their graph nonces, from which the neighbour
+    /// graph is drawn.
+    Revealing,
+    /// Secure aggregation: clients send their encrypted key shares.
+    Sharing,
+    /// Selected clients train and upload until the deadline (with secure aggregation:
+    /// masked inputs).
+    Collecting,
+    /// Secure aggregation with the consistency check: survivors sign the survivor list.
+    Confirming,
+    /// Secure aggregation: survivors reveal the shares that unmask the sum.
+    Unmasking,
+    /// Collection closed with a quorum; the aggregation job folds the uploads.
+    Aggregating,
+    /// The new global model is published.
+    Published,
+    /// Too few uploads by the deadline; the round runs again as the next attempt.
+    Failed,
+}
+
+/// A stage name that is none of [`RoundStage`]'s.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown round stage `{0}`")]
+pub struct UnknownStage(pub String);
+
+impl RoundStage {
+    /// The stored text.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RoundStage::Advertising => "advertising",
+            RoundStage::Revealing => "revealing",
+            RoundStage::Sharing => "sharing",
+            RoundStage::Collecting => "collecting",
+            RoundStage::Confirming => "confirming",
+            RoundStage::Unmasking => "unmasking",
+            RoundStage::Aggregating => "aggregating",
+            RoundStage::Published => "published",
+            RoundStage::Failed => "failed",
+        }
+    }
+
+    /// Where the stage comes in a round: 1 for advertising up to 8 for published, 0 for
+    /// failed. Later stages have higher ranks.
+    pub fn rank(self) -> u8 {
+        match self {
+            RoundStage::Failed => 0,
+            RoundStage::Advertising => 1,
+            RoundStage::Revealing => 2,
+            RoundStage::Sharing => 3,
+            RoundStage::Collecting => 4,
+            RoundStage::Confirming => 5,
+            RoundStage::Unmasking => 6,
+            RoundStage::Aggregating => 7,
+            RoundStage::Published => 8,
+        }
+    }
+
+    /// Whether the round is still running (not published or failed).
+    pub fn in_progress(self) -> bool {
+        !matches!(self, RoundStage::Published | RoundStage::Failed)
+    }
+}
+
+impl std::fmt::Display for RoundStage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for RoundStage {
+    type Err = UnknownStage;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        Ok(match text {
+            "advertising" => RoundStage::Advertising,
+            "revealing" => RoundStage::Revealing,
+            "sharing" => RoundStage::Sharing,
+            "collecting" => RoundStage::Collecting,
+            "confirming" => RoundStage::Confirming,
+            "unmasking" => RoundStage::Unmasking,
+            "aggregating" => RoundStage::Aggregating,
+            "published" => RoundStage::Published,
+            "failed" => RoundStage::Failed,
+            other => return Err(UnknownStage(other.to_string())),
+        })
+    }
+}
+
+/// A selected client's part in a round attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum ParticipationState {
+    /// Selected; no upload yet.
+    Selected,
+    /// Its upload is durable.
+    Uploaded,
+    /// Missed the deadline (or a secure round's stage).
+    Dropped,
+}
+
+impl ParticipationState {
+    /// The stored text.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ParticipationState::Selected => "selected",
+            ParticipationState::Uploaded => "uploaded",
+            ParticipationState::Dropped => "dropped",
+        }
+    }
+}
+
+impl std::str::FromStr for ParticipationState {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        Ok(match text {
+            "selected" => ParticipationState::Selected,
+            "uploaded" => ParticipationState::Uploaded,
+            "dropped" => ParticipationState::Dropped,
+            other => return Err(format!("unknown participation state `{other}`")),
+        })
+    }
+}
+
+/// What an upload rule needs to know of a round attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RoundView {
+    /// Round number, from 1.
+    pub round: i64,
+    /// Attempt, from 1.
+    pub attempt: i64,
+    /// Where it is.
+    pub stage: RoundStage,
+    /// When collection closes, Unix ms; none without a deadline (a simulation).
+    pub deadline_ms: Option<i64>,
+    /// Whether it runs secure aggregation (uploads are masked inputs).
+    pub secure: bool,
+}
+
+/// What an upload rule needs to know of the sender's part in the attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParticipationView {
+    /// Where it is.
+    pub state: ParticipationState,
+    /// Secure rounds: whether its encrypted key shares went out (only then may it add a
+    /// masked input).
+    pub shared_keys: bool,
+}
+
+/// Why an upload was refused. Each has its own stable [`code`](Self::code), which the
+/// API sends as its error code, so that a client tells "too late" from "not yours"
+/// without reading the message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UploadRefusal {
+    /// The attempt is in another stage (not yet collecting, or already closed).
+    #[error("round {round} attempt {attempt} is {stage}, not collecting uploads")]
+    NotCollecting {
+        /// Round.
+        round: i64,
+        /// Attempt.
+        attempt: i64,
+        /// Where it is.
+        stage: RoundStage,
+    },
+    /// The attempt's deadline has passed (its driver has not closed it yet).
+    #[error("round {round} attempt {attempt} stopped collecting at its deadline")]
+    DeadlinePassed {
+        /// Round.
+        round: i64,
+        /// Attempt.
+        attempt: i64,
+    },
+    /// The sender was not selected for this attempt.
+    #[error("the client is not selected for round {round}")]
+    NotSelected {
+        /// Round.
+        round: i64,
+    },
+    /// The sender's update for this attempt is already durable.
+    #[error("the client already uploaded for round {round}")]
+    AlreadyUploaded {
+        /// Round.
+        round: i64,
+    },
+    /// The sender was dropped from the attempt (it missed a deadline or a stage).
+    #[error("the client was dropped from round {round}")]
+    Dropped {
+        /// Round.
+        round: i64,
+    },
+    /// Secure rounds: the sender's key shares did not go out, so its masks could never
+    /// be removed.
+    #[error("the client did not share keys in round {round}")]
+    KeysNotShared {
+        /// Round.
+        round: i64,
+    },
+}
+
+impl UploadRefusal {
+    /// Every code an upload refusal can carry, as the API documents them.
+    pub const CODES: [&'static str; 6] = [
+        "round_not_collecting",
+        "deadline_passed",
+        "not_selected",
+        "already_uploaded",
+        "dropped_from_round",
+        "keys_not_shared",
+    ];
+
+    /// The stable code the API sends.
+    pub fn code(&self) -> &'static str {
+        match self {
+            UploadRefusal::NotCollecting { .. } => "round_not_collecting",
+            UploadRefusal::DeadlinePassed { .. } => "deadline_passed",
+            UploadRefusal::NotSelected { .. } => "not_selected",
+            UploadRefusal::AlreadyUploaded { .. } => "already_uploaded",
+            UploadRefusal::Dropped { .. } => "dropped_from_round",
+            UploadRefusal::KeysNotShared { .. } => "keys_not_shared",
+        }
+    }
+}
+
+/// Whether an upload from a client whose part in the attempt is `participation` (none
+/// when it was not selected) is taken at `now` (Unix ms): the attempt must be
+/// collecting and before its deadline, and the client selected, not yet uploaded and,
+/// in a secure round, past sharing its keys. The checks run in this order, so that a
+/// late upload is told it is late whoever sends it.
+pub fn check_upload(
+    round: &RoundView,
+    participation: Option<&ParticipationView>,
+    now: i64,
+) -> Result<(), UploadRefusal> {
+    let (number, attempt) = (round.round, round.attempt);
+    if round.stage != RoundStage::Collecting {
+        return Err(UploadRefusal::NotCollecting {
+            round: number,
+            attempt,
+            stage: round.stage,
+        });
+    }
+    if round.deadline_ms.is_some_and(|deadline| now > deadline) {
+        return Err(UploadRefusal::DeadlinePassed {
+            round: number,
+            attempt,
+        });
+    }
+    match participation {
+        None => Err(UploadRefusal::NotSelected { round: number }),
+        Some(p) => match p.state {
+            ParticipationState::Uploaded => Err(UploadRefusal::AlreadyUploaded { round: number }),
+            ParticipationState::Dropped => Err(UploadRefusal::Dropped { round: number }),
+            ParticipationState::Selected if round.secure && !p.shared_keys => {
+                Err(UploadRefusal::KeysNotShared { round: number })
+            }
+            ParticipationState::Selected => Ok(()),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    const STAGES: [RoundStage; 9] = [
+        RoundStage::Advertising,
+        RoundStage::Revealing,
+        RoundStage::Sharing,
+        RoundStage::Collecting,
+        RoundStage::Confirming,
+        RoundStage::Unmasking,
+        RoundStage::Aggregating,
+        RoundStage::Published,
+        RoundStage::Failed,
+    ];
+
+    #[test]
+    fn stage_names_round_trip_and_ranks_follow_the_round() {
+        for stage in STAGES {
+            assert_eq!(stage.as_str().parse::<RoundStage>(), Ok(stage));
+        }
+        let mut running: Vec<RoundStage> = STAGES.into_iter().filter(|s| s.in_progress()).collect();
+        running.sort_by_key(|s| s.rank());
+        assert_eq!(running.first(), Some(&RoundStage::Advertising));
+        assert_eq!(RoundStage::Failed.rank(), 0);
+        assert!("closed".parse::<RoundStage>().is_err());
+    }
+
+    #[test]
+    fn each_refusal_has_its_own_code_and_every_code_is_listed() {
+        let all = [
+            UploadRefusal::NotCollecting {
+                round: 1,
+                attempt: 1,
+                stage: RoundStage::Sharing,
+            },
+            UploadRefusal::DeadlinePassed {
+                round: 1,
+                attempt: 1,
+            },
+            UploadRefusal::NotSelected { round: 1 },
+            UploadRefusal::AlreadyUploaded { round: 1 },
+            UploadRefusal::Dropped { round: 1 },
+            UploadRefusal::KeysNotShared { round: 1 },
+        ];
+        let codes: Vec<&str> = all.iter().map(UploadRefusal::code).collect();
+        assert_eq!(codes, UploadRefusal::CODES);
+    }
+
+    fn stage() -> impl Strategy<Value = RoundStage> {
+        prop::sample::select(STAGES.to_vec())
+    }
+
+    fn participation() -> impl Strategy<Value = Option<ParticipationView>> {
+        prop::option::of(
+            (
+                prop::sample::select(vec![
+                    ParticipationState::Selected,
+                    ParticipationState::Uploaded,
+                    ParticipationState::Dropped,
+                ]),
+                any::<bool>(),
+            )
+                .prop_map(|(state, shared_keys)| ParticipationView { state, shared_keys }),
+        )
+    }
+
+    proptest! {
+        /// An upload is taken exactly when every condition holds, and a refused one
+        /// names the first that does not.
+        #[test]
+        fn an_upload_is_taken_only_when_every_rule_holds(
+            stage in stage(),
+            deadline in prop::option::of(0i64..100),
+            secure in any::<bool>(),
+            part in participation(),
+            now in 0i64..100,
+        ) {
+            let round = RoundView { round: 3, attempt: 2, stage, deadline_ms: deadline, secure };
+            let verdict = check_upload(&round, part.as_ref(), now);
+            let on_time = deadline.is_none_or(|d| now <= d);
+            let ok = stage == RoundStage::Collecting
+                && on_time
+                && part.is_some_and(|p| p.state == ParticipationState::Selected
+                    && (!secure || p.shared_keys));
+            prop_assert_eq!(verdict.is_ok(), ok);
+            if let Err(refusal) = verdict {
+                let expected = if stage != RoundStage::Collecting {
+                    "round_not_collecting"
+                } else if !on_time {
+                    "deadline_passed"
+                } else {
+                    match part.map(|p| p.state) {
+                        None => "not_selected",
+                        Some(ParticipationState::Uploaded) => "already_uploaded",
+                        Some(ParticipationState::Dropped) => "dropped_from_round",
+                        Some(ParticipationState::Selected) => "keys_not_shared",
+                    }
+                };
+                prop_assert_eq!(refusal.code(), expected);
+            }
+        }
+    }
+}
