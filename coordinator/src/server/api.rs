@@ -355,7 +355,10 @@ mod tests {
             .as_str()
             .unwrap_or_default();
         for code in cohort_core::UploadRefusal::CODES {
-            assert!(conflict.contains(&format!("`{code}`")), "{code}: {conflict}");
+            assert!(
+                conflict.contains(&format!("`{code}`")),
+                "{code}: {conflict}"
+            );
         }
     }
 

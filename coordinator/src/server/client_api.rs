@@ -11,6 +11,8 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
+use cohort_edge::protocol::{CheckInReply, SecureTask, Task, TaskKind};
+
 use super::AppState;
 use super::auth::{generate_secret, hash_secret, parse_bearer, verify_secret};
 use super::error::{ApiError, ErrorBody, Json};
@@ -298,78 +300,6 @@ pub struct CheckIn {
     /// Seconds to wait for a task (long poll), at most 30.
     #[serde(default)]
     pub wait_seconds: u64,
-}
-
-/// What a selected client must do.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
-pub struct Task {
-    /// The experiment.
-    pub experiment_id: Uuid,
-    /// The round.
-    pub round: i64,
-    /// The round's attempt (part of the upload path).
-    pub attempt: i64,
-    /// Upload before this time, Unix ms.
-    pub deadline_ms: Option<i64>,
-    /// Model family and shape, e.g. `mlp:64`.
-    pub model: String,
-    /// Feature columns the model takes.
-    pub features: usize,
-    /// Classes the model predicts.
-    pub classes: usize,
-    /// Local training settings (with the FedProx mu when the strategy has one).
-    #[schema(value_type = Object)]
-    pub train: cohort_edge::train::TrainConfig,
-    /// For a secure round: the protocol settings and the client's index. The client
-    /// then runs the four stages under `.../secagg/` and uploads only a masked vector.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub secure_aggregation: Option<SecureTask>,
-    /// `train` (the default): train and upload. `evaluate`: evaluate the experiment's
-    /// current (final) model and report the metrics to `.../evaluations`; `round` is then
-    /// the model version and `attempt` 0.
-    #[serde(default)]
-    pub kind: TaskKind,
-    /// For a model defined by a file (`model` is `file`): its tensors, in the order of
-    /// the model's wire form.
-    #[schema(value_type = Option<Vec<Object>>)]
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tensors: Option<Vec<cohort_aggregation::TensorSpec>>,
-    /// The experiment's free-form settings for the client's trainer.
-    #[schema(value_type = Option<Object>)]
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub hyperparameters: Option<serde_json::Map<String, serde_json::Value>>,
-    /// Whether the experiment takes the client's evaluation of the model it received
-    /// (`POST .../evaluations`): file models without differential privacy.
-    #[serde(default)]
-    pub report_metrics: bool,
-}
-
-/// What a task asks for.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum TaskKind {
-    /// Train from the current model and upload the update.
-    #[default]
-    Train,
-    /// Evaluate the current model and report metrics; nothing is uploaded.
-    Evaluate,
-}
-
-/// A client's part in a secure round.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
-pub struct SecureTask {
-    /// The client's index in the round (1..n).
-    pub index: u32,
-    /// The round's public protocol settings.
-    #[schema(value_type = Object)]
-    pub config: cohort_aggregation::secagg::RoundConfig,
-}
-
-/// The answer to a check-in.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
-pub struct CheckInReply {
-    /// The task, or none when the client was not selected within the wait.
-    pub task: Option<Task>,
 }
 
 /// A task of experiment `experiment` with `spec`'s model and training settings, and no

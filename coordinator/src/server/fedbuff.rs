@@ -30,7 +30,6 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use super::AppState;
-use super::client_api::Task;
 use super::driver::{self, DriverError, FOLD_BATCH, JOB_ATTEMPTS};
 use super::error::{ApiError, ErrorBody, Json};
 use crate::store::{
@@ -38,6 +37,7 @@ use crate::store::{
     RoundMetrics, RoundStage, StepStats, StoreError, Upload, now_millis,
 };
 use cohort_core::ExperimentSpec;
+use cohort_edge::protocol::Task;
 
 use cohort_aggregation::fedbuff::{BufferFold, BufferedUpdate};
 use cohort_core::mode::{ExperimentMode, FedBuffSettings};

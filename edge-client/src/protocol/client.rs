@@ -11,7 +11,7 @@ use cohort_aggregation::{ModelVector, wire};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use super::{Credential, Task};
+use super::{CheckInReply, Credential, Task};
 
 fn b64(bytes: &[u8]) -> String {
     use base64::Engine;
@@ -36,11 +36,6 @@ struct SharesReply {
 #[derive(Deserialize)]
 struct SurvivorsReply {
     request: Option<UnmaskRequest>,
-}
-
-#[derive(Deserialize)]
-struct CheckInReply {
-    task: Option<Task>,
 }
 
 #[derive(Deserialize)]

@@ -32,14 +32,15 @@ impl Credential {
     }
 }
 
-/// A round a coordinator selected this client for.
+/// What a selected client must do.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Task {
     /// The experiment.
     pub experiment_id: Uuid,
     /// The round.
     pub round: i64,
-    /// The round's attempt.
+    /// The round's attempt (part of the upload path).
     pub attempt: i64,
     /// Upload before this time, Unix ms.
     pub deadline_ms: Option<i64>,
@@ -49,27 +50,36 @@ pub struct Task {
     pub features: usize,
     /// Classes the model predicts.
     pub classes: usize,
-    /// Local training settings.
+    /// Local training settings (with the FedProx mu when the strategy has one).
+    #[cfg_attr(feature = "openapi", schema(value_type = Object))]
     pub train: TrainConfig,
-    /// For a secure round: the protocol settings and this client's index.
-    #[serde(default)]
+    /// For a secure round: the protocol settings and the client's index. The client
+    /// then runs the four stages under `.../secagg/` and uploads only a masked vector.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secure_aggregation: Option<SecureTask>,
-    /// Train and upload, or only evaluate the current model and report.
+    /// `train` (the default): train and upload. `evaluate`: evaluate the experiment's
+    /// current (final) model and report the metrics to `.../evaluations`; `round` is then
+    /// the model version and `attempt` 0.
     #[serde(default)]
     pub kind: TaskKind,
-    /// For a model defined by a file (`model` is `file`): its tensors.
-    #[serde(default)]
+    /// For a model defined by a file (`model` is `file`): its tensors, in the order of
+    /// the model's wire form.
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Vec<Object>>))]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tensors: Option<Vec<cohort_aggregation::TensorSpec>>,
-    /// The experiment's free-form settings for the trainer.
-    #[serde(default)]
+    /// The experiment's free-form settings for the client's trainer.
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hyperparameters: Option<serde_json::Map<String, serde_json::Value>>,
-    /// Whether the coordinator takes this client's evaluation of the model it received.
+    /// Whether the experiment takes the client's evaluation of the model it received
+    /// (`POST .../evaluations`): file models without differential privacy.
     #[serde(default)]
     pub report_metrics: bool,
 }
 
 /// What a task asks for.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum TaskKind {
     /// Train from the current model and upload the update.
@@ -79,11 +89,21 @@ pub enum TaskKind {
     Evaluate,
 }
 
-/// This client's part in a secure round.
+/// A client's part in a secure round.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SecureTask {
     /// The client's index in the round (1..n).
     pub index: u32,
     /// The round's public protocol settings.
+    #[cfg_attr(feature = "openapi", schema(value_type = Object))]
     pub config: RoundConfig,
+}
+
+/// The answer to a check-in.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct CheckInReply {
+    /// The task, or none when the client was not selected within the wait.
+    pub task: Option<Task>,
 }
