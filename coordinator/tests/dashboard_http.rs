@@ -1384,3 +1384,125 @@ fn askama_unescape(html: &str) -> String {
         .replace("&#38;", "&")
         .replace("&amp;", "&")
 }
+
+/// Issue 22: an aggregation job that fails every attempt (here: the upload's blob is
+/// gone) left its round `aggregating` for ever, and the experiment with it. Now the
+/// driver fails the round with the job's last error, the round runs again as its next
+/// attempt, and the experiment's page shows why the first one failed.
+#[tokio::test]
+async fn a_round_whose_aggregation_fails_every_attempt_fails_and_runs_again() {
+    let server = start().await;
+    let created = server
+        .api(
+            Method::POST,
+            "/experiments",
+            Some(
+                serde_json::json!({"name": "lost blob", "features": 4, "classes": 2,
+                "model": "logreg", "rounds": 1, "clients_per_round": 1,
+                "min_participants": 1, "collect_deadline_seconds": 60,
+                "max_round_attempts": 3}),
+            ),
+        )
+        .await;
+    let id = created["id"].as_str().unwrap().to_string();
+    let experiment: uuid::Uuid = id.parse().unwrap();
+    let hash = b"lost-blob-token".to_vec();
+    server
+        .store
+        .create_enrolment_token(&hash, "site", None)
+        .await
+        .unwrap();
+    let now = cohort_coordinator::store::now_millis();
+    let client = server.store.enrol(&hash, b"secret", now).await.unwrap().id;
+    server.store.touch_client(client, now).await.unwrap();
+    server
+        .api(Method::POST, &format!("/experiments/{id}/start"), None)
+        .await;
+    let started = std::time::Instant::now();
+    let wait = |what: &str| {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "timed out waiting for {what}"
+        )
+    };
+    while server
+        .store
+        .latest_round(experiment)
+        .await
+        .unwrap()
+        .is_none()
+    {
+        wait("round 1");
+        server
+            .store
+            .touch_client(client, cohort_coordinator::store::now_millis())
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // An upload whose blob was never written: every attempt of its aggregation job fails.
+    server
+        .store
+        .record_upload(
+            experiment,
+            1,
+            1,
+            &cohort_coordinator::store::NewUpload {
+                client_id: client,
+                blob_path: "uploads/never-written",
+                bytes: 16,
+                sha256: &[7; 32],
+                num_samples: 10,
+                claimed_samples: None,
+                train_loss: Some(0.5),
+                client_upload_id: None,
+            },
+            cohort_coordinator::store::now_millis(),
+        )
+        .await
+        .unwrap();
+    let failed = loop {
+        wait("round 1 attempt 1 to fail");
+        let rounds = server.store.rounds(experiment).await.unwrap();
+        if let Some(first) = rounds.iter().find(|r| r.round == 1 && r.attempt == 1)
+            && first.stage == cohort_coordinator::store::RoundStage::Failed
+        {
+            break first.clone();
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let reason = failed.failure.clone().unwrap_or_default();
+    assert!(
+        reason.starts_with("aggregation failed 5 times: "),
+        "{reason}"
+    );
+    // The round runs again as its next attempt (the client is still available).
+    loop {
+        wait("round 1 attempt 2");
+        server
+            .store
+            .touch_client(client, cohort_coordinator::store::now_millis())
+            .await
+            .unwrap();
+        if server
+            .store
+            .round(experiment, 1, 2)
+            .await
+            .is_ok_and(|r| r.stage == cohort_coordinator::store::RoundStage::Collecting)
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let session = server.sign_in().await;
+    let html = askama_unescape(
+        &server
+            .get(&format!("/experiments/{id}"), Some(&session))
+            .await
+            .text()
+            .await
+            .unwrap(),
+    );
+    assert!(html.contains("aggregation failed 5 times"), "{html}");
+    server.shut_down().await;
+}

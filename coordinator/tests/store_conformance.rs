@@ -117,6 +117,7 @@ conformance!(
     uploads_outside_collection_are_refused_and_change_nothing,
     a_round_opens_only_while_running_and_idle,
     closing_into_aggregation_queues_exactly_one_job,
+    a_round_whose_aggregation_job_fails_every_attempt_fails_and_runs_again,
     concurrent_closes_close_once_and_queue_one_job,
     uploads_racing_the_close_are_either_refused_or_counted,
     secure_round_moves_through_its_stages_and_records_who_dropped_where,
@@ -2027,4 +2028,74 @@ async fn counts_for_metrics_cover_every_table(store: &Store) {
     assert_eq!(counts.rounds, vec![("aggregating".to_string(), 1)]);
     assert_eq!(counts.jobs.len(), 1, "{:?}", counts.jobs);
     assert_eq!(counts.jobs[0].1, "queued");
+}
+
+/// Issue 22: a round whose aggregation job failed every attempt stayed `aggregating` for
+/// ever and held its experiment. Now it fails, with the job's last error as its reason,
+/// once its job is out of attempts and not before, and the next attempt can open.
+async fn a_round_whose_aggregation_job_fails_every_attempt_fails_and_runs_again(store: &Store) {
+    let (e, c) = running_with_clients(store, 2).await;
+    let t0 = now_millis();
+    store
+        .open_round(e.id, 1, 1, &c, t0 + 1_000, t0)
+        .await
+        .unwrap();
+    store
+        .record_upload(e.id, 1, 1, &upload(c[0], 5), t0)
+        .await
+        .unwrap();
+    store
+        .close_collection(e.id, 1, 1, 1, 2, t0 + 1)
+        .await
+        .unwrap();
+    // Nothing to do while the job has attempts left: queued, then failed once.
+    assert!(
+        !store
+            .fail_round_if_aggregation_failed(e.id, 1, 1, t0 + 2)
+            .await
+            .unwrap()
+    );
+    for attempt in 0..2 {
+        let job = store
+            .claim_job("w", t0 + 10 + attempt * 2_000, 1_000)
+            .await
+            .unwrap()
+            .expect("the job is claimable again after its retry delay");
+        store
+            .fail_job(
+                job.id,
+                "w",
+                "blob missing",
+                t0 + 11 + attempt * 2_000,
+                1_000,
+            )
+            .await
+            .unwrap();
+        let failed = store
+            .fail_round_if_aggregation_failed(e.id, 1, 1, t0 + 12 + attempt * 2_000)
+            .await
+            .unwrap();
+        assert_eq!(failed, attempt == 1, "after failed attempt {}", attempt + 1);
+    }
+    let round = store.round(e.id, 1, 1).await.unwrap();
+    assert_eq!(round.stage, RoundStage::Failed);
+    assert_eq!(
+        round.failure.as_deref(),
+        Some("aggregation failed 2 times: blob missing")
+    );
+    // Once only, and the round runs again as its next attempt.
+    assert!(
+        !store
+            .fail_round_if_aggregation_failed(e.id, 1, 1, t0 + 5_000)
+            .await
+            .unwrap()
+    );
+    store
+        .open_round(e.id, 1, 2, &c, t0 + 9_000, t0 + 5_001)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.round(e.id, 1, 2).await.unwrap().stage,
+        RoundStage::Collecting
+    );
 }

@@ -312,7 +312,12 @@ async fn step_experiment(state: &AppState, exp: &Experiment) -> Result<(), Drive
                 close(state, exp, &spec, &round, now).await?;
             }
         }
-        RoundStage::Aggregating => {}
+        RoundStage::Aggregating => {
+            // A job that failed every attempt fails its round; the next tick retries it.
+            store
+                .fail_round_if_aggregation_failed(exp.id, round.round, round.attempt, now)
+                .await?;
+        }
         RoundStage::Published => {
             if round.round >= i64::from(spec.rounds) {
                 set_state(state, exp.id, ExperimentState::Finished).await?;

@@ -776,6 +776,62 @@ impl Store {
         self.round(experiment_id, round, attempt).await
     }
 
+    /// Fails round `round` attempt `attempt` when it is still aggregating and its latest
+    /// aggregation job has failed for good (every attempt used): a round whose uploads
+    /// cannot be folded must not hold its experiment for ever. The driver then runs the
+    /// round again as its next attempt, as after a missed quorum. One transaction checks
+    /// both, so a replica that raced another fails the round once; returns whether this
+    /// call failed it.
+    pub async fn fail_round_if_aggregation_failed(
+        &self,
+        experiment_id: Uuid,
+        round: i64,
+        attempt: i64,
+        now: i64,
+    ) -> Result<bool, StoreError> {
+        let exp = experiment_id.to_string();
+        with_pool!(self, p => {
+            let mut tx = p.begin_write().await?;
+            let job: Option<(String, Option<String>, i64)> = sqlx::query_as(
+                "SELECT state, last_error, attempts FROM jobs WHERE experiment_id = $1 \
+                 AND round = $2 AND kind = $3 ORDER BY id DESC LIMIT 1",
+            )
+            .bind(&exp)
+            .bind(round)
+            .bind(super::JobKind::Aggregate.as_str())
+            .fetch_optional(&mut *tx)
+            .await?;
+            let Some((state, last_error, attempts)) = job else {
+                return Ok(false);
+            };
+            if state != "failed" {
+                return Ok(false);
+            }
+            let reason = format!(
+                "aggregation failed {attempts} times: {}",
+                last_error.as_deref().unwrap_or("no error recorded")
+            );
+            let moved = sqlx::query(
+                "UPDATE rounds SET stage = 'failed', failure = $1, finished_at = $2 \
+                 WHERE experiment_id = $3 AND round = $4 AND attempt = $5 AND stage = 'aggregating'",
+            )
+            .bind(&reason)
+            .bind(now)
+            .bind(&exp)
+            .bind(round)
+            .bind(attempt)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if moved == 0 {
+                return Ok(false);
+            }
+            audit!(tx, now, "coordinator", "round.fail", exp.as_str(), format!("round {round} attempt {attempt}: {reason}"));
+            tx.commit().await?;
+            Ok(true)
+        })
+    }
+
     /// The upload `client` sent to `experiment_id` under its own id `client_upload_id`,
     /// if one was stored: how a retried upload is recognised.
     pub async fn upload_by_client_id(
