@@ -1506,3 +1506,102 @@ async fn a_round_whose_aggregation_fails_every_attempt_fails_and_runs_again() {
     assert!(html.contains("aggregation failed 5 times"), "{html}");
     server.shut_down().await;
 }
+
+/// Issue 22: a revoked client stayed selected, so its round waited for it until the
+/// deadline (here a minute). Now the revocation takes it out: the round closes on the
+/// other client's upload alone, long before its deadline.
+#[tokio::test]
+async fn a_round_goes_on_without_a_client_revoked_in_it() {
+    let server = start().await;
+    let created = server
+        .api(
+            Method::POST,
+            "/experiments",
+            Some(
+                serde_json::json!({"name": "revoked", "features": 4, "classes": 2,
+                "model": "logreg", "rounds": 1, "clients_per_round": 2,
+                "min_participants": 1, "collect_deadline_seconds": 60}),
+            ),
+        )
+        .await;
+    let id = created["id"].as_str().unwrap().to_string();
+    let experiment: uuid::Uuid = id.parse().unwrap();
+    let now = cohort_coordinator::store::now_millis();
+    let mut clients = Vec::new();
+    for i in 0..2 {
+        let hash = format!("revoked-token-{i}").into_bytes();
+        server
+            .store
+            .create_enrolment_token(&hash, "site", None)
+            .await
+            .unwrap();
+        let c = server.store.enrol(&hash, b"secret", now).await.unwrap().id;
+        server.store.touch_client(c, now).await.unwrap();
+        clients.push(c);
+    }
+    server
+        .api(Method::POST, &format!("/experiments/{id}/start"), None)
+        .await;
+    let started = std::time::Instant::now();
+    while server
+        .store
+        .latest_round(experiment)
+        .await
+        .unwrap()
+        .is_none()
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "no round opened"
+        );
+        for c in &clients {
+            server
+                .store
+                .touch_client(*c, cohort_coordinator::store::now_millis())
+                .await
+                .unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    server
+        .store
+        .record_upload(
+            experiment,
+            1,
+            1,
+            &cohort_coordinator::store::NewUpload {
+                client_id: clients[0],
+                blob_path: "uploads/not-needed",
+                bytes: 16,
+                sha256: &[7; 32],
+                num_samples: 10,
+                claimed_samples: None,
+                train_loss: Some(0.5),
+                client_upload_id: None,
+            },
+            cohort_coordinator::store::now_millis(),
+        )
+        .await
+        .unwrap();
+    let revoked = std::time::Instant::now();
+    server
+        .api(
+            Method::POST,
+            &format!("/clients/{}/revoke", clients[1]),
+            None,
+        )
+        .await;
+    loop {
+        let round = server.store.round(experiment, 1, 1).await.unwrap();
+        if round.stage != cohort_coordinator::store::RoundStage::Collecting {
+            assert_eq!((round.reported, round.dropped), (1, 1), "{round:?}");
+            break;
+        }
+        assert!(
+            revoked.elapsed() < Duration::from_secs(20),
+            "the round still waits for the revoked client: {round:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    server.shut_down().await;
+}

@@ -118,6 +118,7 @@ conformance!(
     a_round_opens_only_while_running_and_idle,
     closing_into_aggregation_queues_exactly_one_job,
     a_round_whose_aggregation_job_fails_every_attempt_fails_and_runs_again,
+    a_revoked_client_is_taken_out_of_its_open_round,
     concurrent_closes_close_once_and_queue_one_job,
     uploads_racing_the_close_are_either_refused_or_counted,
     secure_round_moves_through_its_stages_and_records_who_dropped_where,
@@ -2097,5 +2098,48 @@ async fn a_round_whose_aggregation_job_fails_every_attempt_fails_and_runs_again(
     assert_eq!(
         store.round(e.id, 1, 2).await.unwrap().stage,
         RoundStage::Collecting
+    );
+}
+
+/// Issue 22: revoking a client left it selected in the round it was in, so the round
+/// waited for it until the deadline. Now the revocation drops it from its open plain
+/// rounds in the same transaction (counted as dropped, stage `revoked`), its upload
+/// there is refused, and the close counts it once.
+async fn a_revoked_client_is_taken_out_of_its_open_round(store: &Store) {
+    let (e, c) = running_with_clients(store, 3).await;
+    let t0 = now_millis();
+    store
+        .open_round(e.id, 1, 1, &c[..2], t0 + 60_000, t0)
+        .await
+        .unwrap();
+    store.revoke_client(c[1]).await.unwrap();
+    let round = store.round(e.id, 1, 1).await.unwrap();
+    assert_eq!((round.selected, round.reported, round.dropped), (2, 0, 1));
+    let parts = store.participations(e.id, 1, 1).await.unwrap();
+    let revoked = parts.iter().find(|p| p.client_id == c[1]).unwrap();
+    assert_eq!(revoked.state, ParticipationState::Dropped);
+    assert_eq!(revoked.dropped_stage.as_deref(), Some("revoked"));
+    let r = store
+        .record_upload(e.id, 1, 1, &upload(c[1], 5), t0 + 1)
+        .await;
+    assert!(
+        matches!(
+            r,
+            Err(StoreError::Refused(UploadRefusal::Dropped { round: 1 }))
+        ),
+        "{r:?}"
+    );
+    // The other client goes on; at the close the revoked one is not counted twice.
+    store
+        .record_upload(e.id, 1, 1, &upload(c[0], 5), t0 + 2)
+        .await
+        .unwrap();
+    let closed = store
+        .close_collection(e.id, 1, 1, 1, 3, t0 + 3)
+        .await
+        .unwrap();
+    assert_eq!(
+        (closed.stage, closed.reported, closed.dropped),
+        (RoundStage::Aggregating, 1, 1)
     );
 }

@@ -301,14 +301,15 @@ async fn step_experiment(state: &AppState, exp: &Experiment) -> Result<(), Drive
             let due = round.stage_deadline.is_some_and(|d| now > d);
             // A client whose trainer failed will not upload: waiting for it until the
             // deadline would only slow the round down.
-            let failed = if round.reported < round.selected && !due {
+            // Nor for a client revoked since the round opened (counted as dropped).
+            let failed = if round.reported + round.dropped < round.selected && !due {
                 store
                     .task_failure_count(exp.id, round.round, round.attempt)
                     .await?
             } else {
                 0
             };
-            if round.reported + failed >= round.selected || due {
+            if round.reported + round.dropped + failed >= round.selected || due {
                 close(state, exp, &spec, &round, now).await?;
             }
         }

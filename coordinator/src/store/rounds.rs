@@ -748,7 +748,7 @@ impl Store {
             .rows_affected() as i64;
             let next = if reported >= quorum { "aggregating" } else { "failed" };
             sqlx::query(
-                "UPDATE rounds SET stage = $1, dropped = $2, \
+                "UPDATE rounds SET stage = $1, dropped = dropped + $2, \
                  finished_at = CASE WHEN $1 = 'failed' THEN $3 ELSE NULL END \
                  WHERE experiment_id = $4 AND round = $5 AND attempt = $6",
             )

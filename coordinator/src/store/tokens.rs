@@ -300,7 +300,38 @@ impl Store {
                     Some(_) => StoreError::Conflict(format!("client {id} is already revoked")),
                 });
             }
-            audit!(tx, now, super::admin_actor(), "client.revoke", id.to_string(), "");
+            // Out of the plain rounds it is in: the round stops waiting for an upload
+            // that can no longer come (its credential is refused from now on), and a
+            // FedBuff task frees its slot. A secure round drops it at its next stage
+            // deadline, as the protocol drops any client that goes silent.
+            let rounds: Vec<(String, i64, i64)> = sqlx::query_as(
+                "UPDATE participations SET state = 'dropped', dropped_stage = 'revoked' \
+                 WHERE client_id = $1 \
+                 AND state = 'selected' AND EXISTS (SELECT 1 FROM rounds r \
+                   WHERE r.experiment_id = participations.experiment_id \
+                   AND r.round = participations.round AND r.attempt = participations.attempt \
+                   AND r.stage = 'collecting' AND r.secagg IS NULL) \
+                 RETURNING experiment_id, round, attempt",
+            )
+            .bind(id.to_string())
+            .fetch_all(&mut *tx)
+            .await?;
+            for (experiment, round, attempt) in &rounds {
+                sqlx::query(
+                    "UPDATE rounds SET dropped = dropped + 1 \
+                     WHERE experiment_id = $1 AND round = $2 AND attempt = $3",
+                )
+                .bind(experiment)
+                .bind(round)
+                .bind(attempt)
+                .execute(&mut *tx)
+                .await?;
+            }
+            let detail = match rounds.len() {
+                0 => String::new(),
+                n => format!("dropped from {n} open round(s)"),
+            };
+            audit!(tx, now, super::admin_actor(), "client.revoke", id.to_string(), detail);
             tx.commit().await?;
         });
         Ok(())
