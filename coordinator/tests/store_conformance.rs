@@ -119,6 +119,7 @@ conformance!(
     closing_into_aggregation_queues_exactly_one_job,
     a_round_whose_aggregation_job_fails_every_attempt_fails_and_runs_again,
     a_revoked_client_is_taken_out_of_its_open_round,
+    revoking_a_client_frees_its_fedbuff_slot,
     concurrent_closes_close_once_and_queue_one_job,
     uploads_racing_the_close_are_either_refused_or_counted,
     secure_round_moves_through_its_stages_and_records_who_dropped_where,
@@ -2142,4 +2143,36 @@ async fn a_revoked_client_is_taken_out_of_its_open_round(store: &Store) {
         (closed.stage, closed.reported, closed.dropped),
         (RoundStage::Aggregating, 1, 1)
     );
+}
+
+/// Issue 22: a revoked client's FedBuff task held its slot until it expired. Now the
+/// revocation frees it at once: with concurrency 1, the next client gets a task.
+async fn revoking_a_client_frees_its_fedbuff_slot(store: &Store) {
+    let (e, c) = fedbuff_with_clients(store, 2).await;
+    let t0 = now_millis();
+    store
+        .fedbuff_task(e.id, c[0], 1, TASK_MS, true, t0)
+        .await
+        .unwrap()
+        .expect("a free slot");
+    assert_eq!(
+        store
+            .fedbuff_task(e.id, c[1], 1, TASK_MS, true, t0 + 1)
+            .await
+            .unwrap(),
+        None,
+        "one slot, held"
+    );
+    store.revoke_client(c[0]).await.unwrap();
+    assert!(
+        store
+            .fedbuff_task(e.id, c[1], 1, TASK_MS, true, t0 + 2)
+            .await
+            .unwrap()
+            .is_some(),
+        "the revoked client's slot is free"
+    );
+    let parts = store.participations(e.id, 1, 1).await.unwrap();
+    let revoked = parts.iter().find(|p| p.client_id == c[0]).unwrap();
+    assert_eq!(revoked.dropped_stage.as_deref(), Some("revoked"));
 }

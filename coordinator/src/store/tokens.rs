@@ -301,16 +301,17 @@ impl Store {
                 });
             }
             // Out of the plain rounds it is in: the round stops waiting for an upload
-            // that can no longer come (its credential is refused from now on), and a
-            // FedBuff task frees its slot. A secure round drops it at its next stage
-            // deadline, as the protocol drops any client that goes silent.
+            // that can no longer come (its credential is refused from now on). A FedBuff
+            // task (a participation with a base version) frees its slot whatever its
+            // buffer's stage. A secure round drops it at its next stage deadline, as the
+            // protocol drops any client that goes silent.
             let rounds: Vec<(String, i64, i64)> = sqlx::query_as(
                 "UPDATE participations SET state = 'dropped', dropped_stage = 'revoked' \
                  WHERE client_id = $1 \
-                 AND state = 'selected' AND EXISTS (SELECT 1 FROM rounds r \
-                   WHERE r.experiment_id = participations.experiment_id \
+                 AND state = 'selected' AND (base_version IS NOT NULL OR EXISTS ( \
+                   SELECT 1 FROM rounds r WHERE r.experiment_id = participations.experiment_id \
                    AND r.round = participations.round AND r.attempt = participations.attempt \
-                   AND r.stage = 'collecting' AND r.secagg IS NULL) \
+                   AND r.stage = 'collecting' AND r.secagg IS NULL)) \
                  RETURNING experiment_id, round, attempt",
             )
             .bind(id.to_string())
