@@ -19,6 +19,10 @@ pub mod multipart;
 pub mod pages;
 pub mod session;
 
+/// Where the model files page is, and where its upload form posts to (a path the
+/// session guard gives the larger body limit of a file upload).
+pub const UPLOAD_PATH: &str = "/models";
+
 use askama::Template;
 use axum::Router;
 use axum::http::{HeaderValue, StatusCode, header};
@@ -229,10 +233,7 @@ pub fn router(state: AppState) -> Router<AppState> {
             get(pages::model_safetensors),
         )
         .route("/clients", get(pages::clients))
-        .route(
-            pages::UPLOAD_PATH,
-            get(pages::models).post(pages::upload_model),
-        )
+        .route(UPLOAD_PATH, get(pages::models).post(pages::upload_model))
         .route("/clients/{id}/revoke", post(pages::revoke_client))
         .route("/tokens", post(pages::create_token))
         .route("/tokens/{id}/revoke", post(pages::revoke_token))

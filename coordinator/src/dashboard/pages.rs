@@ -224,8 +224,7 @@ pub async fn create(
     Ok(response)
 }
 
-/// Where the model files page is, and where its upload form posts to.
-pub const UPLOAD_PATH: &str = "/models";
+use super::UPLOAD_PATH;
 
 /// A row of the model files table.
 #[derive(Debug, Clone)]

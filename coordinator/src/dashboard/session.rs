@@ -263,7 +263,7 @@ pub async fn require_session(
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .and_then(super::multipart::boundary)
-            .filter(|_| request.uri().path() == super::pages::UPLOAD_PATH);
+            .filter(|_| request.uri().path() == super::UPLOAD_PATH);
         let limit = if boundary.is_some() {
             state.settings.max_body_bytes
         } else {

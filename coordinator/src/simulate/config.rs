@@ -35,10 +35,7 @@ pub enum DatasetSpec {
     Csv(PathBuf),
 }
 
-/// Why a setting cannot be used. Messages name the setting and the value.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("{0}")]
-pub struct ConfigError(pub String);
+pub use super::ConfigError;
 
 impl FromStr for DatasetSpec {
     type Err = ConfigError;

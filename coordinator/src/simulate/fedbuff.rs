@@ -39,8 +39,8 @@ use rand_chacha::ChaCha8Rng;
 
 use super::SimulationError;
 use super::config::{ConfigError, SimulationConfig};
-use super::population::{ClientFailure, ClientTask, Population, TaskResult};
-use super::run::{RoundRecord, SimulationResult, malicious_clients};
+use super::population::{ClientFailure, ClientTask, Population, TaskResult, malicious_clients};
+use super::record::{RoundRecord, SimulationResult};
 use super::straggler::Stragglers;
 use crate::engine::{ClientId, EngineError, RoundStatus};
 use crate::seeds::{Stream, derive_seed};

@@ -13,9 +13,15 @@ mod output;
 pub mod plot;
 mod population;
 pub mod python;
+mod record;
 mod run;
 mod shared_memory;
 mod straggler;
+
+/// Why a setting cannot be used. Messages name the setting and the value.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
 
 use std::path::{Path, PathBuf};
 
@@ -29,13 +35,13 @@ use serde::Serialize;
 
 pub use cohort_aggregation::fedbuff::staleness_weight;
 pub use config::{
-    Attack, ConfigError, DEFAULT_BUFFER_SIZE, DEFAULT_STALENESS_EXPONENT, DatasetSpec, Mode,
-    SimulationConfig,
+    Attack, DEFAULT_BUFFER_SIZE, DEFAULT_STALENESS_EXPONENT, DatasetSpec, Mode, SimulationConfig,
 };
 pub use output::{MetricsWriter, StagedDir};
 pub use plot::{Series, write_plots};
-pub use population::{ClientFailure, ClientTask, Population, TaskResult};
-pub use run::{DataFacts, Prepared, RoundRecord, SimulationResult, prepare, run_rounds};
+pub use population::{ClientFailure, ClientTask, DataFacts, Population, TaskResult};
+pub use record::{RoundRecord, SimulationResult};
+pub use run::{Prepared, prepare, run_rounds};
 pub use straggler::{SECONDS_PER_SAMPLE_EPOCH, StragglerModel, Stragglers};
 
 use crate::engine::{ClientId, EngineError};

@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use super::SimulationError;
 use super::config::ConfigError;
-use super::run::RoundRecord;
+use super::record::RoundRecord;
 
 fn output_error(path: &Path, e: impl std::fmt::Display) -> SimulationError {
     SimulationError::Output {

@@ -7,7 +7,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::FontStyle;
 
-use super::run::RoundRecord;
+use super::record::RoundRecord;
 
 /// DejaVu Sans, shipped in the repository (its licence is beside it) so the PNG has text
 /// on a machine with no fonts installed.

@@ -12,11 +12,14 @@
 use cohort_aggregation::{Finite, ModelVector};
 use cohort_edge::model::Evaluation;
 use cohort_edge::train::{LocalUpdate, TrainConfig};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
 use super::SimulationError;
-use super::run::DataFacts;
+use super::config::SimulationConfig;
 use crate::engine::ClientId;
+use crate::seeds::{Stream, derive_seed};
 
 /// One client's training task in a batch.
 #[derive(Debug, Clone, Copy)]
@@ -163,4 +166,40 @@ pub trait Population: Sync {
 
     /// What trains the clients, for the summary (`built-in` or `python`).
     fn trainer(&self) -> &'static str;
+}
+
+/// Facts about the data a run used, for the summary.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DataFacts {
+    /// Training samples over all clients.
+    pub train_samples: usize,
+    /// Held-out test samples.
+    pub test_samples: usize,
+    /// Feature columns.
+    pub features: usize,
+    /// Classes.
+    pub classes: usize,
+    /// Partition scheme in effect.
+    pub partition: String,
+    /// Smallest, median and largest client sample counts.
+    pub client_samples_min: usize,
+    /// Median client sample count.
+    pub client_samples_median: usize,
+    /// Largest client sample count.
+    pub client_samples_max: usize,
+    /// Model parameters.
+    pub model_parameters: usize,
+}
+
+/// The malicious clients of a run of `clients`, fixed for the run by the seed.
+pub(super) fn malicious_clients(
+    cfg: &SimulationConfig,
+    clients: usize,
+) -> std::collections::BTreeSet<ClientId> {
+    let count = (cfg.malicious * clients as f64).round() as usize;
+    let mut rng = ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::Malicious, 0, 0));
+    rand::seq::index::sample(&mut rng, clients, count.min(clients))
+        .into_iter()
+        .map(|i| ClientId(i as u64))
+        .collect()
 }

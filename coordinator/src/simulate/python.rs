@@ -39,7 +39,7 @@ use super::config::ConfigError;
 use super::population::{
     ClientFailure, ClientTask, Consume, Params, Population, TaskResult, Trained, TrainedResult,
 };
-use super::run::DataFacts;
+use super::population::DataFacts;
 use super::shared_memory::{Area, SharedFile};
 use crate::engine::ClientId;
 

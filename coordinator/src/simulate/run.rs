@@ -10,11 +10,12 @@ use cohort_edge::train::{LocalModel, TrainError, Trainer};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
-use serde::Serialize;
 
 use super::SimulationError;
 use super::config::{ConfigError, DatasetSpec, Mode, SimulationConfig};
-use super::population::{ClientFailure, ClientTask, Params, Population, TaskResult, Trained};
+use super::population::{
+    ClientFailure, ClientTask, Params, Population, TaskResult, Trained, malicious_clients,
+};
 use super::straggler::Stragglers;
 use crate::engine::{
     ClientId, ClientUpdate, EngineConfig, EngineError, RoundEngine, RoundOutcome, RoundPlan,
@@ -25,105 +26,8 @@ use cohort_aggregation::privacy::central::CentralSum;
 use cohort_aggregation::secagg::{self, Stage, local};
 use cohort_core::privacy::BudgetAgainst;
 
-/// One row of `metrics.csv`: the state after a round.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct RoundRecord {
-    /// Round number, from 1.
-    pub round: u32,
-    /// Accuracy of the global model on the held-out test set.
-    pub test_accuracy: f64,
-    /// Mean cross-entropy of the global model on the test set.
-    pub test_loss: f64,
-    /// Clients whose updates were aggregated.
-    pub participants: usize,
-    /// Selected clients that never reported.
-    pub dropped: usize,
-    /// Wall-clock seconds for the round (training, aggregation, evaluation).
-    pub seconds: f64,
-    /// Clients selected.
-    pub selected: usize,
-    /// Sample-weighted mean local training loss (empty when nobody reported).
-    pub train_loss: Option<f64>,
-    /// Training samples behind the aggregate.
-    pub samples: u64,
-    /// Whether the global model was updated.
-    pub status: RoundStatus,
-    /// Simulated seconds from the start of the run to the end of this round, by the
-    /// straggler model: a synchronous round lasts as long as its slowest reporting
-    /// client; a FedBuff step happens when the update that fills the buffer arrives.
-    pub sim_seconds: f64,
-    /// Differential privacy: epsilon spent up to and including this round (at the run's
-    /// delta) against observers of the published models; `None` without differential
-    /// privacy.
-    pub epsilon: Option<f64>,
-    /// Differential privacy: epsilon spent up to and including this round against the
-    /// coordinator, which knows who was sampled: the worst client's, its own rounds
-    /// composed without amplification. Infinite under central noise, where the
-    /// coordinator sees every update (`inf` in `metrics.csv`; JSON has no infinity, so
-    /// `null` in `metrics.jsonl`); `None` without differential privacy.
-    pub epsilon_coordinator: Option<f64>,
-}
-
-/// Facts about the data a run used, for the summary.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct DataFacts {
-    /// Training samples over all clients.
-    pub train_samples: usize,
-    /// Held-out test samples.
-    pub test_samples: usize,
-    /// Feature columns.
-    pub features: usize,
-    /// Classes.
-    pub classes: usize,
-    /// Partition scheme in effect.
-    pub partition: String,
-    /// Smallest, median and largest client sample counts.
-    pub client_samples_min: usize,
-    /// Median client sample count.
-    pub client_samples_median: usize,
-    /// Largest client sample count.
-    pub client_samples_max: usize,
-    /// Model parameters.
-    pub model_parameters: usize,
-}
-
-/// Everything a finished run measured.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct SimulationResult {
-    /// One record per round.
-    pub rounds: Vec<RoundRecord>,
-    /// Data and model facts.
-    pub data: DataFacts,
-    /// Client updates aggregated over the run.
-    pub total_updates: usize,
-    /// Seconds spent training and aggregating (excludes set-up and evaluation).
-    pub training_seconds: f64,
-    /// Seconds for the whole run, set-up included.
-    pub wall_seconds: f64,
-    /// Worker threads used for client training.
-    pub threads: usize,
-    /// Why the run ended before its last round (the privacy budget), if it did.
-    pub stopped: Option<String>,
-    /// FedBuff: mean staleness (server steps between a client's download and its
-    /// update's use) over the updates aggregated; `None` for synchronous runs.
-    pub mean_staleness: Option<f64>,
-    /// Tasks that produced no usable update (each counted as a dropout), in order.
-    pub failures: Vec<ClientFailure>,
-    /// The global model after the last round.
-    #[serde(skip)]
-    pub final_model: std::sync::Arc<cohort_aggregation::ModelVector>,
-}
-
-impl SimulationResult {
-    /// Client updates aggregated per second of training and aggregation.
-    pub fn updates_per_second(&self) -> f64 {
-        if self.training_seconds > 0.0 {
-            self.total_updates as f64 / self.training_seconds
-        } else {
-            0.0
-        }
-    }
-}
+use super::population::DataFacts;
+use super::record::{RoundRecord, SimulationResult};
 
 /// Data prepared for a run: standardised train and test sets and each client's model.
 pub struct Prepared {
@@ -621,19 +525,6 @@ fn plain_round(
 /// An update's difference from the global model it started from.
 fn delta(update: &[f32], global: &[f32]) -> Vec<f32> {
     update.iter().zip(global).map(|(p, g)| p - g).collect()
-}
-
-/// The malicious clients of a run of `clients`, fixed for the run by the seed.
-pub(super) fn malicious_clients(
-    cfg: &SimulationConfig,
-    clients: usize,
-) -> std::collections::BTreeSet<ClientId> {
-    let count = (cfg.malicious * clients as f64).round() as usize;
-    let mut rng = ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::Malicious, 0, 0));
-    rand::seq::index::sample(&mut rng, clients, count.min(clients))
-        .into_iter()
-        .map(|i| ClientId(i as u64))
-        .collect()
 }
 
 /// Simulated seconds of a synchronous round: its slowest reporting client's local

@@ -20,7 +20,7 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
-use super::config::ConfigError;
+use super::ConfigError;
 use crate::seeds::{Stream, derive_seed};
 
 /// Simulated seconds for one sample of one local epoch on a client of slowdown 1: a
