@@ -1385,46 +1385,34 @@ fn askama_unescape(html: &str) -> String {
         .replace("&amp;", "&")
 }
 
-/// Issue 22: an aggregation job that fails every attempt (here: the upload's blob is
-/// gone) left its round `aggregating` for ever, and the experiment with it. Now the
-/// driver fails the round with the job's last error, the round runs again as its next
-/// attempt, and the experiment's page shows why the first one failed.
-#[tokio::test]
-async fn a_round_whose_aggregation_fails_every_attempt_fails_and_runs_again() {
-    let server = start().await;
-    let created = server
+/// Creates and starts an experiment from `spec`, with `clients` enrolled clients that
+/// check in until its first round opens: the experiment's id and the clients.
+async fn running_with_round(
+    server: &Server,
+    spec: serde_json::Value,
+    clients: usize,
+) -> (uuid::Uuid, Vec<uuid::Uuid>) {
+    let created = server.api(Method::POST, "/experiments", Some(spec)).await;
+    let experiment: uuid::Uuid = created["id"].as_str().unwrap().parse().unwrap();
+    let now = cohort_coordinator::store::now_millis();
+    let mut ids = Vec::new();
+    for i in 0..clients {
+        let hash = format!("{experiment}-token-{i}").into_bytes();
+        server
+            .store
+            .create_enrolment_token(&hash, "site", None)
+            .await
+            .unwrap();
+        ids.push(server.store.enrol(&hash, b"secret", now).await.unwrap().id);
+    }
+    server
         .api(
             Method::POST,
-            "/experiments",
-            Some(
-                serde_json::json!({"name": "lost blob", "features": 4, "classes": 2,
-                "model": "logreg", "rounds": 1, "clients_per_round": 1,
-                "min_participants": 1, "collect_deadline_seconds": 60,
-                "max_round_attempts": 3}),
-            ),
+            &format!("/experiments/{experiment}/start"),
+            None,
         )
-        .await;
-    let id = created["id"].as_str().unwrap().to_string();
-    let experiment: uuid::Uuid = id.parse().unwrap();
-    let hash = b"lost-blob-token".to_vec();
-    server
-        .store
-        .create_enrolment_token(&hash, "site", None)
-        .await
-        .unwrap();
-    let now = cohort_coordinator::store::now_millis();
-    let client = server.store.enrol(&hash, b"secret", now).await.unwrap().id;
-    server.store.touch_client(client, now).await.unwrap();
-    server
-        .api(Method::POST, &format!("/experiments/{id}/start"), None)
         .await;
     let started = std::time::Instant::now();
-    let wait = |what: &str| {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "timed out waiting for {what}"
-        )
-    };
     while server
         .store
         .latest_round(experiment)
@@ -1432,15 +1420,30 @@ async fn a_round_whose_aggregation_fails_every_attempt_fails_and_runs_again() {
         .unwrap()
         .is_none()
     {
-        wait("round 1");
-        server
-            .store
-            .touch_client(client, cohort_coordinator::store::now_millis())
-            .await
-            .unwrap();
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "no round opened"
+        );
+        touch(server, &ids).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // An upload whose blob was never written: every attempt of its aggregation job fails.
+    (experiment, ids)
+}
+
+/// Marks `clients` available now.
+async fn touch(server: &Server, clients: &[uuid::Uuid]) {
+    for c in clients {
+        server
+            .store
+            .touch_client(*c, cohort_coordinator::store::now_millis())
+            .await
+            .unwrap();
+    }
+}
+
+/// Records `client`'s upload to round 1 attempt 1 straight in the store, naming a blob
+/// that was never written: the round counts it, and its aggregation cannot read it.
+async fn upload_without_blob(server: &Server, experiment: uuid::Uuid, client: uuid::Uuid) {
     server
         .store
         .record_upload(
@@ -1461,6 +1464,28 @@ async fn a_round_whose_aggregation_fails_every_attempt_fails_and_runs_again() {
         )
         .await
         .unwrap();
+}
+
+/// Issue 22: an aggregation job that fails every attempt (here: the upload's blob is
+/// gone) left its round `aggregating` for ever, and the experiment with it. Now the
+/// driver fails the round with the job's last error, the round runs again as its next
+/// attempt, and the experiment's page shows why the first one failed.
+#[tokio::test]
+async fn a_round_whose_aggregation_fails_every_attempt_fails_and_runs_again() {
+    let server = start().await;
+    let spec = serde_json::json!({"name": "lost blob", "features": 4, "classes": 2,
+        "model": "logreg", "rounds": 1, "clients_per_round": 1, "min_participants": 1,
+        "collect_deadline_seconds": 60, "max_round_attempts": 3});
+    let (experiment, clients) = running_with_round(&server, spec, 1).await;
+    // Every attempt of this upload's aggregation job fails.
+    upload_without_blob(&server, experiment, clients[0]).await;
+    let started = std::time::Instant::now();
+    let wait = |what: &str| {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "timed out waiting for {what}"
+        )
+    };
     let failed = loop {
         wait("round 1 attempt 1 to fail");
         let rounds = server.store.rounds(experiment).await.unwrap();
@@ -1479,11 +1504,7 @@ async fn a_round_whose_aggregation_fails_every_attempt_fails_and_runs_again() {
     // The round runs again as its next attempt (the client is still available).
     loop {
         wait("round 1 attempt 2");
-        server
-            .store
-            .touch_client(client, cohort_coordinator::store::now_millis())
-            .await
-            .unwrap();
+        touch(&server, &clients).await;
         if server
             .store
             .round(experiment, 1, 2)
@@ -1497,7 +1518,7 @@ async fn a_round_whose_aggregation_fails_every_attempt_fails_and_runs_again() {
     let session = server.sign_in().await;
     let html = askama_unescape(
         &server
-            .get(&format!("/experiments/{id}"), Some(&session))
+            .get(&format!("/experiments/{experiment}"), Some(&session))
             .await
             .text()
             .await
@@ -1513,76 +1534,11 @@ async fn a_round_whose_aggregation_fails_every_attempt_fails_and_runs_again() {
 #[tokio::test]
 async fn a_round_goes_on_without_a_client_revoked_in_it() {
     let server = start().await;
-    let created = server
-        .api(
-            Method::POST,
-            "/experiments",
-            Some(
-                serde_json::json!({"name": "revoked", "features": 4, "classes": 2,
-                "model": "logreg", "rounds": 1, "clients_per_round": 2,
-                "min_participants": 1, "collect_deadline_seconds": 60}),
-            ),
-        )
-        .await;
-    let id = created["id"].as_str().unwrap().to_string();
-    let experiment: uuid::Uuid = id.parse().unwrap();
-    let now = cohort_coordinator::store::now_millis();
-    let mut clients = Vec::new();
-    for i in 0..2 {
-        let hash = format!("revoked-token-{i}").into_bytes();
-        server
-            .store
-            .create_enrolment_token(&hash, "site", None)
-            .await
-            .unwrap();
-        let c = server.store.enrol(&hash, b"secret", now).await.unwrap().id;
-        server.store.touch_client(c, now).await.unwrap();
-        clients.push(c);
-    }
-    server
-        .api(Method::POST, &format!("/experiments/{id}/start"), None)
-        .await;
-    let started = std::time::Instant::now();
-    while server
-        .store
-        .latest_round(experiment)
-        .await
-        .unwrap()
-        .is_none()
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "no round opened"
-        );
-        for c in &clients {
-            server
-                .store
-                .touch_client(*c, cohort_coordinator::store::now_millis())
-                .await
-                .unwrap();
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    server
-        .store
-        .record_upload(
-            experiment,
-            1,
-            1,
-            &cohort_coordinator::store::NewUpload {
-                client_id: clients[0],
-                blob_path: "uploads/not-needed",
-                bytes: 16,
-                sha256: &[7; 32],
-                num_samples: 10,
-                claimed_samples: None,
-                train_loss: Some(0.5),
-                client_upload_id: None,
-            },
-            cohort_coordinator::store::now_millis(),
-        )
-        .await
-        .unwrap();
+    let spec = serde_json::json!({"name": "revoked", "features": 4, "classes": 2,
+        "model": "logreg", "rounds": 1, "clients_per_round": 2, "min_participants": 1,
+        "collect_deadline_seconds": 60});
+    let (experiment, clients) = running_with_round(&server, spec, 2).await;
+    upload_without_blob(&server, experiment, clients[0]).await;
     let revoked = std::time::Instant::now();
     server
         .api(

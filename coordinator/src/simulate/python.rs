@@ -36,10 +36,10 @@ use serde_json::{Value, json};
 
 use super::SimulationError;
 use super::config::ConfigError;
+use super::population::DataFacts;
 use super::population::{
     ClientFailure, ClientTask, Consume, Params, Population, TaskResult, Trained, TrainedResult,
 };
-use super::population::DataFacts;
 use super::shared_memory::{Area, SharedFile};
 use crate::engine::ClientId;
 
