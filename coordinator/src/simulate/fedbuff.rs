@@ -181,7 +181,6 @@ impl Scheduler<'_> {
 /// The buffer of staleness-weighted updates since the last server step.
 struct Buffer {
     fold: BufferFold,
-    updates: usize,
     samples: u64,
     loss_sum: f64,
     loss_samples: u64,
@@ -198,7 +197,6 @@ impl Buffer {
             .map_err(|e| EngineError::InvalidConfig(format!("FedBuff buffer: {e}")))?;
         Ok(Self {
             fold,
-            updates: 0,
             samples: 0,
             loss_sum: 0.0,
             loss_samples: 0,
@@ -304,7 +302,6 @@ pub(super) fn run(
                 if buffer.fold.fold_deltas(&[(&delta, samples, tau)]).is_err() {
                     buffer.dropped += 1;
                 } else {
-                    buffer.updates += 1;
                     buffer.samples += samples;
                     if update.train_loss.is_finite() {
                         buffer.loss_sum += update.train_loss * samples as f64;
@@ -314,9 +311,10 @@ pub(super) fn run(
                 }
             }
         }
-        if buffer.updates == k {
+        if buffer.fold.updates() == k {
             let fresh = Buffer::new(&global, reducer.as_ref(), exponent)?;
             let buffer = std::mem::replace(&mut buffer, fresh);
+            let updates = buffer.fold.updates();
             let mean = buffer.fold.target(&global).map_err(|e| {
                 EngineError::InvalidConfig(format!("FedBuff server step {}: {e}", version + 1))
             })?;
@@ -326,17 +324,17 @@ pub(super) fn run(
             })?;
             global = Arc::new(next);
             version += 1;
-            total_updates += buffer.updates;
+            total_updates += updates;
             training_seconds += busy.elapsed().as_secs_f64();
             let eval = pop.evaluate(version, &global)?;
             let record = RoundRecord {
                 round: version,
                 test_accuracy: eval.accuracy,
                 test_loss: eval.loss,
-                participants: buffer.updates,
+                participants: updates,
                 dropped: buffer.dropped,
                 seconds: step_started.elapsed().as_secs_f64(),
-                selected: buffer.updates + buffer.dropped,
+                selected: updates + buffer.dropped,
                 train_loss: (buffer.loss_samples > 0)
                     .then(|| buffer.loss_sum / buffer.loss_samples as f64),
                 samples: buffer.samples,

@@ -790,17 +790,30 @@ impl Store {
         now: i64,
     ) -> Result<bool, StoreError> {
         let exp = experiment_id.to_string();
+        // The latest aggregation job of the round: its state, last error and attempts.
+        const LATEST_JOB: &str = "SELECT state, last_error, attempts FROM jobs \
+             WHERE experiment_id = $1 AND round = $2 AND kind = $3 ORDER BY id DESC LIMIT 1";
+        let kind = super::JobKind::Aggregate.as_str();
         with_pool!(self, p => {
+            // The driver asks on every tick while a round aggregates: a plain read
+            // answers the usual case (the job still has attempts) without taking the
+            // write lock; the transaction below checks again.
+            let job: Option<(String, Option<String>, i64)> = sqlx::query_as(LATEST_JOB)
+                .bind(&exp)
+                .bind(round)
+                .bind(kind)
+                .fetch_optional(p)
+                .await?;
+            if job.is_none_or(|(state, _, _)| state != "failed") {
+                return Ok(false);
+            }
             let mut tx = p.begin_write().await?;
-            let job: Option<(String, Option<String>, i64)> = sqlx::query_as(
-                "SELECT state, last_error, attempts FROM jobs WHERE experiment_id = $1 \
-                 AND round = $2 AND kind = $3 ORDER BY id DESC LIMIT 1",
-            )
-            .bind(&exp)
-            .bind(round)
-            .bind(super::JobKind::Aggregate.as_str())
-            .fetch_optional(&mut *tx)
-            .await?;
+            let job: Option<(String, Option<String>, i64)> = sqlx::query_as(LATEST_JOB)
+                .bind(&exp)
+                .bind(round)
+                .bind(kind)
+                .fetch_optional(&mut *tx)
+                .await?;
             let Some((state, last_error, attempts)) = job else {
                 return Ok(false);
             };

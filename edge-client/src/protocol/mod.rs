@@ -26,8 +26,10 @@ pub struct Credential {
 }
 
 impl Credential {
-    /// The `Authorization: Bearer` value: `id.secret`.
-    pub fn bearer(&self) -> String {
+    /// The `Authorization: Bearer` value, `id.secret`: private, so that only the HTTP
+    /// client (a child module) ever writes the secret out.
+    #[cfg_attr(not(feature = "agent"), allow(dead_code))]
+    fn bearer(&self) -> String {
         format!("{}.{}", self.client_id, self.secret)
     }
 }
