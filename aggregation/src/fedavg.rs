@@ -65,6 +65,10 @@ pub enum AggregationError {
         /// Position of the first offending parameter.
         index: usize,
     },
+    /// Saved optimizer state that does not belong to this optimizer and model (another
+    /// rule or config, another size, or bytes that are not a saved state).
+    #[error("optimizer state: {0}")]
+    OptimizerState(String),
 }
 
 /// Checks that `found` can be combined element-wise with `expected`.

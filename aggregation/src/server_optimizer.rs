@@ -249,6 +249,85 @@ impl ServerOptimizer {
         }
     }
 
+    /// The state a later step depends on, as bytes: the adaptive rules' moments after at
+    /// least one step, `None` for plain averaging (stateless) and before the first step.
+    ///
+    /// A coordinator stores these bytes with each model it publishes, so that one
+    /// restarted (or another replica) continues the same optimizer with
+    /// [`restore_state`](Self::restore_state): the layout is a header naming the rule,
+    /// its config and the parameter count, then `m` and `v` as little-endian `f32`.
+    pub fn state_bytes(&self) -> Option<Vec<u8>> {
+        let Rule::Adaptive {
+            kind,
+            config,
+            moments: Some(moments),
+        } = &self.rule
+        else {
+            return None;
+        };
+        let mut out = state_header(*kind, config, moments.m.len());
+        out.reserve(8 * moments.m.len());
+        for x in moments.m.iter().chain(&moments.v) {
+            out.extend_from_slice(&x.to_le_bytes());
+        }
+        Some(out)
+    }
+
+    /// Continues from moments saved by [`state_bytes`](Self::state_bytes) for a model
+    /// of `layout`, replacing any this optimizer holds.
+    ///
+    /// Fails, changing nothing, when this is plain averaging, when the bytes were saved
+    /// by another rule or config or for another parameter count, when they are cut short
+    /// or too long, or when a moment is not finite (or `v` is negative, which no step can
+    /// produce).
+    pub fn restore_state(
+        &mut self,
+        layout: &Arc<Layout>,
+        bytes: &[u8],
+    ) -> Result<(), AggregationError> {
+        let refuse = |why: String| Err(AggregationError::OptimizerState(why));
+        let Rule::Adaptive {
+            kind,
+            config,
+            moments,
+        } = &mut self.rule
+        else {
+            return refuse("plain averaging keeps no state".into());
+        };
+        let len = layout.len();
+        let header = state_header(*kind, config, len);
+        let Some(body) = bytes.strip_prefix(header.as_slice()) else {
+            return refuse(format!(
+                "the saved state is not {kind}'s with this config for {len} parameters"
+            ));
+        };
+        if body.len() != 8 * len {
+            return refuse(format!(
+                "{} bytes of moments, expected {} for {len} parameters",
+                body.len(),
+                8 * len
+            ));
+        }
+        let floats: Vec<f32> = body
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let (m, v) = floats.split_at(len);
+        // Every rule keeps v positive: it starts at tau^2 and Yogi only ever moves it part
+        // of the way towards delta^2.
+        if let Some(index) =
+            first_non_finite(m).or_else(|| v.iter().position(|&x| !x.is_finite() || x < 0.0))
+        {
+            return refuse(format!("moment {index} is out of range"));
+        }
+        *moments = Some(Moments {
+            layout: layout.clone(),
+            m: m.to_vec(),
+            v: v.to_vec(),
+        });
+        Ok(())
+    }
+
     /// Moves `global` towards `mean`, the weighted mean of the clients' models.
     ///
     /// Fails, changing neither `global` nor the optimizer, when the layouts differ (from
@@ -292,6 +371,19 @@ impl ServerOptimizer {
             }
         }
     }
+}
+
+/// What saved state starts with: a tag and version, then the rule, its config and the
+/// parameter count, so state restored into another optimizer or model is refused.
+fn state_header(kind: AdaptiveKind, config: &AdaptiveConfig, len: usize) -> Vec<u8> {
+    let mut out = b"cohort-optimizer-state/1\n".to_vec();
+    out.extend_from_slice(kind.name().as_bytes());
+    out.push(b'\n');
+    for x in [config.server_lr, config.beta1, config.beta2, config.tau] {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.extend_from_slice(&(len as u64).to_le_bytes());
+    out
 }
 
 fn average_step(
@@ -627,6 +719,101 @@ mod tests {
             let mut b = ServerOptimizer::adaptive(kind, config).unwrap();
             assert_eq!(two_steps(&mut a), two_steps(&mut b));
         }
+    }
+
+    /// A coordinator restarted between two rounds continues from the state it stored:
+    /// the second step of a restored optimizer is bit for bit the uninterrupted one's.
+    #[test]
+    fn restored_state_continues_the_same_optimizer() {
+        for kind in [
+            AdaptiveKind::Adam,
+            AdaptiveKind::Yogi,
+            AdaptiveKind::Adagrad,
+        ] {
+            let mut uninterrupted = ServerOptimizer::adaptive(kind, test_config()).unwrap();
+            let (after1, after2) = two_steps(&mut uninterrupted);
+
+            let mut first = ServerOptimizer::adaptive(kind, test_config()).unwrap();
+            assert_eq!(first.state_bytes(), None, "no state before the first step");
+            let mut global = ModelVector::from_flat(X0.to_vec());
+            let layout = global.layout().clone();
+            first
+                .step(
+                    &mut global,
+                    &ModelVector::new(layout.clone(), MEAN1.to_vec()).unwrap(),
+                )
+                .unwrap();
+            assert_eq!(global.values(), after1.as_slice());
+            let saved = first.state_bytes().expect("state after a step");
+
+            let mut restarted = ServerOptimizer::adaptive(kind, test_config()).unwrap();
+            restarted.restore_state(&layout, &saved).unwrap();
+            restarted
+                .step(
+                    &mut global,
+                    &ModelVector::new(layout, MEAN2.to_vec()).unwrap(),
+                )
+                .unwrap();
+            assert_eq!(global.values(), after2.as_slice(), "{kind}");
+        }
+    }
+
+    /// Without its state a restarted FedAdam would start its moments from zero and
+    /// step elsewhere: the test above would not hold by accident.
+    #[test]
+    fn a_fresh_optimizer_steps_differently_from_a_restored_one() {
+        let mut uninterrupted =
+            ServerOptimizer::adaptive(AdaptiveKind::Adam, test_config()).unwrap();
+        let (after1, after2) = two_steps(&mut uninterrupted);
+        let mut global = ModelVector::from_flat(after1);
+        let layout = global.layout().clone();
+        let mut fresh = ServerOptimizer::adaptive(AdaptiveKind::Adam, test_config()).unwrap();
+        fresh
+            .step(
+                &mut global,
+                &ModelVector::new(layout, MEAN2.to_vec()).unwrap(),
+            )
+            .unwrap();
+        assert_ne!(global.values(), after2.as_slice());
+    }
+
+    #[test]
+    fn state_of_another_rule_config_or_size_is_refused_and_changes_nothing() {
+        let mut saved_by = ServerOptimizer::adaptive(AdaptiveKind::Adam, test_config()).unwrap();
+        two_steps(&mut saved_by);
+        let saved = saved_by.state_bytes().unwrap();
+        let layout = ModelVector::from_flat(X0.to_vec()).layout().clone();
+        let other_size = ModelVector::from_flat(vec![0.0; 4]).layout().clone();
+        let refused = |opt: &mut ServerOptimizer, layout: &Arc<Layout>, bytes: &[u8]| {
+            let err = opt.restore_state(layout, bytes).unwrap_err();
+            assert!(matches!(err, AggregationError::OptimizerState(_)), "{err}");
+            assert_eq!(opt.state_bytes(), None, "a refused restore changes nothing");
+        };
+        refused(
+            &mut ServerOptimizer::adaptive(AdaptiveKind::Yogi, test_config()).unwrap(),
+            &layout,
+            &saved,
+        );
+        refused(
+            &mut ServerOptimizer::adaptive(AdaptiveKind::Adam, test_config().with_server_lr(0.2))
+                .unwrap(),
+            &layout,
+            &saved,
+        );
+        let mut adam = ServerOptimizer::adaptive(AdaptiveKind::Adam, test_config()).unwrap();
+        refused(&mut adam, &other_size, &saved);
+        refused(&mut adam, &layout, &saved[..saved.len() - 1]);
+        refused(&mut adam, &layout, &[saved.as_slice(), &[0; 4]].concat());
+        refused(&mut adam, &layout, b"not a state");
+        let mut nan = saved.clone();
+        let at = nan.len() - 4;
+        nan[at..].copy_from_slice(&f32::NAN.to_le_bytes());
+        refused(&mut adam, &layout, &nan);
+        let err = ServerOptimizer::average(1.0)
+            .unwrap()
+            .restore_state(&layout, &saved)
+            .unwrap_err();
+        assert!(matches!(err, AggregationError::OptimizerState(_)));
     }
 
     #[test]

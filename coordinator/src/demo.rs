@@ -39,6 +39,13 @@ pub struct DemoArgs {
     /// masked vectors and learns only their sum
     #[arg(long)]
     pub secure_aggregation: bool,
+    /// fedavg | fedprox:MU | fedadam | fedyogi | fedadagrad: the same strategies as
+    /// `cohort simulate --strategy`
+    #[arg(long, default_value = "fedavg")]
+    pub strategy: cohort_aggregation::Strategy,
+    /// Server learning rate [default: 1 for fedavg/fedprox, 0.01 for the adaptive ones]
+    #[arg(long, value_name = "LR")]
+    pub server_lr: Option<f32>,
 }
 
 /// What a finished demo measured.
@@ -195,7 +202,8 @@ async fn run_async(args: &DemoArgs) -> Result<DemoOutcome, String> {
         initial_model: None,
         tensors: None,
         hyperparameters: None,
-        strategy: cohort_aggregation::Strategy::FedAvg,
+        strategy: args.strategy,
+        server_lr: args.server_lr,
         rounds: args.rounds,
         clients_per_round: args.clients,
         min_participants: quorum,

@@ -15,7 +15,11 @@
 //!   contribution counts twice (each round's `reported` equals its distinct uploaders,
 //!   and no client has two uploads in a round);
 //! - with fixed seeds, the final model is byte for byte the model of the same experiment
-//!   run without a single crash.
+//!   run without a single crash;
+//! - with an adaptive server optimizer (FedAdam, FedYogi, FedAdagrad), whose moments are
+//!   stored with each published model, the final model is also the one a single
+//!   optimizer kept in memory makes from the same rounds' uploads: a restarted
+//!   coordinator continued the moments rather than starting them afresh.
 
 mod common;
 
@@ -24,9 +28,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use cohort_aggregation::{WeightedMean, wire};
 use cohort_coordinator::demo::write_digits_partitions;
 use cohort_coordinator::fault::FaultPoint;
 use cohort_coordinator::store::{ParticipationState, RoundStage, Store};
+use cohort_edge::model::{ModelKind, ModelSpec};
 use cohort_edge::partition::PartitionScheme;
 use common::{admin, free_port, wait_healthy};
 use reqwest::Method;
@@ -100,19 +106,24 @@ fn acknowledged(log: &str) -> Vec<(String, i64, i64)> {
 }
 
 /// What one run of the experiment left: the final model's bytes, the number of
-/// acknowledged uploads checked, and the crash points actually reached.
+/// acknowledged uploads checked, the crash points actually reached, and (plain rounds)
+/// the final model replayed from the published rounds' uploads by one optimizer that
+/// lived through the whole run in memory.
 struct RunOutcome {
     model: Vec<u8>,
     checked: usize,
     reached: Vec<FaultPoint>,
+    replayed: Option<Vec<f32>>,
 }
 
 /// Runs the experiment on its own schema and data directory, killing the coordinator
-/// once at each of `points` in turn; `secure` chooses SecAgg+ rounds.
+/// once at each of `points` in turn; `secure` chooses SecAgg+ rounds, `strategy` the
+/// server's strategy.
 async fn run(
     work: &Path,
     csvs: &[PathBuf],
     secure: bool,
+    strategy: &str,
     points: &[FaultPoint],
 ) -> Option<RunOutcome> {
     let (pg, schema, url) = common::postgres_schema("cohort_crash").await?;
@@ -131,7 +142,7 @@ async fn run(
     let mut spec = serde_json::json!({
         "name": "crash", "features": 64, "classes": 10, "model": "logreg",
         "rounds": ROUNDS, "clients_per_round": CLIENTS, "min_participants": CLIENTS,
-        "collect_deadline_seconds": 120, "seed": 11
+        "collect_deadline_seconds": 120, "seed": 11, "strategy": strategy
     });
     if secure {
         spec["secure_aggregation"] = serde_json::json!({
@@ -260,6 +271,11 @@ async fn run(
             );
         }
     }
+    let replayed = if secure {
+        None
+    } else {
+        Some(replay(&store, &data_dir, exp_id, strategy).await)
+    };
     let clients = store.clients().await.unwrap();
     let mut checked = 0;
     for (site, log) in edge_logs.iter().enumerate() {
@@ -291,10 +307,60 @@ async fn run(
         model,
         checked,
         reached,
+        replayed,
     })
 }
 
+/// The final model of a plain experiment rebuilt from its published rounds' uploads in
+/// the store: each round's weighted mean (folded in the driver's order) stepped by one
+/// server optimizer kept in memory from the first round to the last, as `simulate`
+/// keeps it.
+async fn replay(store: &Store, data_dir: &Path, exp: uuid::Uuid, strategy: &str) -> Vec<f32> {
+    let strategy: cohort_aggregation::Strategy = strategy.parse().unwrap();
+    let spec = ModelSpec::new(&ModelKind::LogReg, 64, 10).unwrap();
+    let layout = spec.layout().clone();
+    let read = |path: &str| {
+        wire::decode(
+            &layout,
+            &std::fs::read(data_dir.join("blobs").join(path)).unwrap(),
+        )
+        .unwrap()
+    };
+    let mut global = read(&format!("models/{exp}/round-0.bin"));
+    let mut optimizer = strategy.server_optimizer(None).unwrap();
+    let mut rounds: Vec<_> = store
+        .rounds(exp)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|r| r.stage == RoundStage::Published)
+        .collect();
+    rounds.sort_by_key(|r| r.round);
+    for round in rounds {
+        let mut uploads = store
+            .uploads(exp, round.round, round.attempt)
+            .await
+            .unwrap();
+        uploads.sort_by(|a, b| a.sha256.cmp(&b.sha256).then(a.id.cmp(&b.id)));
+        let updates: Vec<_> = uploads
+            .iter()
+            .map(|u| (read(&u.blob_path), u.num_samples.min(1000) as f64))
+            .collect();
+        let mut mean = WeightedMean::new(layout.clone());
+        let pairs: Vec<_> = updates.iter().map(|(u, w)| (u, *w)).collect();
+        mean.fold_batch(&pairs).unwrap();
+        optimizer
+            .step(&mut global, &mean.finish().unwrap())
+            .unwrap();
+    }
+    global.into_values()
+}
+
 async fn crash_at_every_stage(secure: bool, points: &[FaultPoint]) {
+    crash_at_every_stage_with("fedavg", secure, points).await;
+}
+
+async fn crash_at_every_stage_with(strategy: &str, secure: bool, points: &[FaultPoint]) {
     cohort_coordinator::server::install_crypto_provider();
     let dir = tempfile::tempdir().unwrap();
     let (csvs, _) = write_digits_partitions(
@@ -304,10 +370,11 @@ async fn crash_at_every_stage(secure: bool, points: &[FaultPoint]) {
         0,
     )
     .unwrap();
-    let Some(reference) = run(&dir.path().join("reference"), &csvs, secure, &[]).await else {
+    let Some(reference) = run(&dir.path().join("reference"), &csvs, secure, strategy, &[]).await
+    else {
         return;
     };
-    let crashed = run(&dir.path().join("crashed"), &csvs, secure, points)
+    let crashed = run(&dir.path().join("crashed"), &csvs, secure, strategy, points)
         .await
         .expect("PostgreSQL is still configured");
     assert_eq!(crashed.reached, points, "every crash point was reached");
@@ -329,8 +396,25 @@ async fn crash_at_every_stage(secure: bool, points: &[FaultPoint]) {
         "the final model after {} crashes differs from the uninterrupted run's in {differing} bytes",
         points.len()
     );
+    if let Some(replayed) = &crashed.replayed {
+        let served = wire::decode(
+            ModelSpec::new(&ModelKind::LogReg, 64, 10).unwrap().layout(),
+            &crashed.model,
+        )
+        .unwrap();
+        let worst = served
+            .values()
+            .iter()
+            .zip(replayed)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            worst <= 1e-6,
+            "{strategy}: the served model is {worst} away from one optimizer's replay of the same rounds"
+        );
+    }
     eprintln!(
-        "{} rounds, {} crashes at {:?}: {} acknowledged uploads all recorded, final model \
+        "{strategy}, {} rounds, {} crashes at {:?}: {} acknowledged uploads all recorded, final model \
          identical to the uninterrupted run ({} bytes)",
         if secure { "secure" } else { "plain" },
         points.len(),
@@ -358,4 +442,24 @@ async fn plain_rounds_survive_a_crash_at_every_stage() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn secure_rounds_survive_a_crash_at_every_stage() {
     crash_at_every_stage(true, &FaultPoint::ALL).await;
+}
+
+/// The adaptive server optimizers through the crash points where their state matters
+/// most: a job claimed and killed (run again by the next coordinator, from the state
+/// stored with the last published model) and a model and state written but not
+/// published (written again, to the same bytes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn adaptive_optimizers_continue_their_moments_across_crashes() {
+    for strategy in ["fedadam", "fedyogi", "fedadagrad"] {
+        crash_at_every_stage_with(
+            strategy,
+            false,
+            &[
+                FaultPoint::Collected,
+                FaultPoint::JobClaimed,
+                FaultPoint::Publishing,
+            ],
+        )
+        .await;
+    }
 }

@@ -205,6 +205,7 @@ async fn run_async(args: &DashboardBenchArgs) -> Result<(), String> {
         tensors: None,
         hyperparameters: None,
         strategy: cohort_aggregation::Strategy::FedAvg,
+        server_lr: None,
         rounds: args.rounds,
         clients_per_round: args.participants as usize,
         min_participants: 1,
