@@ -76,6 +76,16 @@ pub struct ExperimentSpec {
     #[cfg_attr(feature = "openapi", schema(value_type = String, example = "fedavg"))]
     #[serde(default = "default_strategy")]
     pub strategy: Strategy,
+    /// The server learning rate: how far each round moves the global model towards the
+    /// clients' mean (averaging) or along the adaptive step (`fedadam`, `fedyogi`,
+    /// `fedadagrad`). Absent: 1 for averaging (the next model is the mean itself), 0.01
+    /// for the adaptive rules, as in `cohort simulate --server-lr`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(
+        feature = "openapi",
+        schema(exclusive_minimum = 0, maximum = 100, example = 0.01)
+    )]
+    pub server_lr: Option<f32>,
     /// Rounds to run.
     pub rounds: u32,
     /// Clients whose updates a round needs.
@@ -89,7 +99,9 @@ pub struct ExperimentSpec {
     /// Seconds selected clients have to upload.
     #[serde(default = "default_collect_seconds")]
     pub collect_deadline_seconds: u64,
-    /// Times a round without quorum is tried again before the experiment fails.
+    /// Attempts a round gets before the experiment fails: a round without quorum, or
+    /// whose aggregation failed every try, runs again as its next attempt until then.
+    /// In mode `fedbuff`, the attempts a full buffer's aggregation gets.
     #[serde(default = "default_round_retries")]
     pub max_round_attempts: u32,
     /// Local training settings.
@@ -123,8 +135,8 @@ pub struct ExperimentSpec {
     /// `fedbuff`: buffered asynchronous aggregation (see [`crate::mode`]); `rounds` is
     /// then the number of server steps (model versions) to publish,
     /// `collect_deadline_seconds` how long a task may take before its slot is freed, and
-    /// `min_participants` and `max_round_attempts` are not used (a step waits for its
-    /// `buffer_size` updates, however long they take).
+    /// `min_participants` is not used (a step waits for its `buffer_size` updates, however
+    /// long they take) and `max_round_attempts` counts a buffer's aggregation attempts.
     #[serde(default, skip_serializing_if = "crate::mode::ExperimentMode::is_sync")]
     #[cfg_attr(feature = "openapi", schema(value_type = String, example = "sync"))]
     pub mode: crate::mode::ExperimentMode,
@@ -271,18 +283,16 @@ impl ExperimentSpec {
                 "max_round_attempts must be at least 1".into(),
             );
         }
-        match self.strategy.server_optimizer(None) {
-            Err(e) => bad("strategy", format!("strategy: {e}")),
-            // The coordinator does not store the adaptive optimizers' moments yet, and
-            // without them every round would restart Adam from zero.
-            Ok(o) if o.name() != "average" => bad(
-                "strategy",
-                format!(
-                    "strategy: {} is available in `cohort simulate` only for now; use fedavg or fedprox:MU",
-                    self.strategy
-                ),
-            ),
-            Ok(_) => {}
+        if let Err(e) = self.strategy.server_optimizer(self.server_lr) {
+            let field = if self.server_lr.is_some() && self.strategy.server_optimizer(None).is_ok()
+            {
+                "server_lr"
+            } else {
+                "strategy"
+            };
+            bad(field, format!("{field}: {e}"));
+        } else if self.server_lr.is_some_and(|lr| lr > 100.0) {
+            bad("server_lr", "server_lr must be at most 100".into());
         }
         if let Some(secure) = &self.secure_aggregation
             && let Err(e) = secure.validate(self.selected_per_round(), params.unwrap_or(1))

@@ -90,33 +90,51 @@ pub(super) fn model_blob(experiment: Uuid, round: i64) -> String {
     format!("models/{experiment}/round-{round}.bin")
 }
 
+/// Where the adaptive server optimizer's state after `round` is kept, next to its model.
+pub(super) fn optimizer_blob(experiment: Uuid, round: i64) -> String {
+    format!("models/{experiment}/round-{round}.optimizer")
+}
+
 /// The last step of every aggregation job, off the async threads: the experiment's
-/// server optimizer moves the global model towards the round's target, the result is
-/// stored as the round's model and evaluated on the held-out set.
+/// server optimizer, continued from the state stored with the model the round started
+/// from, moves the global model towards the round's target; the result and the
+/// optimizer's new state are stored as the round's, and the model is evaluated on the
+/// held-out set.
+///
+/// The state is written under the round's own name and only ever read for a published
+/// model, so a job run again (after a crash, by another replica) starts from the same
+/// state and writes the same bytes.
 #[derive(Clone)]
 pub(super) struct ModelStep {
     blobs: crate::blobs::BlobStore,
     strategy: cohort_aggregation::Strategy,
+    server_lr: Option<f32>,
     eval: Option<std::sync::Arc<cohort_edge::data::Dataset>>,
     model: ExperimentModel,
     experiment: Uuid,
+    /// The round (or FedBuff version) of the model this step starts from.
+    from: i64,
     round: i64,
 }
 
 impl ModelStep {
+    /// The step of `round`, starting from the published model `from`.
     pub(super) fn new(
         state: &AppState,
         experiment: Uuid,
         spec: &ExperimentSpec,
         model: &ExperimentModel,
+        from: &PublishedModel,
         round: i64,
     ) -> Self {
         Self {
             blobs: state.blobs.clone(),
             strategy: spec.strategy,
+            server_lr: spec.server_lr,
             eval: state.eval.clone(),
             model: model.clone(),
             experiment,
+            from: from.round,
             round,
         }
     }
@@ -140,8 +158,33 @@ impl ModelStep {
         target: &ModelVector,
     ) -> Result<(PublishedModel, RoundMetrics), DriverError> {
         let bad = |e: &dyn std::fmt::Display| DriverError::Aggregation(e.to_string());
-        let mut optimizer = self.strategy.server_optimizer(None).map_err(|e| bad(&e))?;
+        let mut optimizer = self
+            .strategy
+            .server_optimizer(self.server_lr)
+            .map_err(|e| bad(&e))?;
+        // The initial model (round 0) has no state: the moments start afresh there. Any
+        // later model of an adaptive experiment was published with its state, so a
+        // missing state is an error, never a silent restart of the moments.
+        if optimizer.adaptive_config().is_some() && self.from > 0 {
+            let saved = self
+                .blobs
+                .get(&optimizer_blob(self.experiment, self.from))
+                .map_err(|e| {
+                    bad(&format!(
+                        "the {} state of model {} is unreadable: {e}",
+                        optimizer.name(),
+                        self.from
+                    ))
+                })?;
+            optimizer
+                .restore_state(global.layout(), &saved)
+                .map_err(|e| bad(&e))?;
+        }
         optimizer.step(&mut global, target).map_err(|e| bad(&e))?;
+        if let Some(state) = optimizer.state_bytes() {
+            self.blobs
+                .put(&optimizer_blob(self.experiment, self.round), &state)?;
+        }
         let path = model_blob(self.experiment, self.round);
         self.blobs.put(&path, &wire::encode(&global))?;
         let tested = evaluate(
@@ -327,10 +370,9 @@ async fn step_experiment(state: &AppState, exp: &Experiment) -> Result<(), Drive
             }
         }
         RoundStage::Failed => {
-            if round.attempt < i64::from(spec.max_round_attempts) {
-                open(state, exp, &spec, round.round, round.attempt + 1, now).await?;
-            } else {
-                set_state(state, exp.id, ExperimentState::Failed).await?;
+            match cohort_core::round::next_attempt(round.attempt, spec.max_round_attempts) {
+                Some(attempt) => open(state, exp, &spec, round.round, attempt, now).await?,
+                None => set_state(state, exp.id, ExperimentState::Failed).await?,
             }
         }
     }
@@ -637,7 +679,7 @@ async fn aggregate_secure(
         error_bound = unmasked.decoded.error_bound,
         "secure sum unmasked"
     );
-    let step = ModelStep::new(state, exp.id, spec, model, round.round);
+    let step = ModelStep::new(state, exp.id, spec, model, current, round.round);
     let current_path = current.blob_path.clone();
     let mean_loss = unmasked.decoded.mean_loss;
     let survivors = unmasked.survivors.len();
@@ -784,7 +826,7 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
     let participations = store
         .participations(exp.id, round.round, round.attempt)
         .await?;
-    let step = ModelStep::new(state, exp.id, &spec, &model, round.round);
+    let step = ModelStep::new(state, exp.id, &spec, &model, &current, round.round);
     let blobs = state.blobs.clone();
     let layout = model.layout().clone();
     let reducer = state.reducer.clone();
@@ -881,7 +923,7 @@ async fn aggregate_central(
     current: &PublishedModel,
     uploads: Vec<crate::store::Upload>,
 ) -> Result<(), DriverError> {
-    let step = ModelStep::new(state, exp.id, spec, model, round.round);
+    let step = ModelStep::new(state, exp.id, spec, model, current, round.round);
     let blobs = state.blobs.clone();
     let layout = model.layout().clone();
     let current_path = current.blob_path.clone();
