@@ -1528,6 +1528,174 @@ async fn a_round_whose_aggregation_fails_every_attempt_fails_and_runs_again() {
     server.shut_down().await;
 }
 
+/// Issue 22: in FedBuff mode a full buffer whose aggregation job failed every try stayed
+/// `aggregating` for ever, and every later buffer's job waited on it. Now the driver
+/// fails that attempt with the job's last error and aggregates the same buffered update
+/// again as the buffer's next attempt; here the blob the first attempt could not read is
+/// back by then, so the second attempt publishes the version and the experiment
+/// finishes.
+#[tokio::test]
+async fn a_buffer_whose_aggregation_fails_every_attempt_runs_again() {
+    use cohort_coordinator::store::RoundStage;
+    let server = start().await;
+    let spec = serde_json::json!({"name": "lost buffered blob", "features": 4, "classes": 2,
+        "model": "logreg", "rounds": 1, "clients_per_round": 1, "min_participants": 1,
+        "mode": "fedbuff", "buffer_size": 1, "concurrency": 1,
+        "collect_deadline_seconds": 60, "max_round_attempts": 2});
+    let (experiment, clients) = running_with_round(&server, spec, 1).await;
+    let now = cohort_coordinator::store::now_millis();
+    let task = server
+        .store
+        .fedbuff_task(experiment, clients[0], 1, 60_000, true, now)
+        .await
+        .unwrap()
+        .expect("a task for the only client");
+    // The update is the initial model itself (a valid upload of the right size); its
+    // blob is written only after the first attempt has failed.
+    let blobs =
+        cohort_coordinator::blobs::BlobStore::open(&server.dir.path().join("blobs")).unwrap();
+    let update = blobs
+        .get(&format!("models/{experiment}/round-0.bin"))
+        .unwrap();
+    let scratch = blobs.put("scratch/update", &update).unwrap();
+    let path = format!("uploads/{experiment}/late");
+    server
+        .store
+        .record_fedbuff_upload(
+            experiment,
+            task.round,
+            task.attempt,
+            &cohort_coordinator::store::NewUpload {
+                client_id: clients[0],
+                blob_path: &path,
+                bytes: update.len() as i64,
+                sha256: &scratch.sha256,
+                num_samples: 10,
+                claimed_samples: None,
+                train_loss: Some(0.5),
+                client_upload_id: None,
+            },
+            cohort_coordinator::store::BufferRules {
+                buffer_size: 1,
+                max_staleness: None,
+                task_ms: 60_000,
+                last_step: 1,
+                job_attempts: 5,
+            },
+            now,
+        )
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let wait = |what: &str| {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "timed out waiting for {what}"
+        )
+    };
+    let (failed, retry) = loop {
+        wait("buffer 1 attempt 1 to fail and attempt 2 to aggregate");
+        let rounds = server.store.rounds(experiment).await.unwrap();
+        let first = rounds.iter().find(|r| r.round == 1 && r.attempt == 1);
+        let second = rounds.iter().find(|r| r.round == 1 && r.attempt == 2);
+        if let (Some(first), Some(second)) = (first, second)
+            && first.stage == RoundStage::Failed
+        {
+            break (first.clone(), second.clone());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let reason = failed.failure.clone().unwrap_or_default();
+    assert!(
+        reason.starts_with("aggregation failed 5 times: "),
+        "{reason}"
+    );
+    assert_eq!(
+        retry.reported, 1,
+        "the retry aggregates the same buffered update"
+    );
+    blobs.put(&path, &update).unwrap();
+    loop {
+        wait("version 1 to publish and the experiment to finish");
+        let exp = server.store.experiment(experiment).await.unwrap();
+        if exp.state == cohort_coordinator::store::ExperimentState::Finished {
+            break;
+        }
+        assert_ne!(
+            exp.state,
+            cohort_coordinator::store::ExperimentState::Failed
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let published = server.store.round(experiment, 1, 2).await.unwrap();
+    assert_eq!(published.stage, RoundStage::Published);
+    server.shut_down().await;
+}
+
+/// A buffer whose every aggregation attempt fails fails its experiment, with the
+/// reason in the audit log, instead of holding it for ever.
+#[tokio::test]
+async fn a_buffer_that_fails_its_last_attempt_fails_the_experiment() {
+    use cohort_coordinator::store::ExperimentState;
+    let server = start().await;
+    let spec = serde_json::json!({"name": "lost for good", "features": 4, "classes": 2,
+        "model": "logreg", "rounds": 1, "clients_per_round": 1, "min_participants": 1,
+        "mode": "fedbuff", "buffer_size": 1, "concurrency": 1,
+        "collect_deadline_seconds": 60, "max_round_attempts": 1});
+    let (experiment, clients) = running_with_round(&server, spec, 1).await;
+    let now = cohort_coordinator::store::now_millis();
+    let task = server
+        .store
+        .fedbuff_task(experiment, clients[0], 1, 60_000, true, now)
+        .await
+        .unwrap()
+        .unwrap();
+    server
+        .store
+        .record_fedbuff_upload(
+            experiment,
+            task.round,
+            task.attempt,
+            &cohort_coordinator::store::NewUpload {
+                client_id: clients[0],
+                blob_path: "uploads/never-written",
+                bytes: 16,
+                sha256: &[7; 32],
+                num_samples: 10,
+                claimed_samples: None,
+                train_loss: None,
+                client_upload_id: None,
+            },
+            cohort_coordinator::store::BufferRules {
+                buffer_size: 1,
+                max_staleness: None,
+                task_ms: 60_000,
+                last_step: 1,
+                job_attempts: 5,
+            },
+            now,
+        )
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    while server.store.experiment(experiment).await.unwrap().state != ExperimentState::Failed {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the experiment never failed: {:?}",
+            server.store.rounds(experiment).await.unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let audit = server.store.audit_log(50).await.unwrap();
+    assert!(
+        audit
+            .iter()
+            .any(|e| e.action == "experiment.state" && e.detail.contains("buffer 1 failed 1 times")),
+        "{audit:?}"
+    );
+    server.shut_down().await;
+}
+
 /// Issue 22: a revoked client stayed selected, so its round waited for it until the
 /// deadline (here a minute). Now the revocation takes it out: the round closes on the
 /// other client's upload alone, long before its deadline.

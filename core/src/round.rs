@@ -274,11 +274,30 @@ pub fn check_upload(
     }
 }
 
+/// What follows a failed round attempt (a missed quorum, an aggregation that failed
+/// every try, a secure round that could not unmask): the attempt after it, or `None`
+/// when `attempt` was the experiment's last (`max_attempts`), which then fails.
+///
+/// Both of `serve`'s drivers ask this one rule: synchronous rounds (a new attempt
+/// selects and collects afresh) and FedBuff buffers (a new attempt aggregates the same
+/// buffered updates again, since the next buffer is already filling).
+pub fn next_attempt(attempt: i64, max_attempts: u32) -> Option<i64> {
+    (attempt < i64::from(max_attempts)).then_some(attempt + 1)
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    #[test]
+    fn a_failed_attempt_is_followed_by_the_next_until_the_last() {
+        assert_eq!(next_attempt(1, 3), Some(2));
+        assert_eq!(next_attempt(2, 3), Some(3));
+        assert_eq!(next_attempt(3, 3), None);
+        assert_eq!(next_attempt(1, 1), None);
+    }
 
     const STAGES: [RoundStage; 9] = [
         RoundStage::Advertising,

@@ -71,6 +71,22 @@ pub(super) async fn step(
     store
         .expire_fedbuff_tasks(exp.id, now - settings.task_ms())
         .await?;
+    // A buffer whose aggregation failed every try runs again, or fails the experiment:
+    // buffers publish in order, so it would otherwise hold every later one.
+    if let Some(retry) = store
+        .retry_buffer_if_aggregation_failed(
+            exp.id,
+            version + 1,
+            spec.max_round_attempts,
+            JOB_ATTEMPTS,
+            now,
+        )
+        .await?
+    {
+        tracing::warn!(experiment = %exp.id, buffer = version + 1, ?retry,
+            "a buffer's aggregation failed every try");
+        return Ok(());
+    }
     if store.latest_round(exp.id).await?.is_none() {
         match store.open_buffer(exp.id, 1, now).await {
             // Another coordinator opened it, or the experiment just stopped.
@@ -113,7 +129,14 @@ pub(super) async fn aggregate(
             )));
         }
         published_before = Some(current.round);
-        let round = store.round(exp.id, buffer, 1).await?;
+        // The buffer's latest attempt: an aggregation that failed runs again as the next.
+        let round = store
+            .rounds(exp.id)
+            .await?
+            .into_iter()
+            .filter(|r| r.round == buffer)
+            .max_by_key(|r| r.attempt)
+            .ok_or_else(|| DriverError::Aggregation(format!("buffer {buffer} is missing")))?;
         if round.stage != RoundStage::Aggregating {
             return Err(DriverError::Aggregation(format!(
                 "buffer {buffer} is {}, not full",
@@ -142,7 +165,7 @@ async fn aggregate_buffer(
         .iter()
         .filter_map(|u| Some((u.train_loss?, u.upload.num_samples.min(cap) as f64)))
         .fold((0.0, 0.0), |(l, n), (loss, s)| (l + loss * s, n + s));
-    let step = driver::ModelStep::new(state, exp.id, spec, model, round.round);
+    let step = driver::ModelStep::new(state, exp.id, spec, model, &current, round.round);
     let blobs = state.blobs.clone();
     let reducer = state.reducer.clone();
     let model = model.clone();

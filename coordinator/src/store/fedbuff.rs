@@ -32,7 +32,8 @@ pub struct FedBuffTask {
     /// The round (buffer) that was open when the task was handed out; with `attempt`, it
     /// names the task in the upload path.
     pub round: i64,
-    /// Always 1: a buffer is never retried.
+    /// Always 1: tasks go to the collecting buffer, whose first attempt it is (only an
+    /// aggregation that failed runs again, as a later attempt).
     pub attempt: i64,
     /// The model version (published round) the client trains on.
     pub base_version: i64,
@@ -53,6 +54,18 @@ pub struct BufferRules {
     pub last_step: i64,
     /// Attempts the aggregation job of a full buffer gets.
     pub job_attempts: i64,
+}
+
+/// What followed a buffer whose aggregation failed for good.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BufferRetry {
+    /// The buffer aggregates again as this attempt.
+    Retried {
+        /// The new attempt.
+        attempt: i64,
+    },
+    /// That was the buffer's last attempt: the experiment failed.
+    ExperimentFailed,
 }
 
 /// What became of a FedBuff upload.
@@ -566,6 +579,103 @@ impl Store {
                 staleness,
                 closed,
             })
+        })
+    }
+
+    /// Fails the aggregating attempt of buffer `buffer` when its latest aggregation job
+    /// has failed for good, and in the same transaction takes the next step
+    /// ([`cohort_core::round::next_attempt`], the rule synchronous rounds follow): the
+    /// buffer's next attempt aggregates the same buffered updates again, with a fresh
+    /// job of `job_attempts` tries (the following buffer is already filling, so the
+    /// updates cannot be collected afresh); after `max_attempts` the experiment fails.
+    /// Without this a buffer that cannot be folded held its experiment for ever, every
+    /// later buffer's job waiting on it. `None` when there was nothing to do (the job
+    /// still has tries, or another replica got there first).
+    pub async fn retry_buffer_if_aggregation_failed(
+        &self,
+        experiment_id: Uuid,
+        buffer: i64,
+        max_attempts: u32,
+        job_attempts: i64,
+        now: i64,
+    ) -> Result<Option<BufferRetry>, StoreError> {
+        let exp = experiment_id.to_string();
+        with_pool!(self, p => {
+            // Asked on every tick while a buffer aggregates: a plain read answers the
+            // usual case without the write lock; the transaction checks again.
+            if super::rounds::failed_aggregation!(p, &exp, buffer).is_none() {
+                return Ok(None);
+            }
+            let mut tx = p.begin_write().await?;
+            let Some(reason) = super::rounds::failed_aggregation!(&mut *tx, &exp, buffer) else {
+                return Ok(None);
+            };
+            let aggregating: Option<(i64, i64, i64)> = sqlx::query_as(
+                "SELECT attempt, selected, reported FROM rounds WHERE experiment_id = $1 \
+                 AND round = $2 AND stage = 'aggregating' ORDER BY attempt DESC LIMIT 1",
+            )
+            .bind(&exp)
+            .bind(buffer)
+            .fetch_optional(&mut *tx)
+            .await?;
+            let Some((attempt, selected, reported)) = aggregating else {
+                return Ok(None);
+            };
+            sqlx::query(
+                "UPDATE rounds SET stage = 'failed', failure = $1, finished_at = $2 \
+                 WHERE experiment_id = $3 AND round = $4 AND attempt = $5",
+            )
+            .bind(&reason)
+            .bind(now)
+            .bind(&exp)
+            .bind(buffer)
+            .bind(attempt)
+            .execute(&mut *tx)
+            .await?;
+            audit!(tx, now, "coordinator", "buffer.fail", exp.as_str(),
+                format!("buffer {buffer} attempt {attempt}: {reason}"));
+            let retry = match cohort_core::round::next_attempt(attempt, max_attempts) {
+                Some(next) => {
+                    sqlx::query(
+                        "INSERT INTO rounds (experiment_id, round, attempt, stage, selected, \
+                         reported, started_at) VALUES ($1, $2, $3, 'aggregating', $4, $5, $6)",
+                    )
+                    .bind(&exp)
+                    .bind(buffer)
+                    .bind(next)
+                    .bind(selected)
+                    .bind(reported)
+                    .bind(now)
+                    .execute(&mut *tx)
+                    .await?;
+                    sqlx::query(super::jobs::ENQUEUE_JOB_SQL)
+                        .bind(super::JobKind::Aggregate.as_str())
+                        .bind(&exp)
+                        .bind(buffer)
+                        .bind(job_attempts)
+                        .bind(now)
+                        .execute(&mut *tx)
+                        .await?;
+                    audit!(tx, now, "coordinator", "buffer.retry", exp.as_str(),
+                        format!("buffer {buffer} attempt {next}"));
+                    BufferRetry::Retried { attempt: next }
+                }
+                None => {
+                    sqlx::query(
+                        "UPDATE experiments SET state = 'failed', updated_at = $1 \
+                         WHERE id = $2 AND state IN ('running', 'paused')",
+                    )
+                    .bind(now)
+                    .bind(&exp)
+                    .execute(&mut *tx)
+                    .await?;
+                    audit!(tx, now, "coordinator", "experiment.state", exp.as_str(),
+                        format!("failed: buffer {buffer} failed {attempt} times"));
+                    BufferRetry::ExperimentFailed
+                }
+            };
+            tx.commit().await?;
+            Ok(Some(retry))
         })
     }
 

@@ -32,7 +32,9 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePo
 use uuid::Uuid;
 
 pub use dashboard::{ClientPage, JobSummary, LatestAccuracy, SESSION_IDLE_MS};
-pub use fedbuff::{BufferRules, Buffered, BufferedUpload, FedBuffDrops, FedBuffTask, StepStats};
+pub use fedbuff::{
+    BufferRetry, BufferRules, Buffered, BufferedUpload, FedBuffDrops, FedBuffTask, StepStats,
+};
 pub use identities::{IDENTITY_BYTES, Registered};
 use jobs::JobRow;
 pub use jobs::{Job, JobKind, JobState};

@@ -283,6 +283,31 @@ pub struct RoundMetrics {
     pub train_loss: Option<f64>,
 }
 
+/// Why the latest aggregation job of `round` failed for good (`Some("aggregation failed
+/// N times: ...")`), or `None` while it has attempts left or has none. A macro, as the
+/// query runs on either backend's pool or transaction.
+macro_rules! failed_aggregation {
+    ($conn:expr, $exp:expr, $round:expr) => {{
+        let job: Option<(String, Option<String>, i64)> = sqlx::query_as(
+            "SELECT state, last_error, attempts FROM jobs \
+             WHERE experiment_id = $1 AND round = $2 AND kind = $3 ORDER BY id DESC LIMIT 1",
+        )
+        .bind($exp)
+        .bind($round)
+        .bind(super::JobKind::Aggregate.as_str())
+        .fetch_optional($conn)
+        .await?;
+        job.filter(|(state, _, _)| state == "failed")
+            .map(|(_, last_error, attempts)| {
+                format!(
+                    "aggregation failed {attempts} times: {}",
+                    last_error.as_deref().unwrap_or("no error recorded")
+                )
+            })
+    }};
+}
+pub(super) use failed_aggregation;
+
 impl Store {
     /// Starts attempt `attempt` of round `round` with the `selected` clients, collecting
     /// until `deadline`. The experiment must be running and have no attempt in progress.
@@ -790,40 +815,17 @@ impl Store {
         now: i64,
     ) -> Result<bool, StoreError> {
         let exp = experiment_id.to_string();
-        // The latest aggregation job of the round: its state, last error and attempts.
-        const LATEST_JOB: &str = "SELECT state, last_error, attempts FROM jobs \
-             WHERE experiment_id = $1 AND round = $2 AND kind = $3 ORDER BY id DESC LIMIT 1";
-        let kind = super::JobKind::Aggregate.as_str();
         with_pool!(self, p => {
             // The driver asks on every tick while a round aggregates: a plain read
             // answers the usual case (the job still has attempts) without taking the
             // write lock; the transaction below checks again.
-            let job: Option<(String, Option<String>, i64)> = sqlx::query_as(LATEST_JOB)
-                .bind(&exp)
-                .bind(round)
-                .bind(kind)
-                .fetch_optional(p)
-                .await?;
-            if job.is_none_or(|(state, _, _)| state != "failed") {
+            if failed_aggregation!(p, &exp, round).is_none() {
                 return Ok(false);
             }
             let mut tx = p.begin_write().await?;
-            let job: Option<(String, Option<String>, i64)> = sqlx::query_as(LATEST_JOB)
-                .bind(&exp)
-                .bind(round)
-                .bind(kind)
-                .fetch_optional(&mut *tx)
-                .await?;
-            let Some((state, last_error, attempts)) = job else {
+            let Some(reason) = failed_aggregation!(&mut *tx, &exp, round) else {
                 return Ok(false);
             };
-            if state != "failed" {
-                return Ok(false);
-            }
-            let reason = format!(
-                "aggregation failed {attempts} times: {}",
-                last_error.as_deref().unwrap_or("no error recorded")
-            );
             let moved = sqlx::query(
                 "UPDATE rounds SET stage = 'failed', failure = $1, finished_at = $2 \
                  WHERE experiment_id = $3 AND round = $4 AND attempt = $5 AND stage = 'aggregating'",
