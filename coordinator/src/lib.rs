@@ -18,7 +18,6 @@
 
 pub mod bench;
 pub mod blobs;
-pub mod dashboard;
 pub mod demo;
 pub mod engine;
 pub mod fault;

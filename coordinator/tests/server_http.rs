@@ -11,8 +11,8 @@ mod common;
 
 use axum::Router;
 use axum::routing::post;
-use cohort_coordinator::server::api::documented_admin_routes;
 use cohort_coordinator::server::error::{ErrorBody, Json};
+use cohort_coordinator::server::http::documented_admin_routes;
 use cohort_coordinator::server::{
     AppState, Prepared, ServeError, ServeFlags, ServeSettings, admin_router, prepare,
 };

@@ -22,6 +22,7 @@ pub mod privacy;
 pub mod round;
 pub mod secure;
 pub mod spec;
+pub mod task;
 
 pub use mode::{ExperimentMode, FedBuffSettings, UnknownMode};
 pub use model::SpecModel;

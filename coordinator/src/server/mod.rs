@@ -5,26 +5,23 @@
 //! - [`tls`]: the development CA and loading certificates into rustls.
 //! - [`auth`]: the admin token (generated once, stored hashed) and secret hashing.
 //! - [`error`]: [`ApiError`], the JSON error body, and the [`Json`](error::Json) extractor.
-//! - [`api`]: the routes and the OpenAPI document.
+//! - [`http`]: the handlers, one module per resource, the routes and the OpenAPI
+//!   document.
+//! - [`driver`]: what moves experiments on: the ticks of synchronous rounds, secure
+//!   rounds and FedBuff buffers, and the aggregation jobs.
 //!
 //! [`run`] is the whole command; [`prepare`] and [`Prepared::serve`] split it so tests can
 //! bind `127.0.0.1:0`, learn the address and generated secrets, and talk to a real server.
 
-pub mod admin;
-pub mod api;
-pub mod audit;
 pub mod auth;
-pub mod client_api;
+pub mod dashboard;
 pub mod driver;
 pub mod error;
 pub mod fd_limit;
-pub mod fedbuff;
-pub mod models;
+pub mod http;
 pub mod privacy;
 pub mod rate_limit;
-pub mod secagg_api;
 pub mod secagg_snapshots;
-pub mod secure_rounds;
 pub mod settings;
 pub mod telemetry;
 pub mod tls;
@@ -45,9 +42,9 @@ use axum_server::tls_rustls::RustlsConfig;
 use tower_http::trace::{DefaultMakeSpan, DefaultOnResponse, TraceLayer};
 use tracing::Level;
 
-pub use api::{ADMIN_PREFIX, ApiDoc, admin_router};
 pub use auth::{AdminToken, hash_secret};
 pub use error::ApiError;
+pub use http::{ADMIN_PREFIX, ApiDoc, admin_router};
 pub use settings::{Secret, ServeArgs, ServeFlags, ServeSettings, SettingsError, TlsMode};
 
 /// How long in-flight requests may finish after shutdown is asked for.
@@ -191,16 +188,16 @@ pub fn app_with_admin(state: AppState, admin: Router<AppState>) -> Router {
         .fallback(error::not_found)
         .layer(middleware::from_fn_with_state(
             state.clone(),
-            api::require_admin,
+            http::require_admin,
         ));
     // Every API answer, errors included, is JSON; the dashboard answers in HTML, so the
     // rewriting of non-JSON errors stays on the API's side.
-    let api = api::public_router(&state)
+    let api = http::public_router(&state)
         .nest(ADMIN_PREFIX, admin)
         .layer(middleware::map_response(error::json_errors));
     Router::new()
         .merge(api)
-        .merge(crate::dashboard::router(state.clone()))
+        .merge(crate::server::dashboard::router(state.clone()))
         .route("/metrics", axum::routing::get(telemetry::metrics))
         .fallback(fallback)
         // Inside the body limit and tracing, per route: the route template is known here.
@@ -227,7 +224,7 @@ async fn fallback(uri: axum::http::Uri) -> axum::response::Response {
     if uri.path() == "/api" || uri.path().starts_with("/api/") {
         return error::json_errors(error::not_found(uri).await.into_response()).await;
     }
-    crate::dashboard::not_found(uri).await
+    crate::server::dashboard::not_found(uri).await
 }
 
 /// A server that has done all its start-up work and is bound, but not yet serving.

@@ -25,7 +25,7 @@ use cohort_aggregation::secagg::ServerSession;
 use tokio::sync::OnceCell;
 use uuid::Uuid;
 
-use super::secure_rounds::{SecureRoundError, rebuild_closed};
+use super::driver::secure_rounds::{SecureRoundError, rebuild_closed};
 use crate::store::{Round, RoundStage, Store, StoreError};
 
 /// How often a long poll looks at its round's stage.

@@ -282,7 +282,7 @@ pub async fn metrics(
     super::rate_limit::PeerAddr(peer): super::rate_limit::PeerAddr,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    super::api::check_admin(&state, &headers, peer)?;
+    super::http::check_admin(&state, &headers, peer)?;
     let counts = state
         .store
         .counts(now_millis() - ACTIVE_CLIENT_WINDOW_MS)

@@ -19,10 +19,11 @@ use super::multipart;
 use super::session::{Session, field, form_fields};
 use super::{Chrome, PageError, render};
 use crate::server::AppState;
-use crate::server::admin::{current_model, current_safetensors, octets, resolve_initial_model};
 use crate::server::auth::{generate_secret, hash_secret};
 use crate::server::error::ApiError;
-use crate::server::models::{EvaluationSummary, summarise};
+use crate::server::http::admin::{current_safetensors, resolve_initial_model};
+use crate::server::http::extract::{current_model, octets};
+use crate::server::http::models::{EvaluationSummary, summarise};
 use crate::store::{ExperimentState, Round, RoundStage, now_millis};
 use cohort_core::ExperimentSpec;
 use cohort_core::SpecModel;
@@ -373,7 +374,7 @@ pub async fn upload_model(
     } else {
         typed.clone()
     };
-    match crate::server::models::store_model_file(&state, name, file.data.clone()).await {
+    match crate::server::http::models::store_model_file(&state, name, file.data.clone()).await {
         Ok(stored) => {
             Ok(Redirect::to(&format!("{UPLOAD_PATH}?uploaded={}", stored.id)).into_response())
         }
@@ -1051,7 +1052,8 @@ async fn live_round(state: &AppState, r: &Round, now: i64) -> Result<LiveRound, 
         .store
         .participations(r.experiment_id, r.round, r.attempt)
         .await?;
-    let config = crate::server::secure_rounds::round_config(r).map_err(PageError::internal)?;
+    let config =
+        crate::server::driver::secure_rounds::round_config(r).map_err(PageError::internal)?;
     let deadline = r
         .stage_deadline
         .map(|d| {
@@ -1077,7 +1079,7 @@ async fn live_round(state: &AppState, r: &Round, now: i64) -> Result<LiveRound, 
         neighbours: 0,
     };
     if let Some(config) = config {
-        let p = crate::server::secure_rounds::progress(&participants);
+        let p = crate::server::driver::secure_rounds::progress(&participants);
         live.threshold = config.threshold;
         live.neighbours = config.neighbours;
         live.secure_progress = vec![

@@ -7,20 +7,24 @@
 //! coordinators on one PostgreSQL can run drivers side by side: their conditional updates
 //! and the job claim let exactly one of them make each change.
 //!
-//! An experiment in mode `fedbuff` has no rounds in this sense: [`super::fedbuff`] takes
+//! An experiment in mode `fedbuff` has no rounds in this sense: [`fedbuff`] takes
 //! its steps and its aggregation jobs.
+
+pub mod fedbuff;
+pub mod model;
+pub mod secure_rounds;
 
 use std::time::Duration;
 
 use cohort_aggregation::{ModelVector, WeightedMean, wire};
 use cohort_edge::model::ModelSpec;
 
-use super::models::ExperimentModel;
 use cohort_core::SpecModel;
+use model::ExperimentModel;
 use rand::seq::index;
 use uuid::Uuid;
 
-use super::AppState;
+use crate::server::AppState;
 use crate::store::{
     Experiment, ExperimentState, Job, JobKind, PublishedModel, Round, RoundMetrics, RoundStage,
     StoreError, now_millis,
@@ -283,16 +287,14 @@ async fn initial_model(
     let from_file = match spec.initial_model {
         Some(id) => {
             let file = state.store.model_file(id).await?;
-            let vector = super::models::load_model_file(state, &file)
-                .await
-                .map_err(|e| DriverError::Aggregation(e.to_string()))?;
+            let vector = model::load_model_file(state, &file).await?;
             Some(vector)
         }
         None => None,
     };
     match (model, from_file) {
         (_, Some(vector)) => {
-            super::models::reorder(&vector, model.layout()).map_err(DriverError::Aggregation)
+            model::reorder(&vector, model.layout()).map_err(DriverError::Aggregation)
         }
         (ExperimentModel::BuiltIn(built_in), None) => Ok(built_in.init(spec.seed)),
         (ExperimentModel::File { id, .. }, None) => Err(DriverError::Aggregation(format!(
@@ -324,7 +326,7 @@ async fn step_experiment(state: &AppState, exp: &Experiment) -> Result<(), Drive
             .await?;
     }
     if let Some(settings) = spec.fedbuff() {
-        return super::fedbuff::step(state, exp, &spec, &settings, now).await;
+        return crate::server::driver::fedbuff::step(state, exp, &spec, &settings, now).await;
     }
     let Some(round) = store.latest_round(exp.id).await? else {
         return open(state, exp, &spec, 1, 1, now).await;
@@ -385,7 +387,15 @@ async fn secure_step(
     round: &Round,
     now: i64,
 ) -> Result<(), DriverError> {
-    super::secure_rounds::step(state, spec, round, spec.min_participants, JOB_ATTEMPTS, now).await
+    crate::server::driver::secure_rounds::step(
+        state,
+        spec,
+        round,
+        spec.min_participants,
+        JOB_ATTEMPTS,
+        now,
+    )
+    .await
 }
 
 pub(super) async fn set_state(
@@ -566,8 +576,9 @@ async fn open_private(
     let selections = state.store.selections(exp.id).await?;
     let threshold = secure_config.as_ref().map(|c| c.threshold);
     let dp_error = |e| DriverError::Spec(exp.id, format!("differential privacy: {e}"));
-    let ledger = super::privacy::CoordinatorLedger::new(&rounds, &selections).map_err(dp_error)?;
-    let charge = super::privacy::charge_round(
+    let ledger =
+        crate::server::privacy::CoordinatorLedger::new(&rounds, &selections).map_err(dp_error)?;
+    let charge = crate::server::privacy::charge_round(
         privacy,
         &rounds,
         &ledger,
@@ -664,12 +675,17 @@ async fn aggregate_secure(
     round: &Round,
     current: &PublishedModel,
 ) -> Result<(), DriverError> {
-    let unmasked = match super::secure_rounds::unmask_round(state, round).await? {
+    let unmasked = match crate::server::driver::secure_rounds::unmask_round(state, round).await? {
         Ok(u) => u,
         Err(e) => {
             tracing::warn!(experiment = %exp.id, round = round.round, error = %e,
                 "secure round could not be unmasked");
-            return super::secure_rounds::fail_aggregation(state, round, e.to_string()).await;
+            return crate::server::driver::secure_rounds::fail_aggregation(
+                state,
+                round,
+                e.to_string(),
+            )
+            .await;
         }
     };
     tracing::info!(
@@ -793,7 +809,10 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
     let exp = store.experiment(job.experiment_id).await?;
     let (spec, model) = experiment_model(&exp)?;
     if let Some(settings) = spec.fedbuff() {
-        return super::fedbuff::aggregate(state, &exp, &spec, &settings, &model, job.round).await;
+        return crate::server::driver::fedbuff::aggregate(
+            state, &exp, &spec, &settings, &model, job.round,
+        )
+        .await;
     }
     let round = store
         .rounds(exp.id)
@@ -996,7 +1015,7 @@ async fn publish_private(
     delta: f64,
 ) -> Result<(), DriverError> {
     let rounds = state.store.rounds(experiment).await?;
-    record.epsilon = super::privacy::epsilon_spent(
+    record.epsilon = crate::server::privacy::epsilon_spent(
         &rounds,
         Some((round.round, round.attempt)),
         Some((record.sampling_rate, record.noise_multiplier)),

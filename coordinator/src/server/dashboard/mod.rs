@@ -33,9 +33,9 @@ use axum::routing::{get, post};
 use crate::server::AppState;
 
 /// The stylesheet, embedded at build time.
-const APP_CSS: &str = include_str!("../../../web-ui/static/app.css");
+const APP_CSS: &str = include_str!("../../../../web-ui/static/app.css");
 /// The script that keeps `data-live` regions current, embedded at build time.
-const APP_JS: &str = include_str!("../../../web-ui/static/app.js");
+const APP_JS: &str = include_str!("../../../../web-ui/static/app.js");
 
 /// A short hash of the embedded assets, put in their URLs so that a browser never runs
 /// a new page against an old cached script.

@@ -1,8 +1,16 @@
 //! The HTTP API: routes, the admin guard and the OpenAPI document that describes them.
 //!
 //! Public routes live at the top level; admin routes go into [`admin_router`], which
-//! [`app`](super::app) nests under [`ADMIN_PREFIX`] behind the admin-token guard, so a
+//! [`app`](crate::server::app) nests under [`ADMIN_PREFIX`] behind the admin-token guard, so a
 //! route added there cannot be left unguarded. Every route is listed in [`ApiDoc`].
+
+pub mod admin;
+pub mod audit;
+pub mod client_api;
+pub mod extract;
+pub mod fedbuff;
+pub mod models;
+pub mod secagg_api;
 
 use axum::Router;
 use axum::extract::{Request, State};
@@ -14,9 +22,9 @@ use serde::{Deserialize, Serialize};
 use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
 use utoipa::{Modify, OpenApi, ToSchema};
 
-use super::AppState;
-use super::auth::parse_bearer;
-use super::error::{ApiError, ErrorBody, ErrorDetail, Json};
+use crate::server::AppState;
+use crate::server::auth::parse_bearer;
+use crate::server::error::{ApiError, ErrorBody, ErrorDetail, Json};
 
 /// Where the admin API is mounted; every path below it needs the admin token.
 pub const ADMIN_PREFIX: &str = "/api/v1/admin";
@@ -45,18 +53,18 @@ pub struct ApiDoc;
 /// The whole OpenAPI document: the meta routes plus every admin route.
 pub fn openapi() -> utoipa::openapi::OpenApi {
     let mut doc = ApiDoc::openapi();
-    doc.merge(super::admin::AdminDoc::openapi());
-    doc.merge(super::client_api::ClientDoc::openapi());
-    doc.merge(super::secagg_api::SecAggDoc::openapi());
-    doc.merge(super::fedbuff::FedBuffDoc::openapi());
-    doc.merge(super::models::ModelsDoc::openapi());
-    doc.merge(super::audit::AuditDoc::openapi());
+    doc.merge(crate::server::http::admin::AdminDoc::openapi());
+    doc.merge(crate::server::http::client_api::ClientDoc::openapi());
+    doc.merge(crate::server::http::secagg_api::SecAggDoc::openapi());
+    doc.merge(crate::server::http::fedbuff::FedBuffDoc::openapi());
+    doc.merge(crate::server::http::models::ModelsDoc::openapi());
+    doc.merge(crate::server::http::audit::AuditDoc::openapi());
     let components = doc.components.get_or_insert_with(Default::default);
     let mut scheme = Http::new(HttpAuthScheme::Bearer);
     scheme.description =
         Some("A client's credential, `<client id>.<secret>`, as returned by enrolment.".into());
     components.add_security_scheme(
-        super::client_api::CLIENT_SECURITY_SCHEME,
+        crate::server::http::client_api::CLIENT_SECURITY_SCHEME,
         SecurityScheme::Http(scheme),
     );
     document_framework_answers(&mut doc);
@@ -203,32 +211,36 @@ async fn whoami() -> Json<WhoAmI> {
 /// The public routes, with absolute paths. A client's messages other than updates
 /// (secure aggregation, evaluation and failure reports) pass its message limit first.
 pub(crate) fn public_router(state: &AppState) -> Router<AppState> {
-    let limited =
-        || axum::middleware::from_fn_with_state(state.clone(), super::client_api::limit_messages);
+    let limited = || {
+        axum::middleware::from_fn_with_state(
+            state.clone(),
+            crate::server::http::client_api::limit_messages,
+        )
+    };
     Router::new()
         .route("/api/v1/health", get(health))
         .route("/api/v1/openapi.json", get(openapi_json))
-        .merge(super::client_api::routes())
-        .merge(super::secagg_api::routes().route_layer(limited()))
-        .merge(super::models::client_routes().route_layer(limited()))
+        .merge(crate::server::http::client_api::routes())
+        .merge(crate::server::http::secagg_api::routes().route_layer(limited()))
+        .merge(crate::server::http::models::client_routes().route_layer(limited()))
 }
 
 /// The admin routes, with paths relative to [`ADMIN_PREFIX`]. Add new admin routes here
-/// (and to [`ApiDoc`]); [`app`](super::app) puts the whole router behind the guard.
+/// (and to [`ApiDoc`]); [`app`](crate::server::app) puts the whole router behind the guard.
 pub fn admin_router() -> Router<AppState> {
     Router::new()
         .route("/whoami", get(whoami))
-        .merge(super::admin::routes())
-        .merge(super::fedbuff::routes())
-        .merge(super::models::admin_routes())
-        .merge(super::audit::routes())
+        .merge(crate::server::http::admin::routes())
+        .merge(crate::server::http::fedbuff::routes())
+        .merge(crate::server::http::models::admin_routes())
+        .merge(crate::server::http::audit::routes())
 }
 
 /// Middleware: lets a request through only with `Authorization: Bearer <admin token>`.
 /// The admin's actions are audited as `admin via api from <address>`.
 pub(crate) async fn require_admin(
     State(state): State<AppState>,
-    super::rate_limit::PeerAddr(peer): super::rate_limit::PeerAddr,
+    crate::server::rate_limit::PeerAddr(peer): crate::server::rate_limit::PeerAddr,
     request: Request,
     next: Next,
 ) -> Result<Response, ApiError> {

@@ -5,7 +5,6 @@ use axum::Router;
 use axum::extract::{FromRequestParts, State};
 use axum::http::StatusCode;
 use axum::http::header;
-use axum::http::request::Parts;
 use axum::routing::{get, post};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -13,10 +12,11 @@ use uuid::Uuid;
 
 use cohort_edge::protocol::{CheckInReply, SecureTask, Task, TaskKind};
 
-use super::AppState;
-use super::auth::{generate_secret, hash_secret, parse_bearer, verify_secret};
-use super::error::{ApiError, ErrorBody, Json};
-use crate::store::{Client, StoreError, now_millis};
+use super::extract::{AuthenticatedClient, require_participant};
+use crate::server::AppState;
+use crate::server::auth::{generate_secret, hash_secret};
+use crate::server::error::{ApiError, ErrorBody, Json};
+use crate::store::{StoreError, now_millis};
 
 /// Name of the client-credential security scheme in the OpenAPI document.
 pub const CLIENT_SECURITY_SCHEME: &str = "client_credential";
@@ -89,57 +89,6 @@ pub struct ClientIdentity {
     pub label: String,
 }
 
-/// Extractor: the client whose credential the request carries. Missing or wrong
-/// credentials are 401; a revoked client is 403; an address past its share of failed
-/// authentications is 429 before its credential is looked at. It writes nothing: a
-/// handler records the client as seen only once the request has succeeded, so that a
-/// refused request leaves the database exactly as it was.
-#[derive(Debug, Clone)]
-pub struct AuthenticatedClient(pub Client);
-
-impl FromRequestParts<AppState> for AuthenticatedClient {
-    type Rejection = ApiError;
-
-    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        // A layer in front (the message limit) may have authenticated the request already.
-        if let Some(client) = parts.extensions.get::<AuthenticatedClient>() {
-            return Ok(client.clone());
-        }
-        let Ok(super::rate_limit::PeerAddr(peer)) =
-            super::rate_limit::PeerAddr::from_request_parts(parts, state).await;
-        state.limits.authentication_allowed(peer)?;
-        let wrong = || ApiError::Unauthorized("missing or invalid client credential".into());
-        let mut values = parts.headers.get_all(header::AUTHORIZATION).iter();
-        let Some(first) = values.next() else {
-            // No credential at all is no guess: not counted.
-            return Err(wrong());
-        };
-        let refused = || {
-            state.limits.authentication_failed(peer);
-            wrong()
-        };
-        if values.next().is_some() {
-            return Err(refused());
-        }
-        let token = parse_bearer(Some(first.as_bytes())).map_err(|_| refused())?;
-        let (id, secret) = token.split_once('.').ok_or_else(refused)?;
-        let id = Uuid::parse_str(id).map_err(|_| refused())?;
-        let (hash, client) = match state.store.client_credential(id).await {
-            Ok(found) => found,
-            Err(StoreError::NotFound(_)) => return Err(refused()),
-            Err(other) => return Err(other.into()),
-        };
-        let expected: [u8; 32] = hash.as_slice().try_into().map_err(|_| refused())?;
-        if !verify_secret(secret, &expected) {
-            return Err(refused());
-        }
-        if client.revoked_at.is_some() {
-            return Err(ApiError::Forbidden("this client has been revoked".into()));
-        }
-        Ok(AuthenticatedClient(client))
-    }
-}
-
 /// Middleware for the routes of a client's messages other than updates (secure
 /// aggregation, evaluation and failure reports): a `POST` is authenticated here and
 /// counted against the client's message limit before its handler runs, which then finds
@@ -161,13 +110,6 @@ pub(crate) async fn limit_messages(
         .await)
 }
 
-impl AuthenticatedClient {
-    /// Records that the client was seen now (it counts as available for selection).
-    async fn seen(&self, state: &AppState) -> Result<(), ApiError> {
-        Ok(state.store.touch_client(self.0.id, now_millis()).await?)
-    }
-}
-
 /// Enrols a client with a one-time enrolment token.
 #[utoipa::path(post, path = "/api/v1/clients/enrol", tag = "client", request_body = EnrolRequest,
     responses((status = 201, description = "Enrolled", body = Enrolled),
@@ -176,7 +118,7 @@ impl AuthenticatedClient {
               (status = 429, description = "Too many enrolments from this address", body = ErrorBody)))]
 async fn enrol(
     State(state): State<AppState>,
-    super::rate_limit::PeerAddr(peer): super::rate_limit::PeerAddr,
+    crate::server::rate_limit::PeerAddr(peer): crate::server::rate_limit::PeerAddr,
     Json(req): Json<EnrolRequest>,
 ) -> Result<(StatusCode, Json<Enrolled>), ApiError> {
     state.limits.enrolment(peer)?;
@@ -302,48 +244,15 @@ pub struct CheckIn {
     pub wait_seconds: u64,
 }
 
-/// A task of experiment `experiment` with `spec`'s model and training settings, and no
-/// secure aggregation.
-pub(super) fn plain_task(
-    spec: &cohort_core::ExperimentSpec,
-    experiment: Uuid,
-    round: i64,
-    attempt: i64,
-    deadline_ms: Option<i64>,
-) -> Task {
-    Task {
-        experiment_id: experiment,
-        round,
-        attempt,
-        deadline_ms,
-        model: spec.model.to_string(),
-        features: spec.features,
-        classes: spec.classes,
-        train: cohort_edge::train::TrainConfig {
-            local_epochs: spec.train.local_epochs,
-            batch_size: spec.train.batch_size,
-            lr: spec.train.lr,
-            momentum: spec.train.momentum,
-            weight_decay: spec.train.weight_decay,
-            proximal_mu: spec.strategy.proximal_mu(),
-        },
-        secure_aggregation: None,
-        kind: TaskKind::Train,
-        tensors: spec.tensors.clone(),
-        hyperparameters: spec.hyperparameters.clone(),
-        report_metrics: super::models::evaluation_refusal(spec).is_none(),
-    }
-}
-
 async fn task_for(state: &AppState, client: Uuid) -> Result<Option<Task>, ApiError> {
-    if let Some(task) = super::fedbuff::task_for(state, client).await? {
+    if let Some(task) = crate::server::http::fedbuff::task_for(state, client).await? {
         return Ok(Some(task));
     }
     let Some(pending) = state.store.pending_task(client).await? else {
         return evaluation_task(state, client).await;
     };
     let exp = state.store.experiment(pending.experiment_id).await?;
-    let (spec, _) = super::driver::experiment_model(&exp).map_err(ApiError::internal)?;
+    let (spec, _) = crate::server::driver::experiment_model(&exp).map_err(ApiError::internal)?;
     let secure_aggregation = match (&pending.secagg, pending.secagg_index) {
         (Some(text), Some(index)) => Some(SecureTask {
             index: u32::try_from(index).map_err(ApiError::internal)?,
@@ -353,13 +262,7 @@ async fn task_for(state: &AppState, client: Uuid) -> Result<Option<Task>, ApiErr
     };
     Ok(Some(Task {
         secure_aggregation,
-        ..plain_task(
-            &spec,
-            exp.id,
-            pending.round,
-            pending.attempt,
-            pending.deadline,
-        )
+        ..spec.plain_task(exp.id, pending.round, pending.attempt, pending.deadline)
     }))
 }
 
@@ -376,12 +279,12 @@ async fn evaluation_task(state: &AppState, client: Uuid) -> Result<Option<Task>,
         let Ok(spec) = serde_json::from_value::<cohort_core::ExperimentSpec>(spec) else {
             continue;
         };
-        if super::models::evaluation_refusal(&spec).is_some() || spec.fedbuff().is_some() {
+        if spec.evaluation_refusal().is_some() || spec.fedbuff().is_some() {
             continue;
         }
         return Ok(Some(Task {
             kind: TaskKind::Evaluate,
-            ..plain_task(&spec, experiment, version, 0, None)
+            ..spec.plain_task(experiment, version, 0, None)
         }));
     }
     Ok(None)
@@ -420,23 +323,6 @@ async fn checkin(
     }
 }
 
-/// Refuses a client that takes no part in `experiment` (see
-/// [`Store::takes_part`](crate::store::Store::takes_part)).
-///
-/// The answer is a 404 worded exactly as for an experiment that does not exist, not a
-/// 403: a client must not learn from it which other experiments there are.
-pub(super) async fn require_participant(
-    state: &AppState,
-    experiment: Uuid,
-    client: Uuid,
-) -> Result<(), ApiError> {
-    if state.store.takes_part(experiment, client).await? {
-        Ok(())
-    } else {
-        Err(ApiError::NotFound(format!("experiment {experiment}")))
-    }
-}
-
 /// The experiment's current global model as little-endian `f32`; the round that
 /// produced it is in the `x-cohort-round` header. Only for a client that takes part in
 /// the experiment; to any other, the experiment does not exist.
@@ -450,12 +336,12 @@ async fn model(
     client: AuthenticatedClient,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<axum::response::Response, ApiError> {
-    let experiment = super::admin::parse_id(&id, "experiment")?;
+    let experiment = crate::server::http::extract::parse_id(&id, "experiment")?;
     require_participant(&state, experiment, client.0.id).await?;
-    let (exp, round, bytes) = super::admin::current_model(&state, &id).await?;
+    let (exp, round, bytes) = crate::server::http::extract::current_model(&state, &id).await?;
     client.seen(&state).await?;
-    super::fedbuff::note_download(&state, &exp, client.0.id, round).await;
-    super::admin::octets(bytes, round, None)
+    crate::server::http::fedbuff::note_download(&state, &exp, client.0.id, round).await;
+    crate::server::http::extract::octets(bytes, round, None)
 }
 
 /// Metadata of an upload, in the query string.
@@ -495,7 +381,7 @@ pub struct UploadQuery {
 async fn upload(
     State(state): State<AppState>,
     AuthenticatedClient(client): AuthenticatedClient,
-    super::rate_limit::PeerAddr(peer): super::rate_limit::PeerAddr,
+    crate::server::rate_limit::PeerAddr(peer): crate::server::rate_limit::PeerAddr,
     axum::extract::Path((id, round, attempt)): axum::extract::Path<(String, i64, i64)>,
     query: Result<axum::extract::Query<UploadQuery>, axum::extract::rejection::QueryRejection>,
     headers: axum::http::HeaderMap,
@@ -525,17 +411,18 @@ async fn upload(
             "train_loss must be finite",
         ));
     }
-    let id = super::admin::parse_id(&id, "experiment")?;
+    let id = crate::server::http::extract::parse_id(&id, "experiment")?;
     // A retry of an upload that was stored: the same answer, nothing counted again,
     // whatever stage the round has reached since.
     if let Some(replayed) = stored_upload(&state, id, client.id, query.upload_id).await? {
         return Ok(replayed);
     }
     let exp = state.store.experiment(id).await?;
-    let (spec, model) = super::driver::experiment_model(&exp).map_err(ApiError::internal)?;
+    let (spec, model) =
+        crate::server::driver::experiment_model(&exp).map_err(ApiError::internal)?;
     // A secure round takes only masked words; a plain round takes floats and a weight.
     let secure = match state.store.round(id, round, attempt).await {
-        Ok(r) => super::secure_rounds::round_config(&r)
+        Ok(r) => crate::server::driver::secure_rounds::round_config(&r)
             .map_err(ApiError::internal)?
             .is_some(),
         Err(crate::store::StoreError::NotFound(what)) => return Err(ApiError::NotFound(what)),
@@ -590,7 +477,7 @@ async fn upload(
         // FedBuff takes the upload into the buffer open now, whichever round its task
         // was handed out in.
         Some(settings) => {
-            super::fedbuff::record_upload(
+            crate::server::http::fedbuff::record_upload(
                 &state,
                 &spec,
                 &settings,

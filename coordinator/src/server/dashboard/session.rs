@@ -301,7 +301,7 @@ pub async fn require_session(
     let actor = format!(
         "admin via dashboard session {} from {}",
         session_label(&session_id),
-        crate::server::api::address_text(peer)
+        crate::server::http::address_text(peer)
     );
     Ok(crate::store::acting_as(actor, next.run(request)).await)
 }
@@ -399,7 +399,7 @@ pub async fn sign_in(
             _ => 60,
         };
         tracing::warn!(
-            peer = %crate::server::api::address_text(peer),
+            peer = %crate::server::http::address_text(peer),
             "dashboard sign-in refused: too many failed sign-ins"
         );
         let mut response = sign_in_form(
@@ -445,7 +445,7 @@ pub async fn sign_in(
     let actor = format!(
         "admin via dashboard session {} from {}",
         session_label(&session_id),
-        crate::server::api::address_text(peer)
+        crate::server::http::address_text(peer)
     );
     crate::store::acting_as(
         actor,
@@ -484,7 +484,7 @@ pub async fn sign_out(
         let actor = format!(
             "admin via dashboard session {} from {}",
             session_label(id),
-            crate::server::api::address_text(peer)
+            crate::server::http::address_text(peer)
         );
         crate::store::acting_as(
             actor,

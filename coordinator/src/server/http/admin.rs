@@ -1,5 +1,5 @@
 //! Admin routes: experiments and their lifecycle, rounds and jobs, enrolment tokens and
-//! clients. Mounted under [`ADMIN_PREFIX`](super::ADMIN_PREFIX), behind the admin guard.
+//! clients. Mounted under [`ADMIN_PREFIX`](crate::server::ADMIN_PREFIX), behind the admin guard.
 
 use axum::Router;
 use axum::extract::{Path, State};
@@ -12,9 +12,10 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
-use super::AppState;
-use super::auth::{generate_secret, hash_secret};
-use super::error::{ApiError, ErrorBody, Json};
+use super::extract::{current_model, octets, parse_id};
+use crate::server::AppState;
+use crate::server::auth::{generate_secret, hash_secret};
+use crate::server::error::{ApiError, ErrorBody, Json};
 use crate::store::{
     Client, EnrolmentToken, Experiment, ExperimentState, Job, Round, StoreError, now_millis,
 };
@@ -97,10 +98,6 @@ pub struct IssuedEnrolmentToken {
     pub expires_at: Option<i64>,
 }
 
-pub(crate) fn parse_id(text: &str, what: &str) -> Result<Uuid, ApiError> {
-    Uuid::parse_str(text).map_err(|_| ApiError::NotFound(format!("{what} {text}")))
-}
-
 /// Creates an experiment in state `created`.
 #[utoipa::path(post, path = "/api/v1/admin/experiments", tag = "admin",
     security(("admin_token" = [])), request_body = ExperimentSpec,
@@ -140,8 +137,10 @@ pub(crate) async fn resolve_initial_model(
     if let SpecModel::BuiltIn(kind) = &spec.model
         && let Ok(built_in) = ModelSpec::new(kind, spec.features, spec.classes)
     {
-        let vector = super::models::load_model_file(state, &file).await?;
-        if let Err(e) = super::models::reorder(&vector, built_in.layout()) {
+        let vector = crate::server::driver::model::load_model_file(state, &file)
+            .await
+            .map_err(ApiError::internal)?;
+        if let Err(e) = crate::server::driver::model::reorder(&vector, built_in.layout()) {
             return Err(ApiError::unprocessable(
                 "invalid_experiment",
                 format!("initial_model: not a {} model: {e}", spec.model),
@@ -269,7 +268,8 @@ async fn list_rounds(
     let exp = state.store.experiment(id).await?;
     let rounds = state.store.rounds(id).await?;
     let coordinator_epsilon = coordinator_epsilon_by_attempt(&state, &exp, &rounds).await?;
-    let mut evaluations = super::models::summarise(&state.store.client_evaluations(id).await?);
+    let mut evaluations =
+        crate::server::http::models::summarise(&state.store.client_evaluations(id).await?);
     let mut failures = state.store.task_failures(id).await?;
     Ok(Json(
         rounds
@@ -303,14 +303,14 @@ pub(crate) async fn coordinator_epsilon_by_attempt(
     exp: &crate::store::Experiment,
     rounds: &[Round],
 ) -> Result<std::collections::HashMap<(i64, i64), Option<f64>>, ApiError> {
-    let privacy = super::driver::experiment_spec(exp)
+    let privacy = crate::server::driver::experiment_spec(exp)
         .ok()
         .and_then(|spec| spec.privacy);
     let Some(privacy) = privacy else {
         return Ok(Default::default());
     };
     let selections = state.store.selections(exp.id).await?;
-    super::privacy::CoordinatorLedger::new(rounds, &selections)
+    crate::server::privacy::CoordinatorLedger::new(rounds, &selections)
         .and_then(|ledger| ledger.by_attempt(privacy.delta))
         .map_err(ApiError::internal)
 }
@@ -326,7 +326,7 @@ pub struct RoundView {
     /// published (reported by the next round's clients, or, for the last round, by
     /// evaluation tasks), weighted by their examples.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub client_evaluation: Option<super::models::EvaluationSummary>,
+    pub client_evaluation: Option<crate::server::http::models::EvaluationSummary>,
     /// Tasks of this attempt that clients reported they could not complete, with why.
     #[schema(value_type = Vec<Object>)]
     pub failures: Vec<crate::store::TaskFailure>,
@@ -411,7 +411,7 @@ async fn get_privacy(
 ) -> Result<Json<PrivacyReport>, ApiError> {
     let id = parse_id(&id, "experiment")?;
     let exp = state.store.experiment(id).await?;
-    let (spec, _) = super::driver::experiment_model(&exp).map_err(ApiError::internal)?;
+    let (spec, _) = crate::server::driver::experiment_model(&exp).map_err(ApiError::internal)?;
     let Some(privacy) = &spec.privacy else {
         return Err(ApiError::NotFound(format!(
             "experiment {id} has no differential privacy settings"
@@ -419,8 +419,8 @@ async fn get_privacy(
     };
     let rounds = state.store.rounds(id).await?;
     let selections = state.store.selections(id).await?;
-    let ledger =
-        super::privacy::CoordinatorLedger::new(&rounds, &selections).map_err(ApiError::internal)?;
+    let ledger = crate::server::privacy::CoordinatorLedger::new(&rounds, &selections)
+        .map_err(ApiError::internal)?;
     let by_attempt = ledger
         .by_attempt(privacy.delta)
         .map_err(ApiError::internal)?;
@@ -441,8 +441,10 @@ async fn get_privacy(
         .collect();
     let coordinator = ledger.epsilon(privacy.delta).map_err(ApiError::internal)?;
     let (epsilon_spent_coordinator, worst_client_attempts) = match coordinator {
-        super::privacy::CoordinatorEpsilon::Bounded { epsilon, rounds } => (Some(epsilon), rounds),
-        super::privacy::CoordinatorEpsilon::Unbounded => (None, 0),
+        crate::server::privacy::CoordinatorEpsilon::Bounded { epsilon, rounds } => {
+            (Some(epsilon), rounds)
+        }
+        crate::server::privacy::CoordinatorEpsilon::Unbounded => (None, 0),
     };
     // Central noise is a property of the experiment: say so before its first charge too.
     let unbounded = epsilon_spent_coordinator.is_none() || spec.secure_aggregation.is_none();
@@ -465,12 +467,12 @@ async fn get_privacy(
         epsilon_spent: charged.last().map_or(0.0, |r| r.epsilon),
         epsilon_spent_coordinator: epsilon_spent_coordinator.filter(|_| !unbounded),
         epsilon_coordinator_unbounded: unbounded
-            .then(|| super::privacy::CENTRAL_NOISE_UNBOUNDED.to_string()),
+            .then(|| crate::server::privacy::CENTRAL_NOISE_UNBOUNDED.to_string()),
         worst_client_attempts,
         clients_charged: ledger.clients(),
         attempts_charged: charged.len(),
         noise_multiplier: privacy.noise_multiplier,
-        clip: super::privacy::current_clip(privacy, &rounds),
+        clip: crate::server::privacy::current_clip(privacy, &rounds),
         // A running experiment finishes early only at the budget check.
         budget_exhausted: exp.state == ExperimentState::Finished
             && published < i64::from(spec.rounds),
@@ -509,7 +511,7 @@ pub struct SecureRoundView {
     /// Each update coordinate is clipped to this.
     pub clip: f32,
     /// How many clients reached each stage.
-    pub progress: super::secure_rounds::SecureProgress,
+    pub progress: crate::server::driver::secure_rounds::SecureProgress,
     /// Who dropped where.
     pub dropped: DroppedAt,
 }
@@ -548,7 +550,7 @@ async fn get_round(
     let (round, attempt) = (number(&round, "round")?, number(&attempt, "attempt")?);
     let r = state.store.round(id, round, attempt).await?;
     let participants = state.store.participations(id, round, attempt).await?;
-    let secure = super::secure_rounds::round_config(&r)
+    let secure = crate::server::driver::secure_rounds::round_config(&r)
         .map_err(ApiError::internal)?
         .map(|config| {
             let mut dropped = DroppedAt::default();
@@ -568,7 +570,7 @@ async fn get_round(
                 threshold: config.threshold,
                 neighbours: config.neighbours,
                 clip: config.quantization.clip,
-                progress: super::secure_rounds::progress(&participants),
+                progress: crate::server::driver::secure_rounds::progress(&participants),
                 dropped,
             }
         });
@@ -716,47 +718,6 @@ async fn revoke_client(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// The experiment, the round of its current model and the model's bytes; shared by the
-/// admin and client downloads.
-pub(crate) async fn current_model(
-    state: &AppState,
-    id: &str,
-) -> Result<(Experiment, i64, Vec<u8>), ApiError> {
-    let id = parse_id(id, "experiment")?;
-    let exp = state.store.experiment(id).await?;
-    let model = state
-        .store
-        .latest_model(id)
-        .await?
-        .ok_or_else(|| ApiError::NotFound(format!("experiment {id} has no model yet")))?;
-    let blobs = state.blobs.clone();
-    let bytes = tokio::task::spawn_blocking(move || blobs.get(&model.blob_path))
-        .await
-        .map_err(ApiError::internal)?
-        .map_err(ApiError::internal)?;
-    Ok((exp, model.round, bytes))
-}
-
-/// An `application/octet-stream` answer carrying a model of `round`.
-pub(crate) fn octets(
-    bytes: Vec<u8>,
-    round: i64,
-    filename: Option<String>,
-) -> Result<axum::response::Response, ApiError> {
-    let mut builder = axum::response::Response::builder()
-        .header(axum::http::header::CONTENT_TYPE, "application/octet-stream")
-        .header("x-cohort-round", round.to_string());
-    if let Some(name) = filename {
-        builder = builder.header(
-            axum::http::header::CONTENT_DISPOSITION,
-            format!("attachment; filename=\"{name}\""),
-        );
-    }
-    builder
-        .body(axum::body::Body::from(bytes))
-        .map_err(ApiError::internal)
-}
-
 /// The current global model as little-endian `f32` (round in `x-cohort-round`).
 #[utoipa::path(get, path = "/api/v1/admin/experiments/{id}/model", tag = "admin",
     security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
@@ -790,7 +751,7 @@ pub(crate) async fn current_safetensors(
     id: &str,
 ) -> Result<(Vec<u8>, i64, String), ApiError> {
     let (exp, round, bytes) = current_model(state, id).await?;
-    let (_, model) = super::driver::experiment_model(&exp).map_err(ApiError::internal)?;
+    let (_, model) = crate::server::driver::experiment_model(&exp).map_err(ApiError::internal)?;
     let vector =
         cohort_aggregation::wire::decode(model.layout(), &bytes).map_err(ApiError::internal)?;
     let metadata = std::collections::HashMap::from([
@@ -870,7 +831,7 @@ pub(crate) fn routes() -> Router<AppState> {
         RoundDetail,
         SecureRoundView,
         DroppedAt,
-        super::secure_rounds::SecureProgress
+        crate::server::driver::secure_rounds::SecureProgress
     ))
 )]
 pub(crate) struct AdminDoc;

@@ -8,102 +8,21 @@
 //! counts.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::routing::{get, post};
-use cohort_aggregation::{Layout, ModelVector, TensorSpec};
-use cohort_edge::model::ModelSpec;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
-use super::AppState;
-use super::admin::parse_id;
-use super::client_api::AuthenticatedClient;
-use super::error::{ApiError, ErrorBody, Json};
+use crate::server::AppState;
+use crate::server::driver::model::model_file_blob;
+use crate::server::error::{ApiError, ErrorBody, Json};
+use crate::server::http::extract::AuthenticatedClient;
+use crate::server::http::extract::parse_id;
 use crate::store::{ClientEvaluation, ModelFile, TaskFailure, now_millis};
-
-use cohort_core::SpecModel;
-
-/// The model an experiment trains, resolved from its spec.
-#[derive(Debug, Clone, PartialEq)]
-pub enum ExperimentModel {
-    /// A built-in model: the coordinator can initialise and evaluate it.
-    BuiltIn(ModelSpec),
-    /// A model from a file: only its tensors are known.
-    File {
-        /// The uploaded file it started from.
-        id: Uuid,
-        /// Its tensors.
-        layout: Arc<Layout>,
-    },
-}
-
-impl ExperimentModel {
-    /// The tensors every update must have.
-    pub fn layout(&self) -> &Arc<Layout> {
-        match self {
-            ExperimentModel::BuiltIn(spec) => spec.layout(),
-            ExperimentModel::File { layout, .. } => layout,
-        }
-    }
-
-    /// Scalar parameters.
-    pub fn num_params(&self) -> usize {
-        self.layout().len()
-    }
-
-    /// The built-in model, when it is one.
-    pub fn built_in(&self) -> Option<&ModelSpec> {
-        match self {
-            ExperimentModel::BuiltIn(spec) => Some(spec),
-            ExperimentModel::File { .. } => None,
-        }
-    }
-
-    /// The tensors to send with each task: for a file model, which the client cannot
-    /// derive from a model name.
-    pub fn task_tensors(&self) -> Option<Vec<TensorSpec>> {
-        match self {
-            ExperimentModel::BuiltIn(_) => None,
-            ExperimentModel::File { layout, .. } => Some(layout.tensors().to_vec()),
-        }
-    }
-}
-
-/// `values` (in `from`'s tensor order) rearranged into `to`'s order; the two must hold
-/// the same names and shapes.
-pub fn reorder(from: &ModelVector, to: &Arc<Layout>) -> Result<ModelVector, String> {
-    if from.layout().as_ref() == to.as_ref() {
-        return ModelVector::new(to.clone(), from.values().to_vec()).map_err(|e| e.to_string());
-    }
-    let mut values = Vec::with_capacity(to.len());
-    for spec in to.tensors() {
-        let (offset, found) = from
-            .layout()
-            .find(&spec.name)
-            .ok_or_else(|| format!("tensor `{}` is missing", spec.name))?;
-        if found.shape != spec.shape {
-            return Err(format!(
-                "tensor `{}` has shape {:?}, expected {:?}",
-                spec.name, found.shape, spec.shape
-            ));
-        }
-        values.extend_from_slice(&from.values()[offset..offset + spec.numel()]);
-    }
-    if from.layout().tensors().len() != to.tensors().len() {
-        return Err("the file holds tensors the model does not have".into());
-    }
-    ModelVector::new(to.clone(), values).map_err(|e| e.to_string())
-}
-
-/// Blob of an uploaded model file's values.
-fn model_file_blob(id: Uuid) -> String {
-    format!("model-files/{id}.bin")
-}
 
 /// Where an uploaded model file's name comes from.
 #[derive(Debug, Clone, Deserialize, utoipa::IntoParams)]
@@ -112,21 +31,6 @@ pub struct UploadModelQuery {
     /// A name for people (1 to 200 characters); default `model`.
     #[serde(default)]
     pub name: Option<String>,
-}
-
-/// Loads a model file's values, in its stored tensor order.
-pub(crate) async fn load_model_file(
-    state: &AppState,
-    file: &ModelFile,
-) -> Result<ModelVector, ApiError> {
-    let layout = Arc::new(Layout::new(file.tensors.clone()).map_err(ApiError::internal)?);
-    let blobs = state.blobs.clone();
-    let path = file.blob_path.clone();
-    let bytes = tokio::task::spawn_blocking(move || blobs.get(&path))
-        .await
-        .map_err(ApiError::internal)?
-        .map_err(ApiError::internal)?;
-    cohort_aggregation::wire::decode(&layout, &bytes).map_err(ApiError::internal)
 }
 
 /// Uploads a safetensors file (`application/octet-stream`) to start experiments from:
@@ -361,7 +265,7 @@ async fn report_evaluation(
     Json(report): Json<EvaluationReport>,
 ) -> Result<StatusCode, ApiError> {
     let id = parse_id(&id, "experiment")?;
-    super::client_api::require_participant(&state, id, client.id).await?;
+    crate::server::http::extract::require_participant(&state, id, client.id).await?;
     let num_examples = match (report.withheld, report.num_examples) {
         (Some(_), None) if report.metrics.is_empty() => 0,
         (Some(_), _) => {
@@ -398,8 +302,8 @@ async fn report_evaluation(
         ));
     }
     let exp = state.store.experiment(id).await?;
-    let spec = super::driver::experiment_spec(&exp).map_err(ApiError::internal)?;
-    if let Some(why) = evaluation_refusal(&spec) {
+    let spec = crate::server::driver::experiment_spec(&exp).map_err(ApiError::internal)?;
+    if let Some(why) = spec.evaluation_refusal() {
         return Err(ApiError::conflict("evaluations_not_taken", why));
     }
     let current = state.store.latest_model(id).await?.map_or(-1, |m| m.round);
@@ -431,31 +335,6 @@ async fn report_evaluation(
     } else {
         StatusCode::OK
     })
-}
-
-/// Why an experiment takes no client evaluations, if it does not: only file models
-/// (whose metrics come from nowhere else); never with differential privacy, whose
-/// guarantee covers the model and not per-client metrics sent in the clear; and never
-/// with secure aggregation, which hides each client's update from the coordinator: a
-/// client's metrics in the clear beside its masked update would tell what the masking
-/// hides (the weight and loss it needs travel inside the masked vector instead).
-pub fn evaluation_refusal(spec: &cohort_core::ExperimentSpec) -> Option<String> {
-    if spec.model != SpecModel::File {
-        return Some(
-            "client evaluations are taken for file models only; the coordinator evaluates built-in ones".into(),
-        );
-    }
-    if spec.privacy.is_some() {
-        return Some(
-            "the experiment is differentially private: per-client metrics would be released without noise".into(),
-        );
-    }
-    if spec.secure_aggregation.is_some() {
-        return Some(
-            "the experiment uses secure aggregation: per-client metrics would travel in the clear while the updates are masked".into(),
-        );
-    }
-    None
 }
 
 /// Why a client could not complete a task.
@@ -492,12 +371,12 @@ async fn report_failure(
     // Only a client the round selected may speak for it; attempt 0 is the evaluation of
     // a finished experiment's final model, which its clients are asked for.
     let selected = if attempt == 0 {
-        super::client_api::require_participant(&state, id, client.id).await?;
+        crate::server::http::extract::require_participant(&state, id, client.id).await?;
         let exp = state.store.experiment(id).await?;
-        let spec = super::driver::experiment_spec(&exp).map_err(ApiError::internal)?;
+        let spec = crate::server::driver::experiment_spec(&exp).map_err(ApiError::internal)?;
         exp.state == crate::store::ExperimentState::Finished
             && round == exp.current_round
-            && evaluation_refusal(&spec).is_none()
+            && spec.evaluation_refusal().is_none()
     } else {
         state
             .store
@@ -658,44 +537,5 @@ mod tests {
         assert_eq!(s[&2].withheld, 0);
         assert_eq!((s[&3].clients, s[&3].withheld), (0, 1));
         assert!(s[&3].metrics.is_empty());
-    }
-
-    #[test]
-    fn spec_model_names_round_trip_and_file_is_one_of_them() {
-        for text in ["file", "logreg", "mlp:32,16"] {
-            let m: SpecModel = text.parse().unwrap();
-            assert_eq!(m.to_string(), text);
-        }
-        assert_eq!("FILE".parse::<SpecModel>().unwrap(), SpecModel::File);
-        let e = "cnn".parse::<SpecModel>().unwrap_err().to_string();
-        assert!(e.contains("file"), "{e}");
-    }
-
-    #[test]
-    fn reorder_maps_tensors_by_name_and_refuses_a_different_model() {
-        let a = Arc::new(
-            Layout::new(vec![
-                TensorSpec::new("b", [2]),
-                TensorSpec::new("w", [1, 2]),
-            ])
-            .unwrap(),
-        );
-        let b = Arc::new(
-            Layout::new(vec![
-                TensorSpec::new("w", [1, 2]),
-                TensorSpec::new("b", [2]),
-            ])
-            .unwrap(),
-        );
-        let v = ModelVector::new(a, vec![1.0, 2.0, 3.0, 4.0]).unwrap();
-        assert_eq!(reorder(&v, &b).unwrap().values(), &[3.0, 4.0, 1.0, 2.0]);
-        let c = Arc::new(
-            Layout::new(vec![
-                TensorSpec::new("w", [2, 1]),
-                TensorSpec::new("b", [2]),
-            ])
-            .unwrap(),
-        );
-        assert!(reorder(&v, &c).unwrap_err().contains("shape"));
     }
 }

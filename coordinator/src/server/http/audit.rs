@@ -9,8 +9,8 @@ use axum::routing::get;
 use axum::{Json, Router};
 use serde::Deserialize;
 
-use super::AppState;
-use super::error::{ApiError, ErrorBody};
+use crate::server::AppState;
+use crate::server::error::{ApiError, ErrorBody};
 use crate::store::AuditEntry;
 
 /// Entries per page when `limit` is not given.

@@ -17,9 +17,9 @@ use cohort_aggregation::secagg::{
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use super::AppState;
-use super::driver::DriverError;
 use crate::fault::FaultPoint;
+use crate::server::AppState;
+use crate::server::driver::DriverError;
 use crate::store::{
     Participation, Round, RoundStage, SecAggMessageKind, SecureNext, Store, StoreError, now_millis,
 };
@@ -113,7 +113,7 @@ pub async fn rebuild(
 /// The server session of a secure round with `closed` and every stage before it ended,
 /// and nothing of later stages: a snapshot that no request can change any more once the
 /// round is past `closed` (the store records a message only at its own stage), so each
-/// replica can rebuild it once and share it between requests ([`super::secagg_snapshots`]).
+/// replica can rebuild it once and share it between requests ([`crate::server::secagg_snapshots`]).
 /// `closed` is a protocol stage from advertising to confirming; the round must be past
 /// it.
 pub async fn rebuild_closed(
@@ -484,7 +484,7 @@ pub async fn unmask_round(
         let mut sum = reducer.modular_sum(words).map_err(|e| bad(&e))?;
         let mut folded = std::collections::BTreeSet::new();
         // A batch at a time, as the plain job does: one batch in memory, not the round.
-        for batch in uploads.chunks(super::driver::FOLD_BATCH) {
+        for batch in uploads.chunks(crate::server::driver::FOLD_BATCH) {
             let mut inputs = Vec::with_capacity(batch.len());
             for upload in batch {
                 let index = index_of

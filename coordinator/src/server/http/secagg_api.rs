@@ -11,7 +11,7 @@
 //! | unmasking | `POST unmask` | |
 //!
 //! Every message is checked against the round's protocol state, rebuilt from the store
-//! (the stages that have closed, once per replica: [`super::secagg_snapshots`]), before
+//! (the stages that have closed, once per replica: [`crate::server::secagg_snapshots`]), before
 //! it is recorded; the store re-checks the stage in the transaction that records it. A `GET` answers `{"stage": ..., "<message>": null}` until the stage it waits for
 //! has closed, and a 409 when the round failed or went on without the caller.
 
@@ -29,11 +29,12 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
-use super::AppState;
-use super::client_api::{AuthenticatedClient, MAX_CHECKIN_WAIT_SECONDS};
-use super::error::{ApiError, ErrorBody, Json};
-use super::secagg_snapshots::POLL_INTERVAL;
-use super::secure_rounds::{SecureRoundError, round_config};
+use crate::server::AppState;
+use crate::server::driver::secure_rounds::{SecureRoundError, round_config};
+use crate::server::error::{ApiError, ErrorBody, Json};
+use crate::server::http::client_api::MAX_CHECKIN_WAIT_SECONDS;
+use crate::server::http::extract::AuthenticatedClient;
+use crate::server::secagg_snapshots::POLL_INTERVAL;
 use crate::store::{Participation, Round, RoundStage, SecAggMessageKind, now_millis};
 
 const BASE: &str = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg";
@@ -156,7 +157,7 @@ async fn view(
     round: i64,
     attempt: i64,
 ) -> Result<ClientView, ApiError> {
-    let experiment = super::admin::parse_id(id, "experiment")?;
+    let experiment = crate::server::http::extract::parse_id(id, "experiment")?;
     let r = state.store.round(experiment, round, attempt).await?;
     let config = round_config(&r).map_err(round_error)?.ok_or_else(|| {
         ApiError::conflict(
