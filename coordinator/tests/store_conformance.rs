@@ -1624,7 +1624,10 @@ async fn fedbuff_hands_out_at_most_concurrency_tasks_and_expiry_frees_slots(stor
         .record_fedbuff_upload(e.id, 1, 1, &upload(c[0], 5), rules(3, None, 10), later)
         .await;
     assert!(
-        matches!(refused, Err(StoreError::Conflict(_))),
+        matches!(
+            refused,
+            Err(StoreError::Refused(UploadRefusal::TaskExpired { round: 1 }))
+        ),
         "{refused:?}"
     );
     assert_eq!(store.round(e.id, 1, 1).await.unwrap().reported, 0);
@@ -1689,7 +1692,15 @@ async fn fedbuff_full_buffer_opens_the_next_and_stale_updates_land_in_it(store: 
     let replay = store
         .record_fedbuff_upload(e.id, 1, 1, &upload(c[0], 4), r, t0 + 11)
         .await;
-    assert!(matches!(replay, Err(StoreError::Conflict(_))), "{replay:?}");
+    assert!(
+        matches!(
+            replay,
+            Err(StoreError::Refused(UploadRefusal::AlreadyUploaded {
+                round: 1
+            }))
+        ),
+        "{replay:?}"
+    );
     // Version 1 is published; a client that trained on version 0 uploads into buffer 2
     // with staleness 1, under its task's round 1 path.
     publish_step(store, e.id, 1).await;
@@ -1987,7 +1998,10 @@ async fn a_failed_task_is_not_handed_out_again_and_frees_a_fedbuff_slot(store: &
         .record_fedbuff_upload(f.id, 1, 1, &upload(d[0], 5), rules(3, None, 10), t0 + 2)
         .await;
     assert!(
-        matches!(refused, Err(StoreError::Conflict(_))),
+        matches!(
+            refused,
+            Err(StoreError::Refused(UploadRefusal::Dropped { round: 1 }))
+        ),
         "{refused:?}"
     );
 }

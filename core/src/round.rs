@@ -211,17 +211,24 @@ pub enum UploadRefusal {
         /// Round.
         round: i64,
     },
+    /// FedBuff: the sender's task outlived its deadline (its slot went to another).
+    #[error("the client's task of round {round} expired at its deadline")]
+    TaskExpired {
+        /// The round (buffer) the task was handed out in.
+        round: i64,
+    },
 }
 
 impl UploadRefusal {
     /// Every code an upload refusal can carry, as the API documents them.
-    pub const CODES: [&'static str; 6] = [
+    pub const CODES: [&'static str; 7] = [
         "round_not_collecting",
         "deadline_passed",
         "not_selected",
         "already_uploaded",
         "dropped_from_round",
         "keys_not_shared",
+        "task_expired",
     ];
 
     /// The stable code the API sends.
@@ -233,6 +240,7 @@ impl UploadRefusal {
             UploadRefusal::AlreadyUploaded { .. } => "already_uploaded",
             UploadRefusal::Dropped { .. } => "dropped_from_round",
             UploadRefusal::KeysNotShared { .. } => "keys_not_shared",
+            UploadRefusal::TaskExpired { .. } => "task_expired",
         }
     }
 }
@@ -274,6 +282,40 @@ pub fn check_upload(
     }
 }
 
+/// A FedBuff task as its upload finds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FedBuffTaskView {
+    /// Where the task is.
+    pub state: ParticipationState,
+    /// The model version it trains on (every FedBuff task has one).
+    pub base_version: i64,
+    /// When it was handed out, Unix ms.
+    pub handed_out_ms: i64,
+}
+
+/// Whether a FedBuff upload for the task `task` (none when the client holds no task of
+/// round `round`) is taken at `now`: the task must be outstanding and younger than
+/// `task_ms`. Returns the version the update trained on, from which its staleness is
+/// counted.
+pub fn check_fedbuff_upload(
+    task: Option<&FedBuffTaskView>,
+    round: i64,
+    task_ms: i64,
+    now: i64,
+) -> Result<i64, UploadRefusal> {
+    let Some(task) = task else {
+        return Err(UploadRefusal::NotSelected { round });
+    };
+    match task.state {
+        ParticipationState::Uploaded => Err(UploadRefusal::AlreadyUploaded { round }),
+        ParticipationState::Dropped => Err(UploadRefusal::Dropped { round }),
+        ParticipationState::Selected if now > task.handed_out_ms + task_ms => {
+            Err(UploadRefusal::TaskExpired { round })
+        }
+        ParticipationState::Selected => Ok(task.base_version),
+    }
+}
+
 /// What follows a failed round attempt (a missed quorum, an aggregation that failed
 /// every try, a secure round that could not unmask): the attempt after it, or `None`
 /// when `attempt` was the experiment's last (`max_attempts`), which then fails.
@@ -290,6 +332,33 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    #[test]
+    fn a_fedbuff_upload_needs_an_outstanding_task_in_time() {
+        let task = |state| FedBuffTaskView {
+            state,
+            base_version: 3,
+            handed_out_ms: 1_000,
+        };
+        let selected = task(ParticipationState::Selected);
+        assert_eq!(check_fedbuff_upload(Some(&selected), 4, 500, 1_500), Ok(3));
+        assert_eq!(
+            check_fedbuff_upload(Some(&selected), 4, 500, 1_501),
+            Err(UploadRefusal::TaskExpired { round: 4 })
+        );
+        assert_eq!(
+            check_fedbuff_upload(None, 4, 500, 1_200),
+            Err(UploadRefusal::NotSelected { round: 4 })
+        );
+        assert_eq!(
+            check_fedbuff_upload(Some(&task(ParticipationState::Uploaded)), 4, 500, 1_200),
+            Err(UploadRefusal::AlreadyUploaded { round: 4 })
+        );
+        assert_eq!(
+            check_fedbuff_upload(Some(&task(ParticipationState::Dropped)), 4, 500, 1_200),
+            Err(UploadRefusal::Dropped { round: 4 })
+        );
+    }
 
     #[test]
     fn a_failed_attempt_is_followed_by_the_next_until_the_last() {

@@ -203,7 +203,30 @@ impl ExperimentSpec {
         if self.name.trim().is_empty() || self.name.len() > 200 {
             bad("name", "name must be 1 to 200 characters".into());
         }
-        let params = match &self.model {
+        let params = self.model_problems(&mut bad);
+        self.round_problems(&mut bad);
+        self.secure_problems(params, &mut bad);
+        if let Some(privacy) = &self.privacy {
+            for (field, message) in
+                privacy.problems(self.selected_per_round(), self.secure_aggregation.is_some())
+            {
+                bad(field, message);
+            }
+        }
+        self.weighting_problems(&mut bad);
+        crate::mode::problems(self, &mut bad);
+        self.train_problems(&mut bad);
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(InvalidSpec { problems })
+        }
+    }
+
+    /// The model's problems; its parameter count when it is known (a built-in model
+    /// that builds, or a file model's tensors).
+    fn model_problems(&self, bad: &mut impl FnMut(&'static str, String)) -> Option<usize> {
+        match &self.model {
             SpecModel::BuiltIn(kind) => match ModelSpec::new(kind, self.features, self.classes) {
                 Ok(m) => Some(m.num_params()),
                 Err(e) => {
@@ -231,7 +254,12 @@ impl ExperimentSpec {
                     .as_ref()
                     .map(|t| t.iter().map(cohort_aggregation::TensorSpec::numel).sum())
             }
-        };
+        }
+    }
+
+    /// The hyperparameters, how many rounds and clients, the deadlines, the attempts and
+    /// the strategy with its server learning rate.
+    fn round_problems(&self, bad: &mut impl FnMut(&'static str, String)) {
         if let Some(h) = &self.hyperparameters {
             let size = serde_json::to_vec(h).map_or(usize::MAX, |v| v.len());
             if size > 16 * 1024 {
@@ -294,6 +322,11 @@ impl ExperimentSpec {
         } else if self.server_lr.is_some_and(|lr| lr > 100.0) {
             bad("server_lr", "server_lr must be at most 100".into());
         }
+    }
+
+    /// Secure aggregation's settings against the clients a round selects and the
+    /// model's size (`params`), each problem tied to its own field.
+    fn secure_problems(&self, params: Option<usize>, bad: &mut impl FnMut(&'static str, String)) {
         if let Some(secure) = &self.secure_aggregation
             && let Err(e) = secure.validate(self.selected_per_round(), params.unwrap_or(1))
         {
@@ -325,13 +358,11 @@ impl ExperimentSpec {
             });
             bad(field, format!("secure_aggregation: {e}"));
         }
-        if let Some(privacy) = &self.privacy {
-            for (field, message) in
-                privacy.problems(self.selected_per_round(), self.secure_aggregation.is_some())
-            {
-                bad(field, message);
-            }
-        }
+    }
+
+    /// How updates are weighed and combined: the weight cap and the robust rule, each
+    /// against secure aggregation and differential privacy.
+    fn weighting_problems(&self, bad: &mut impl FnMut(&'static str, String)) {
         match self.max_weight {
             Some(0) => bad("max_weight", "max_weight must be at least 1".into()),
             Some(_) if self.secure_aggregation.is_some() => bad(
@@ -376,7 +407,10 @@ impl ExperimentSpec {
                 );
             }
         }
-        crate::mode::problems(self, &mut bad);
+    }
+
+    /// Local training's settings, as the clients will check them.
+    fn train_problems(&self, bad: &mut impl FnMut(&'static str, String)) {
         let train = cohort_edge::train::TrainConfig {
             local_epochs: self.train.local_epochs,
             batch_size: self.train.batch_size,
@@ -399,11 +433,6 @@ impl ExperimentSpec {
             .find(|(words, _)| text.contains(words))
             .map_or("train", |(_, field)| field);
             bad(field, format!("train: {e}"));
-        }
-        if problems.is_empty() {
-            Ok(())
-        } else {
-            Err(InvalidSpec { problems })
         }
     }
 }

@@ -258,7 +258,10 @@ async fn run_async(args: &DashboardBenchArgs) -> Result<(), String> {
         .await
         .map_err(|e| e.to_string())?;
     let app = crate::server::app(state.clone());
-    let cookie = format!("{}={session}", crate::server::dashboard::session::SESSION_COOKIE);
+    let cookie = format!(
+        "{}={session}",
+        crate::server::dashboard::session::SESSION_COOKIE
+    );
     let backend = if url.starts_with("postgres") {
         "postgres"
     } else {

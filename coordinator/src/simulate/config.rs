@@ -429,6 +429,44 @@ impl SimulationConfig {
                 self.malicious
             ));
         }
+        self.validate_privacy()?;
+        self.validate_aggregator(k)?;
+        self.validate_dropout_and_secure(k)?;
+        if !(self.test_fraction.is_finite() && self.test_fraction > 0.0 && self.test_fraction < 1.0)
+        {
+            return bad(format!(
+                "--test-fraction must be in (0, 1), got {}",
+                self.test_fraction
+            ));
+        }
+        if let Some(lr) = self.server_lr
+            && !(lr.is_finite() && lr > 0.0)
+        {
+            return bad(format!("--server-lr must be > 0, got {lr}"));
+        }
+        self.straggler.validate()?;
+        if let Some(a) = self.target_accuracy
+            && !(a.is_finite() && a > 0.0 && a <= 1.0)
+        {
+            return bad(format!("--target-accuracy must be in (0, 1], got {a}"));
+        }
+        self.validate_mode()?;
+        if matches!(self.partition_scheme(), PartitionScheme::Natural)
+            && !matches!(self.dataset, DatasetSpec::Synthetic { .. })
+        {
+            return bad(format!(
+                "--partition natural needs a naturally federated data set (synthetic:ALPHA,BETA), not `{}`",
+                self.dataset
+            ));
+        }
+        self.train_config()
+            .validate()
+            .map_err(|e| ConfigError(e.to_string()))
+    }
+
+    /// The differential privacy flags: their ranges, and which need which.
+    fn validate_privacy(&self) -> Result<(), ConfigError> {
+        let bad = |msg: String| Err(ConfigError(msg));
         if let Some(sigma) = self.dp_noise_multiplier {
             if !(sigma.is_finite() && sigma >= 0.0) {
                 return bad(format!(
@@ -500,6 +538,13 @@ impl SimulationConfig {
         } else if !self.dp_budget_against.is_observers() {
             return bad("--dp-budget-against needs --dp-noise-multiplier".into());
         }
+        Ok(())
+    }
+
+    /// A robust rule: not with secure aggregation or an adaptive optimizer, and one a
+    /// full round of `k` updates can feed.
+    fn validate_aggregator(&self, k: usize) -> Result<(), ConfigError> {
+        let bad = |msg: String| Err(ConfigError(msg));
         if let Some(rule) = self.aggregator {
             if self.secure_aggregation {
                 return bad(format!(
@@ -518,6 +563,13 @@ impl SimulationConfig {
             rule.check(k)
                 .map_err(|e| ConfigError(format!("--aggregator {rule}: {e}")))?;
         }
+        Ok(())
+    }
+
+    /// Dropouts, and secure aggregation's settings for rounds of `k` clients (or their
+    /// absence without it).
+    fn validate_dropout_and_secure(&self, k: usize) -> Result<(), ConfigError> {
+        let bad = |msg: String| Err(ConfigError(msg));
         if !(self.dropout.is_finite() && (0.0..1.0).contains(&self.dropout)) {
             return bad(format!(
                 "--dropout must be a probability in [0, 1), got {}",
@@ -562,36 +614,7 @@ impl SimulationConfig {
                 ));
             }
         }
-        if !(self.test_fraction.is_finite() && self.test_fraction > 0.0 && self.test_fraction < 1.0)
-        {
-            return bad(format!(
-                "--test-fraction must be in (0, 1), got {}",
-                self.test_fraction
-            ));
-        }
-        if let Some(lr) = self.server_lr
-            && !(lr.is_finite() && lr > 0.0)
-        {
-            return bad(format!("--server-lr must be > 0, got {lr}"));
-        }
-        self.straggler.validate()?;
-        if let Some(a) = self.target_accuracy
-            && !(a.is_finite() && a > 0.0 && a <= 1.0)
-        {
-            return bad(format!("--target-accuracy must be in (0, 1], got {a}"));
-        }
-        self.validate_mode()?;
-        if matches!(self.partition_scheme(), PartitionScheme::Natural)
-            && !matches!(self.dataset, DatasetSpec::Synthetic { .. })
-        {
-            return bad(format!(
-                "--partition natural needs a naturally federated data set (synthetic:ALPHA,BETA), not `{}`",
-                self.dataset
-            ));
-        }
-        self.train_config()
-            .validate()
-            .map_err(|e| ConfigError(e.to_string()))
+        Ok(())
     }
 
     /// The settings of `--mode`: FedBuff's own, and what it cannot be combined with.

@@ -238,7 +238,6 @@ pub fn run_rounds(
         .reducer;
     engine.set_reducer(reducer.clone());
     let all: Vec<ClientId> = (0..pop.clients() as u64).map(ClientId).collect();
-    let malicious = malicious_clients(cfg, all.len());
     let stragglers = Stragglers::new(cfg.straggler, all.len(), cfg.seed);
     // The simulated clock: every round lasts as long as its slowest reporting client.
     let mut clock = 0.0;
@@ -253,178 +252,46 @@ pub fn run_rounds(
     // four per thread so that uneven client sizes even out within a chunk.
     const CHUNK_BYTES: usize = 64 << 20;
     let update_bytes = initial_len.max(1) * std::mem::size_of::<f32>();
-    let chunk = (CHUNK_BYTES / update_bytes).max(threads * 4);
+    let (neighbours, threshold) = cfg.secure_graph();
+    let shared = RoundsShared {
+        malicious: malicious_clients(cfg, all.len()),
+        all,
+        chunk: (CHUNK_BYTES / update_bytes).max(threads * 4),
+        reducer,
+        neighbours,
+        threshold,
+    };
     let mut records = Vec::with_capacity(cfg.rounds as usize);
     let mut total_updates = 0;
     let mut training_seconds = 0.0;
-    let mut accountant = cohort_aggregation::privacy::rdp::RdpAccountant::new();
-    // Against the coordinator: each client's own rounds, unamplified.
-    let mut clients_spent = cohort_aggregation::privacy::rdp::ParticipantLedger::new();
-    let mut adaptive_clip = match cfg.dp_clip_quantile {
-        Some(quantile) => Some(cohort_aggregation::privacy::clip::AdaptiveClip {
-            bound: cfg.dp_clip,
-            target_quantile: quantile,
-            learning_rate: 0.2,
-            count_noise_std: cfg.adaptive_clip_noise()?.0,
-        }),
-        None => None,
-    };
+    let mut ledger = PrivacyLedger::new(cfg)?;
     let mut stopped = None;
     let mut run = Run {
         cfg,
         pop,
         failures: Vec::new(),
     };
-    let (neighbours, threshold) = cfg.secure_graph();
     for _ in 0..cfg.rounds {
         let round_start = Instant::now();
         let round_no = engine.rounds_closed() + 1;
-        let (outcome, reporting) = if let Some(sigma) = cfg.dp_noise_multiplier {
-            let sampled = poisson_sample(cfg, &all, round_no);
-            // Under secure aggregation the noise is the survivors' shares, so a round's
-            // multiplier falls when clients drop, down to what the threshold (the fewest
-            // clients that can still unmask) carries. The round is accounted at that
-            // worst case before it runs: one that could go over the budget never starts.
-            let graph = cfg
-                .secure_aggregation
-                .then(|| round_graph(cfg, sampled.len()));
-            let worst = match graph {
-                Some(Some((_, t))) => sigma * (t as f64 / sampled.len() as f64).sqrt(),
-                // Too few clients for a secure round: nothing is released.
-                Some(None) => f64::INFINITY,
-                None => sigma,
-            };
-            let dp_error = |e: cohort_aggregation::privacy::rdp::PrivacyError| {
-                ConfigError(format!("differential privacy: {e}"))
-            };
-            if let Some(budget) = cfg.dp_epsilon
-                && worst.is_finite()
-            {
-                let why = match cfg.dp_budget_against {
-                    BudgetAgainst::Observers => {
-                        let mut next = accountant.clone();
-                        next.compose(cfg.sampling_rate(), worst, 1)
-                            .map_err(dp_error)?;
-                        let eps = next.epsilon(cfg.dp_delta).map_err(dp_error)?;
-                        (eps > budget).then(|| {
-                            format!(
-                                "privacy budget: round {round_no} could bring epsilon to {eps:.4} > {budget}"
-                            )
-                        })
-                    }
-                    BudgetAgainst::Coordinator => {
-                        let next = clients_spent
-                            .worst_after(&sampled, worst)
-                            .map_err(dp_error)?
-                            .unwrap_or_default();
-                        let eps = next.epsilon(cfg.dp_delta).map_err(dp_error)?;
-                        (eps > budget).then(|| {
-                            format!(
-                                "privacy budget against the coordinator: round {round_no} could \
-                                 bring a sampled client's epsilon to {eps:.4} > {budget}"
-                            )
-                        })
-                    }
-                };
-                if why.is_some() {
-                    stopped = why;
-                    break;
-                }
-            }
-            let plan = engine.open_round_for(&sampled)?;
-            let dropping = dropouts(cfg, round_no, &plan.selected);
-            let reporting = survivors(&plan.selected, &dropping);
-            let (outcome, spent) = match graph {
-                Some(Some((k, t))) => {
-                    let noise = cohort_aggregation::privacy::distributed::DistributedNoise {
-                        l2_clip: cfg.dp_clip,
-                        noise_multiplier: sigma,
-                    };
-                    let outcome = secure_round(
-                        &mut run,
-                        &mut engine,
-                        &plan,
-                        &dropping,
-                        round_no,
-                        SecureSettings {
-                            reducer: reducer.clone(),
-                            neighbours: k,
-                            threshold: t,
-                            noise: Some((noise, cfg.sampling_rate() * all.len() as f64)),
-                        },
-                    )?;
-                    // A round that could not be unmasked released nothing.
-                    let spent = (outcome.status == RoundStatus::Published).then(|| {
-                        sigma * (outcome.participants as f64 / plan.selected.len() as f64).sqrt()
-                    });
-                    (outcome, spent)
-                }
-                Some(None) => (engine.close_round_secure(None)?, None),
-                None => (
-                    private_round(
-                        &mut run,
-                        &mut engine,
-                        &plan,
-                        &reporting,
-                        sigma,
-                        &mut adaptive_clip,
-                    )?,
-                    Some(sigma),
-                ),
-            };
-            if let Some(spent) = spent {
-                accountant
-                    .compose(cfg.sampling_rate(), spent, 1)
-                    .map_err(dp_error)?;
-                // Every sampled client, dropped or not: one that dropped after masking is
-                // still in the sum, and the coordinator knows it was asked.
-                if cfg.secure_aggregation {
-                    for &client in &plan.selected {
-                        clients_spent.charge(client, spent).map_err(dp_error)?;
+        let (outcome, reporting) = match cfg.dp_noise_multiplier {
+            Some(sigma) => {
+                match private_round_step(&mut run, &mut engine, &mut ledger, &shared, sigma)? {
+                    PrivateStep::Ran(outcome, reporting) => (outcome, reporting),
+                    PrivateStep::OverBudget(why) => {
+                        stopped = Some(why);
+                        break;
                     }
                 }
             }
-            (outcome, reporting)
-        } else {
-            let mut select_rng =
-                ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::Selection, round_no, 0));
-            let plan = engine.open_round(&all, &mut select_rng)?;
-            // Under secure aggregation the same clients drop as in a plain run with this
-            // seed; they only stop at another stage.
-            let dropping = dropouts(cfg, round_no, &plan.selected);
-            let reporting = survivors(&plan.selected, &dropping);
-            let outcome = if cfg.secure_aggregation {
-                secure_round(
-                    &mut run,
-                    &mut engine,
-                    &plan,
-                    &dropping,
-                    round_no,
-                    SecureSettings {
-                        reducer: reducer.clone(),
-                        neighbours,
-                        threshold,
-                        noise: None,
-                    },
-                )?
-            } else {
-                plain_round(&mut run, &mut engine, &plan, &reporting, &malicious, chunk)?
-            };
-            (outcome, reporting)
+            None => plain_round_step(&mut run, &mut engine, &shared, round_no)?,
         };
         training_seconds += round_start.elapsed().as_secs_f64();
         total_updates += outcome.participants;
         let sim = tick(&reporting);
         let mut record = record_round(pop, &engine, &outcome, round_start, sim)?;
         if cfg.dp_noise_multiplier.is_some() {
-            let dp_error = |e| ConfigError(format!("differential privacy: {e}"));
-            record.epsilon = Some(accountant.epsilon(cfg.dp_delta).map_err(dp_error)?);
-            record.epsilon_coordinator = Some(if cfg.secure_aggregation {
-                let worst = clients_spent.worst().map(|(_, w)| w).unwrap_or_default();
-                worst.epsilon(cfg.dp_delta).map_err(dp_error)?
-            } else {
-                f64::INFINITY
-            });
+            ledger.record(cfg, &mut record)?;
         }
         on_round(&record)?;
         records.push(record);
@@ -441,6 +308,259 @@ pub fn run_rounds(
         failures: run.failures,
         final_model: engine.global().clone(),
     })
+}
+
+/// What every round of a synchronous run takes from the run's set-up.
+struct RoundsShared {
+    /// Every client, in id order.
+    all: Vec<ClientId>,
+    malicious: std::collections::BTreeSet<ClientId>,
+    /// Clients trained at a time in a plain round.
+    chunk: usize,
+    reducer: std::sync::Arc<dyn cohort_aggregation::reduce::Reducer>,
+    /// The secure rounds' neighbourhood and threshold without differential privacy.
+    neighbours: usize,
+    threshold: usize,
+}
+
+/// A round without differential privacy: the engine samples the cohort, the planned
+/// clients drop, the rest train (masked, under secure aggregation). Returns the outcome
+/// and the clients that reported.
+fn plain_round_step(
+    run: &mut Run<'_>,
+    engine: &mut RoundEngine,
+    shared: &RoundsShared,
+    round_no: u32,
+) -> Result<(RoundOutcome, Vec<ClientId>), SimulationError> {
+    let cfg = run.cfg;
+    let mut select_rng =
+        ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::Selection, round_no, 0));
+    let plan = engine.open_round(&shared.all, &mut select_rng)?;
+    // Under secure aggregation the same clients drop as in a plain run with this seed;
+    // they only stop at another stage.
+    let dropping = dropouts(cfg, round_no, &plan.selected);
+    let reporting = survivors(&plan.selected, &dropping);
+    let outcome = if cfg.secure_aggregation {
+        secure_round(
+            run,
+            engine,
+            &plan,
+            &dropping,
+            round_no,
+            SecureSettings {
+                reducer: shared.reducer.clone(),
+                neighbours: shared.neighbours,
+                threshold: shared.threshold,
+                noise: None,
+            },
+        )?
+    } else {
+        plain_round(
+            run,
+            engine,
+            &plan,
+            &reporting,
+            &shared.malicious,
+            shared.chunk,
+        )?
+    };
+    Ok((outcome, reporting))
+}
+
+/// What a differentially private round step did.
+enum PrivateStep {
+    /// The round ran: its outcome and the clients that reported.
+    Ran(RoundOutcome, Vec<ClientId>),
+    /// The round's worst case could go over the budget, so it never started: why.
+    OverBudget(String),
+}
+
+/// A round of differential privacy: Poisson sampling, the budget checked against the
+/// round's worst case before it runs, then central noise on a plain round, or the
+/// survivors' noise shares under secure aggregation, charged to the ledger.
+fn private_round_step(
+    run: &mut Run<'_>,
+    engine: &mut RoundEngine,
+    ledger: &mut PrivacyLedger,
+    shared: &RoundsShared,
+    sigma: f64,
+) -> Result<PrivateStep, SimulationError> {
+    let cfg = run.cfg;
+    let round_no = engine.rounds_closed() + 1;
+    let sampled = poisson_sample(cfg, &shared.all, round_no);
+    // Under secure aggregation the noise is the survivors' shares, so a round's
+    // multiplier falls when clients drop, down to what the threshold (the fewest clients
+    // that can still unmask) carries. The round is accounted at that worst case before
+    // it runs: one that could go over the budget never starts.
+    let graph = cfg
+        .secure_aggregation
+        .then(|| round_graph(cfg, sampled.len()));
+    let worst = match graph {
+        Some(Some((_, t))) => sigma * (t as f64 / sampled.len() as f64).sqrt(),
+        // Too few clients for a secure round: nothing is released.
+        Some(None) => f64::INFINITY,
+        None => sigma,
+    };
+    if let Some(why) = ledger.refusal(cfg, &sampled, worst, round_no)? {
+        return Ok(PrivateStep::OverBudget(why));
+    }
+    let plan = engine.open_round_for(&sampled)?;
+    let dropping = dropouts(cfg, round_no, &plan.selected);
+    let reporting = survivors(&plan.selected, &dropping);
+    let (outcome, spent) = match graph {
+        Some(Some((k, t))) => {
+            let noise = cohort_aggregation::privacy::distributed::DistributedNoise {
+                l2_clip: cfg.dp_clip,
+                noise_multiplier: sigma,
+            };
+            let outcome = secure_round(
+                run,
+                engine,
+                &plan,
+                &dropping,
+                round_no,
+                SecureSettings {
+                    reducer: shared.reducer.clone(),
+                    neighbours: k,
+                    threshold: t,
+                    noise: Some((noise, cfg.sampling_rate() * shared.all.len() as f64)),
+                },
+            )?;
+            // A round that could not be unmasked released nothing.
+            let spent = (outcome.status == RoundStatus::Published)
+                .then(|| sigma * (outcome.participants as f64 / plan.selected.len() as f64).sqrt());
+            (outcome, spent)
+        }
+        Some(None) => (engine.close_round_secure(None)?, None),
+        None => (
+            private_round(
+                run,
+                engine,
+                &plan,
+                &reporting,
+                sigma,
+                &mut ledger.adaptive_clip,
+            )?,
+            Some(sigma),
+        ),
+    };
+    if let Some(spent) = spent {
+        ledger.charge(cfg, &plan.selected, spent)?;
+    }
+    Ok(PrivateStep::Ran(outcome, reporting))
+}
+
+/// What a differentially private run has spent: against observers (the accountant of
+/// the sampled rounds) and against the coordinator (each client's own rounds,
+/// unamplified), and the adaptive clipping bound as it moves.
+struct PrivacyLedger {
+    accountant: cohort_aggregation::privacy::rdp::RdpAccountant,
+    clients_spent: cohort_aggregation::privacy::rdp::ParticipantLedger<ClientId>,
+    adaptive_clip: Option<cohort_aggregation::privacy::clip::AdaptiveClip>,
+}
+
+fn dp_error(e: cohort_aggregation::privacy::rdp::PrivacyError) -> ConfigError {
+    ConfigError(format!("differential privacy: {e}"))
+}
+
+impl PrivacyLedger {
+    fn new(cfg: &SimulationConfig) -> Result<Self, SimulationError> {
+        let adaptive_clip = match cfg.dp_clip_quantile {
+            Some(quantile) => Some(cohort_aggregation::privacy::clip::AdaptiveClip {
+                bound: cfg.dp_clip,
+                target_quantile: quantile,
+                learning_rate: 0.2,
+                count_noise_std: cfg.adaptive_clip_noise()?.0,
+            }),
+            None => None,
+        };
+        Ok(Self {
+            accountant: cohort_aggregation::privacy::rdp::RdpAccountant::new(),
+            clients_spent: cohort_aggregation::privacy::rdp::ParticipantLedger::new(),
+            adaptive_clip,
+        })
+    }
+
+    /// Why round `round_no`, charged at multiplier `worst` to the clients `sampled`,
+    /// must not run: its epsilon could go over the budget the run is held to.
+    fn refusal(
+        &self,
+        cfg: &SimulationConfig,
+        sampled: &[ClientId],
+        worst: f64,
+        round_no: u32,
+    ) -> Result<Option<String>, SimulationError> {
+        let Some(budget) = cfg.dp_epsilon.filter(|_| worst.is_finite()) else {
+            return Ok(None);
+        };
+        Ok(match cfg.dp_budget_against {
+            BudgetAgainst::Observers => {
+                let mut next = self.accountant.clone();
+                next.compose(cfg.sampling_rate(), worst, 1)
+                    .map_err(dp_error)?;
+                let eps = next.epsilon(cfg.dp_delta).map_err(dp_error)?;
+                (eps > budget).then(|| {
+                    format!(
+                        "privacy budget: round {round_no} could bring epsilon to {eps:.4} > {budget}"
+                    )
+                })
+            }
+            BudgetAgainst::Coordinator => {
+                let next = self
+                    .clients_spent
+                    .worst_after(sampled, worst)
+                    .map_err(dp_error)?
+                    .unwrap_or_default();
+                let eps = next.epsilon(cfg.dp_delta).map_err(dp_error)?;
+                (eps > budget).then(|| {
+                    format!(
+                        "privacy budget against the coordinator: round {round_no} could \
+                         bring a sampled client's epsilon to {eps:.4} > {budget}"
+                    )
+                })
+            }
+        })
+    }
+
+    /// Charges a round released at multiplier `spent` with the cohort `selected`.
+    fn charge(
+        &mut self,
+        cfg: &SimulationConfig,
+        selected: &[ClientId],
+        spent: f64,
+    ) -> Result<(), SimulationError> {
+        self.accountant
+            .compose(cfg.sampling_rate(), spent, 1)
+            .map_err(dp_error)?;
+        // Every sampled client, dropped or not: one that dropped after masking is still
+        // in the sum, and the coordinator knows it was asked.
+        if cfg.secure_aggregation {
+            for &client in selected {
+                self.clients_spent.charge(client, spent).map_err(dp_error)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes both epsilons spent so far into the round's record.
+    fn record(
+        &self,
+        cfg: &SimulationConfig,
+        record: &mut RoundRecord,
+    ) -> Result<(), SimulationError> {
+        record.epsilon = Some(self.accountant.epsilon(cfg.dp_delta).map_err(dp_error)?);
+        record.epsilon_coordinator = Some(if cfg.secure_aggregation {
+            let worst = self
+                .clients_spent
+                .worst()
+                .map(|(_, w)| w)
+                .unwrap_or_default();
+            worst.epsilon(cfg.dp_delta).map_err(dp_error)?
+        } else {
+            f64::INFINITY
+        });
+        Ok(())
+    }
 }
 
 /// What every round of a run shares: its settings, its clients, and the tasks that

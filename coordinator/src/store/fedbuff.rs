@@ -16,6 +16,7 @@
 //! out more than the concurrency allows and concurrent uploads never overfill a buffer
 //! or close it twice, whichever coordinator serves them.
 
+use cohort_core::round::{FedBuffTaskView, check_fedbuff_upload};
 use serde::Serialize;
 use uuid::Uuid;
 
@@ -432,34 +433,22 @@ impl Store {
             .bind(&client)
             .fetch_optional(&mut *tx)
             .await?;
-            let base = match part {
-                None => {
-                    return Err(StoreError::Conflict(format!(
-                        "client {client} holds no task of round {round} attempt {attempt}"
-                    )));
-                }
-                Some((s, _, _)) if s == "uploaded" => {
-                    return Err(StoreError::Conflict(format!(
-                        "client {client} already uploaded for its task of round {round}"
-                    )));
-                }
-                Some((s, _, _)) if s != "selected" => {
-                    return Err(StoreError::Conflict(format!(
-                        "client {client}'s task of round {round} is {s}"
-                    )));
-                }
+            let task = match part {
+                Some((state, Some(base_version), handed_out_ms)) => Some(FedBuffTaskView {
+                    state: state.parse().map_err(StoreError::Corrupt)?,
+                    base_version,
+                    handed_out_ms,
+                }),
+                // A task of a synchronous round cannot be in a FedBuff experiment.
                 Some((_, None, _)) => {
-                    return Err(StoreError::Conflict(format!(
-                        "round {round} attempt {attempt} is not a FedBuff task"
+                    return Err(StoreError::Corrupt(format!(
+                        "round {round} attempt {attempt} of FedBuff experiment {experiment_id} \
+                         holds a task without a model version"
                     )));
                 }
-                Some((_, Some(_), selected_at)) if now > selected_at + rules.task_ms => {
-                    return Err(StoreError::Conflict(format!(
-                        "client {client}'s task of round {round} expired at its deadline"
-                    )));
-                }
-                Some((_, Some(base), _)) => base,
+                None => None,
             };
+            let base = check_fedbuff_upload(task.as_ref(), round, rules.task_ms, now)?;
             let buffer: Option<(i64, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
                 "SELECT round, reported FROM rounds WHERE experiment_id = $1 \
                  AND stage = 'collecting'{lock}"

@@ -587,135 +587,23 @@ pub async fn experiment(
         state.store.task_failures(id)
     )?;
     let spec: Option<ExperimentSpec> = serde_json::from_value(exp.spec.clone()).ok();
-    let file_model = spec.as_ref().is_some_and(|s| s.model == SpecModel::File);
     let client_metrics = summarise(&evaluations);
-    let client_metric = |version: i64, name: &str| client_metric(&client_metrics, version, name);
-    let shown = |r: &Round| {
-        shown_evaluation(
-            file_model,
-            &client_metrics,
-            r.round,
-            r.stage == RoundStage::Published,
-            (r.test_accuracy, r.test_loss),
-        )
+    let shown = Shown {
+        file_model: spec.as_ref().is_some_and(|s| s.model == SpecModel::File),
+        clients: &client_metrics,
     };
-    let test_accuracy = |r: &Round| shown(r).0;
-    let test_loss = |r: &Round| shown(r).1;
-    let total_rounds = spec.as_ref().map_or(0, |s| i64::from(s.rounds));
     let fedbuff = spec.as_ref().and_then(ExperimentSpec::fedbuff);
-    let now = now_millis();
-
-    // The last attempt of each round carries the round's outcome.
-    let mut last_attempts: Vec<&Round> = Vec::new();
-    for r in &rounds {
-        match last_attempts.last_mut() {
-            Some(last) if last.round == r.round => *last = r,
-            _ => last_attempts.push(r),
-        }
-    }
-    let published: Vec<&Round> = last_attempts
+    let attempts = last_attempts(&rounds);
+    let published: Vec<&Round> = attempts
         .iter()
         .copied()
         .filter(|r| r.stage == RoundStage::Published)
         .collect();
-    let series_of = |f: &dyn Fn(&Round) -> Option<f64>| -> Vec<(f64, f64)> {
-        published
-            .iter()
-            .filter_map(|r| f(r).map(|v| (r.round as f64, v)))
-            .collect()
-    };
-    // The initial model (version 0) has the clients' evaluation too.
-    let with_initial = |name: &str, mut points: Vec<(f64, f64)>| {
-        if file_model && let Some(v) = client_metric(0, name) {
-            points.insert(0, (0.0, v));
-        }
-        points
-    };
-    let accuracy_series = [Series {
-        name: if file_model {
-            "Clients' evaluation accuracy (weighted)"
-        } else {
-            "Test accuracy"
-        },
-        class: "s-accuracy",
-        points: with_initial("accuracy", series_of(&test_accuracy)),
-    }];
-    let accuracy_chart = chart::render(
-        &Chart {
-            title: if file_model {
-                "Clients' evaluation accuracy per round"
-            } else {
-                "Test accuracy per round"
-            },
-            x_label: "round",
-            y_label: "accuracy",
-            y_range: Some((0.0, 1.0)),
-            y_format: |y| format!("{:.0}%", y * 100.0),
-        },
-        &accuracy_series,
-    );
-    let loss_series = [
-        Series {
-            name: if file_model {
-                "Clients' evaluation loss (weighted)"
-            } else {
-                "Test loss"
-            },
-            class: "s-test-loss",
-            points: with_initial("loss", series_of(&test_loss)),
-        },
-        Series {
-            name: "Training loss (clients, weighted)",
-            class: "s-train-loss",
-            points: series_of(&|r: &Round| r.train_loss),
-        },
-    ];
-    let loss_chart = chart::render(
-        &Chart {
-            title: "Loss per round",
-            x_label: "round",
-            y_label: "loss",
-            y_range: None,
-            y_format: |y| format!("{y:.2}"),
-        },
-        &loss_series,
-    );
-    let participation_series = [
-        Series {
-            name: "Uploaded",
-            class: "s-uploaded",
-            points: last_attempts
-                .iter()
-                .filter(|r| !r.stage.in_progress())
-                .map(|r| (r.round as f64, r.reported as f64))
-                .collect(),
-        },
-        Series {
-            name: "Dropped",
-            class: "s-dropped",
-            points: last_attempts
-                .iter()
-                .filter(|r| !r.stage.in_progress())
-                .map(|r| (r.round as f64, r.dropped as f64))
-                .collect(),
-        },
-    ];
-    let participation_chart = chart::render(
-        &Chart {
-            title: "Participants and dropouts per round",
-            x_label: "round",
-            y_label: "clients",
-            y_range: None,
-            y_format: |y| format!("{y:.0}"),
-        },
-        &participation_series,
-    );
-
+    let charts = Charts::of(&shown, &attempts, &published);
     let live = match rounds.last() {
-        Some(r) if r.stage.in_progress() => Some(live_round(&state, r, now).await?),
+        Some(r) if r.stage.in_progress() => Some(live_round(&state, r, now_millis()).await?),
         _ => None,
     };
-
     let privacy_report = PrivacyCard::of(&state, &exp, &rounds).await?;
     // Newest first, paged.
     let round_pages = rounds.len().div_ceil(ROUNDS_PER_PAGE).max(1);
@@ -725,33 +613,11 @@ pub async fn experiment(
         .rev()
         .skip((round_page - 1) * ROUNDS_PER_PAGE)
         .take(ROUNDS_PER_PAGE)
-        .map(|r| RoundRow {
-            round: r.round,
-            attempt: r.attempt,
-            stage: r.stage.as_str(),
-            selected: r.selected,
-            reported: r.reported,
-            dropped: r.dropped,
-            train_loss: number(r.train_loss),
-            test_loss: number(test_loss(r)),
-            accuracy: percent(test_accuracy(r)),
-            epsilon: r.epsilon.map_or_else(|| "–".into(), |e| format!("{e:.3}")),
-            epsilon_coordinator: privacy_report.round_figure(r),
-            duration: r
-                .finished_at
-                .map(|f| format!("{:.1} s", (f - r.started_at) as f64 / 1000.0))
-                .unwrap_or_else(|| "running".into()),
-            failure: r.failure.clone().unwrap_or_default(),
-            failed_tasks: task_failures
-                .iter()
-                .filter(|f| f.round == r.round && f.attempt == r.attempt)
-                .count(),
-        })
+        .map(|r| RoundRow::of(r, &shown, &privacy_report, &task_failures))
         .collect();
-
     let best = published
         .iter()
-        .filter_map(|r| test_accuracy(r))
+        .filter_map(|r| shown.accuracy(r))
         .fold(None, |best: Option<f64>, a| {
             Some(best.map_or(a, |b| b.max(a)))
         });
@@ -769,97 +635,304 @@ pub async fn experiment(
         can_resume: state_now == ExperimentState::Paused,
         can_stop: ExperimentState::Stopped.allowed_from().contains(&state_now),
         round: exp.current_round,
-        rounds: total_rounds,
+        rounds: spec.as_ref().map_or(0, |s| i64::from(s.rounds)),
         round_label: if fedbuff.is_some() {
             "Server step"
         } else {
             "Round"
         },
         mode: spec.as_ref().map_or("sync", |s| s.mode.as_str()),
-        mode_detail: match fedbuff {
-            Some(f) => format!(
-                "a step every {} updates, {} clients training at once, staleness exponent {}{}",
-                f.buffer_size,
-                f.concurrency,
-                f.staleness_exponent,
-                f.max_staleness
-                    .map(|m| format!(", updates over {m} steps stale dropped"))
-                    .unwrap_or_default()
-            ),
-            None => "rounds with a selected cohort".into(),
-        },
-        latest_accuracy: percent(latest.and_then(|r| test_accuracy(r))),
+        mode_detail: mode_detail(fedbuff.as_ref()),
+        latest_accuracy: percent(latest.and_then(|r| shown.accuracy(r))),
         best_accuracy: percent(best),
-        latest_loss: number(latest.and_then(|r| test_loss(r))),
+        latest_loss: number(latest.and_then(|r| shown.loss(r))),
         privacy,
         privacy_detail,
         privacy_observers,
         privacy_coordinator,
         model_round: model.map(|m| m.round),
-        accuracy_chart,
-        loss_chart,
-        loss_legend: chart::legend(&loss_series),
-        participation_chart,
-        participation_legend: chart::legend(&participation_series),
+        accuracy_chart: charts.accuracy,
+        loss_chart: charts.loss,
+        loss_legend: charts.loss_legend,
+        participation_chart: charts.participation,
+        participation_legend: charts.participation_legend,
         live,
         round_rows,
         round_page,
         round_pages,
-        job_counts: if jobs.counts.is_empty() {
-            "none yet".into()
-        } else {
-            jobs.counts
-                .iter()
-                .map(|(state, n)| format!("{n} {state}"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        },
-        jobs: jobs
-            .recent
-            .iter()
-            .map(|j| JobRow {
-                id: j.id,
-                kind: j.kind.as_str(),
-                round: j.round,
-                state: j.state.as_str(),
-                attempts: format!("{}/{}", j.attempts, j.max_attempts),
-                error: j.last_error.clone().unwrap_or_default(),
-            })
-            .collect(),
+        job_counts: job_counts(&jobs),
+        jobs: jobs.recent.iter().map(JobRow::of).collect(),
         settings: settings_lines(&exp.spec),
-        file_model,
-        initial_evaluation: match client_metrics.get(&0) {
-            Some(s) => format!(
-                "accuracy {}, loss {} ({} clients, {} examples{})",
-                percent(s.metrics.get("accuracy").copied()),
-                number(s.metrics.get("loss").copied()),
-                s.clients,
-                s.num_examples,
-                // Clients under local DP answer without figures: say so, rather than
-                // leave the reader to wonder where they went.
-                match s.withheld {
-                    0 => String::new(),
-                    n => format!("; {n} withheld theirs under local differential privacy"),
-                }
-            ),
-            None => "not reported yet".into(),
-        },
+        file_model: shown.file_model,
+        initial_evaluation: initial_evaluation(client_metrics.get(&0)),
         failure_count: task_failures.len(),
-        show_failures: file_model || !task_failures.is_empty(),
+        show_failures: shown.file_model || !task_failures.is_empty(),
         failures: task_failures
             .iter()
             .rev()
             .take(FAILURES_SHOWN)
-            .map(|f| FailureRow {
-                round: f.round,
-                attempt: f.attempt,
-                client: f.client_id.to_string(),
-                at: when(f.at),
-                reason: f.reason.clone(),
-            })
+            .map(FailureRow::of)
             .collect(),
     };
     Ok(render(&page))
+}
+
+/// The last attempt of each round, in round order: it carries the round's outcome.
+fn last_attempts(rounds: &[Round]) -> Vec<&Round> {
+    let mut last: Vec<&Round> = Vec::new();
+    for r in rounds {
+        match last.last_mut() {
+            Some(previous) if previous.round == r.round => *previous = r,
+            _ => last.push(r),
+        }
+    }
+    last
+}
+
+/// Which figures the experiment page shows for a round: the coordinator's test set for
+/// a built-in model, the clients' weighted evaluations for a file model.
+struct Shown<'a> {
+    file_model: bool,
+    clients: &'a BTreeMap<i64, EvaluationSummary>,
+}
+
+impl Shown<'_> {
+    fn figures(&self, r: &Round) -> (Option<f64>, Option<f64>) {
+        shown_evaluation(
+            self.file_model,
+            self.clients,
+            r.round,
+            r.stage == RoundStage::Published,
+            (r.test_accuracy, r.test_loss),
+        )
+    }
+
+    fn accuracy(&self, r: &Round) -> Option<f64> {
+        self.figures(r).0
+    }
+
+    fn loss(&self, r: &Round) -> Option<f64> {
+        self.figures(r).1
+    }
+
+    /// `points` of metric `name`, led by the initial model's (version 0) clients'
+    /// evaluation when the model is a file.
+    fn with_initial(&self, name: &str, mut points: Vec<(f64, f64)>) -> Vec<(f64, f64)> {
+        if self.file_model
+            && let Some(v) = client_metric(self.clients, 0, name)
+        {
+            points.insert(0, (0.0, v));
+        }
+        points
+    }
+}
+
+/// The experiment page's three charts, rendered, with the legends of the two that plot
+/// more than one series.
+struct Charts {
+    accuracy: String,
+    loss: String,
+    loss_legend: String,
+    participation: String,
+    participation_legend: String,
+}
+
+impl Charts {
+    fn of(shown: &Shown<'_>, attempts: &[&Round], published: &[&Round]) -> Self {
+        let series_of = |f: &dyn Fn(&Round) -> Option<f64>| -> Vec<(f64, f64)> {
+            published
+                .iter()
+                .filter_map(|r| f(r).map(|v| (r.round as f64, v)))
+                .collect()
+        };
+        let (accuracy_name, accuracy_title, loss_name) = if shown.file_model {
+            (
+                "Clients' evaluation accuracy (weighted)",
+                "Clients' evaluation accuracy per round",
+                "Clients' evaluation loss (weighted)",
+            )
+        } else {
+            ("Test accuracy", "Test accuracy per round", "Test loss")
+        };
+        let accuracy_series = [Series {
+            name: accuracy_name,
+            class: "s-accuracy",
+            points: shown.with_initial("accuracy", series_of(&|r| shown.accuracy(r))),
+        }];
+        let loss_series = [
+            Series {
+                name: loss_name,
+                class: "s-test-loss",
+                points: shown.with_initial("loss", series_of(&|r| shown.loss(r))),
+            },
+            Series {
+                name: "Training loss (clients, weighted)",
+                class: "s-train-loss",
+                points: series_of(&|r: &Round| r.train_loss),
+            },
+        ];
+        let finished = |count: fn(&Round) -> i64| -> Vec<(f64, f64)> {
+            attempts
+                .iter()
+                .filter(|r| !r.stage.in_progress())
+                .map(|r| (r.round as f64, count(r) as f64))
+                .collect()
+        };
+        let participation_series = [
+            Series {
+                name: "Uploaded",
+                class: "s-uploaded",
+                points: finished(|r| r.reported),
+            },
+            Series {
+                name: "Dropped",
+                class: "s-dropped",
+                points: finished(|r| r.dropped),
+            },
+        ];
+        let chart = |title, y_label, y_range, y_format: fn(f64) -> String, series: &[Series]| {
+            chart::render(
+                &Chart {
+                    title,
+                    x_label: "round",
+                    y_label,
+                    y_range,
+                    y_format,
+                },
+                series,
+            )
+        };
+        Self {
+            accuracy: chart(
+                accuracy_title,
+                "accuracy",
+                Some((0.0, 1.0)),
+                |y| format!("{:.0}%", y * 100.0),
+                &accuracy_series,
+            ),
+            loss: chart(
+                "Loss per round",
+                "loss",
+                None,
+                |y| format!("{y:.2}"),
+                &loss_series,
+            ),
+            loss_legend: chart::legend(&loss_series),
+            participation: chart(
+                "Participants and dropouts per round",
+                "clients",
+                None,
+                |y| format!("{y:.0}"),
+                &participation_series,
+            ),
+            participation_legend: chart::legend(&participation_series),
+        }
+    }
+}
+
+impl RoundRow {
+    fn of(
+        r: &Round,
+        shown: &Shown<'_>,
+        privacy: &PrivacyCard,
+        task_failures: &[crate::store::TaskFailure],
+    ) -> Self {
+        RoundRow {
+            round: r.round,
+            attempt: r.attempt,
+            stage: r.stage.as_str(),
+            selected: r.selected,
+            reported: r.reported,
+            dropped: r.dropped,
+            train_loss: number(r.train_loss),
+            test_loss: number(shown.loss(r)),
+            accuracy: percent(shown.accuracy(r)),
+            epsilon: r.epsilon.map_or_else(|| "–".into(), |e| format!("{e:.3}")),
+            epsilon_coordinator: privacy.round_figure(r),
+            duration: r
+                .finished_at
+                .map(|f| format!("{:.1} s", (f - r.started_at) as f64 / 1000.0))
+                .unwrap_or_else(|| "running".into()),
+            failure: r.failure.clone().unwrap_or_default(),
+            failed_tasks: task_failures
+                .iter()
+                .filter(|f| f.round == r.round && f.attempt == r.attempt)
+                .count(),
+        }
+    }
+}
+
+/// How a FedBuff experiment takes its steps, in words; a synchronous one's rounds.
+fn mode_detail(fedbuff: Option<&cohort_core::FedBuffSettings>) -> String {
+    match fedbuff {
+        Some(f) => format!(
+            "a step every {} updates, {} clients training at once, staleness exponent {}{}",
+            f.buffer_size,
+            f.concurrency,
+            f.staleness_exponent,
+            f.max_staleness
+                .map(|m| format!(", updates over {m} steps stale dropped"))
+                .unwrap_or_default()
+        ),
+        None => "rounds with a selected cohort".into(),
+    }
+}
+
+/// The experiment's jobs counted by state, e.g. `3 done, 1 running`.
+fn job_counts(jobs: &crate::store::JobSummary) -> String {
+    if jobs.counts.is_empty() {
+        return "none yet".into();
+    }
+    jobs.counts
+        .iter()
+        .map(|(state, n)| format!("{n} {state}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+impl JobRow {
+    fn of(j: &crate::store::Job) -> Self {
+        JobRow {
+            id: j.id,
+            kind: j.kind.as_str(),
+            round: j.round,
+            state: j.state.as_str(),
+            attempts: format!("{}/{}", j.attempts, j.max_attempts),
+            error: j.last_error.clone().unwrap_or_default(),
+        }
+    }
+}
+
+impl FailureRow {
+    fn of(f: &crate::store::TaskFailure) -> Self {
+        FailureRow {
+            round: f.round,
+            attempt: f.attempt,
+            client: f.client_id.to_string(),
+            at: when(f.at),
+            reason: f.reason.clone(),
+        }
+    }
+}
+
+/// The clients' evaluation of the initial model (version 0), in words.
+fn initial_evaluation(summary: Option<&EvaluationSummary>) -> String {
+    match summary {
+        Some(s) => format!(
+            "accuracy {}, loss {} ({} clients, {} examples{})",
+            percent(s.metrics.get("accuracy").copied()),
+            number(s.metrics.get("loss").copied()),
+            s.clients,
+            s.num_examples,
+            // Clients under local DP answer without figures: say so, rather than leave
+            // the reader to wonder where they went.
+            match s.withheld {
+                0 => String::new(),
+                n => format!("; {n} withheld theirs under local differential privacy"),
+            }
+        ),
+        None => "not reported yet".into(),
+    }
 }
 
 /// Metric `name` of the clients' evaluations of model version `version`.
