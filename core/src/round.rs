@@ -291,6 +291,9 @@ pub struct FedBuffTaskView {
     pub base_version: i64,
     /// When it was handed out, Unix ms.
     pub handed_out_ms: i64,
+    /// It was dropped because it outlived its deadline (rather than as too stale, or
+    /// by a failure report or a revocation).
+    pub expired: bool,
 }
 
 /// Whether a FedBuff upload for the task `task` (none when the client holds no task of
@@ -308,6 +311,7 @@ pub fn check_fedbuff_upload(
     };
     match task.state {
         ParticipationState::Uploaded => Err(UploadRefusal::AlreadyUploaded { round }),
+        ParticipationState::Dropped if task.expired => Err(UploadRefusal::TaskExpired { round }),
         ParticipationState::Dropped => Err(UploadRefusal::Dropped { round }),
         ParticipationState::Selected if now > task.handed_out_ms + task_ms => {
             Err(UploadRefusal::TaskExpired { round })
@@ -339,6 +343,7 @@ mod tests {
             state,
             base_version: 3,
             handed_out_ms: 1_000,
+            expired: false,
         };
         let selected = task(ParticipationState::Selected);
         assert_eq!(check_fedbuff_upload(Some(&selected), 4, 500, 1_500), Ok(3));
@@ -357,6 +362,14 @@ mod tests {
         assert_eq!(
             check_fedbuff_upload(Some(&task(ParticipationState::Dropped)), 4, 500, 1_200),
             Err(UploadRefusal::Dropped { round: 4 })
+        );
+        let swept = FedBuffTaskView {
+            expired: true,
+            ..task(ParticipationState::Dropped)
+        };
+        assert_eq!(
+            check_fedbuff_upload(Some(&swept), 4, 500, 1_200),
+            Err(UploadRefusal::TaskExpired { round: 4 })
         );
     }
 
@@ -408,6 +421,7 @@ mod tests {
             UploadRefusal::AlreadyUploaded { round: 1 },
             UploadRefusal::Dropped { round: 1 },
             UploadRefusal::KeysNotShared { round: 1 },
+            UploadRefusal::TaskExpired { round: 1 },
         ];
         let codes: Vec<&str> = all.iter().map(UploadRefusal::code).collect();
         assert_eq!(codes, UploadRefusal::CODES);

@@ -187,6 +187,125 @@ macro_rules! insert_buffer {
     }};
 }
 
+/// Drops the FedBuff task of `client` in `round` `attempt` as too stale, counted on the
+/// round. A macro, as it runs in either backend's transaction.
+macro_rules! drop_stale_task {
+    ($tx:expr, $exp:expr, $round:expr, $attempt:expr, $client:expr) => {{
+        sqlx::query(
+            "UPDATE participations SET state = 'dropped', dropped_stage = 'stale' \
+             WHERE experiment_id = $1 AND round = $2 AND attempt = $3 AND client_id = $4",
+        )
+        .bind(&$exp)
+        .bind($round)
+        .bind($attempt)
+        .bind(&$client)
+        .execute(&mut *$tx)
+        .await?;
+        sqlx::query(
+            "UPDATE rounds SET dropped = dropped + 1 \
+             WHERE experiment_id = $1 AND round = $2 AND attempt = $3",
+        )
+        .bind(&$exp)
+        .bind($round)
+        .bind($attempt)
+        .execute(&mut *$tx)
+        .await?;
+    }};
+}
+
+/// Marks the task of `client` in `round` `attempt` uploaded and records its update, going
+/// into `buffer` with `staleness`, under upload id `id` (audited when its weight was
+/// capped). A macro, as it runs in either backend's transaction.
+macro_rules! store_buffered_upload {
+    ($tx:expr, $exp:expr, $round:expr, $attempt:expr, $client:expr, $id:expr, $upload:expr,
+     $buffer:expr, $staleness:expr, $now:expr) => {{
+        sqlx::query(
+            "UPDATE participations SET state = 'uploaded', uploaded_at = $1, num_samples = $2, \
+             train_loss = $3 WHERE experiment_id = $4 AND round = $5 AND attempt = $6 \
+             AND client_id = $7",
+        )
+        .bind($now)
+        .bind($upload.num_samples)
+        .bind($upload.train_loss)
+        .bind(&$exp)
+        .bind($round)
+        .bind($attempt)
+        .bind(&$client)
+        .execute(&mut *$tx)
+        .await?;
+        sqlx::query(
+            "INSERT INTO uploads (id, experiment_id, round, attempt, client_id, blob_path, \
+             bytes, sha256, created_at, num_samples, buffer_round, staleness, \
+             client_upload_id) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
+        )
+        .bind($id.to_string())
+        .bind(&$exp)
+        .bind($round)
+        .bind($attempt)
+        .bind(&$client)
+        .bind($upload.blob_path)
+        .bind($upload.bytes)
+        .bind($upload.sha256)
+        .bind($now)
+        .bind($upload.num_samples)
+        .bind($buffer)
+        .bind($staleness)
+        .bind($upload.client_upload_id.map(|u| u.to_string()))
+        .execute(&mut *$tx)
+        .await?;
+        if let Some(claimed) = $upload.claimed_samples {
+            audit!(
+                $tx,
+                $now,
+                &$client,
+                "upload.weight_capped",
+                $exp.as_str(),
+                super::rounds::capped_detail($round, $attempt, claimed, $upload.num_samples)
+            );
+        }
+    }};
+}
+
+/// Counts one more update into the collecting `buffer` (which held `reported`); when it
+/// is `closed` (full), the buffer aggregates: its job is queued and, unless it was the
+/// last step, the next buffer opens, all in the same transaction.
+macro_rules! count_into_buffer {
+    ($tx:expr, $exp:expr, $buffer:expr, $reported:expr, $closed:expr, $rules:expr, $now:expr) => {{
+        sqlx::query(
+            "UPDATE rounds SET reported = reported + 1, \
+             stage = CASE WHEN $1 THEN 'aggregating' ELSE stage END \
+             WHERE experiment_id = $2 AND round = $3 AND attempt = 1",
+        )
+        .bind($closed)
+        .bind(&$exp)
+        .bind($buffer)
+        .execute(&mut *$tx)
+        .await?;
+        if $closed {
+            sqlx::query(super::jobs::ENQUEUE_JOB_SQL)
+                .bind(super::JobKind::Aggregate.as_str())
+                .bind(&$exp)
+                .bind($buffer)
+                .bind($rules.job_attempts)
+                .bind($now)
+                .execute(&mut *$tx)
+                .await?;
+            if $buffer < $rules.last_step {
+                insert_buffer!($tx, $exp, $buffer + 1, $now);
+            }
+            audit!(
+                $tx,
+                $now,
+                "coordinator",
+                "buffer.close",
+                $exp.as_str(),
+                format!("buffer {}: {} updates", $buffer, $reported + 1)
+            );
+        }
+    }};
+}
+
 impl Store {
     /// Opens a FedBuff experiment's first buffer, round `round`. The experiment must be
     /// running and have no buffer collecting; later buffers open as their predecessors
@@ -423,8 +542,8 @@ impl Store {
                     "experiment {experiment_id} is {state}: it takes no more updates"
                 )));
             }
-            let part: Option<(String, Option<i64>, i64)> = sqlx::query_as(
-                "SELECT state, base_version, selected_at FROM participations \
+            let part: Option<(String, Option<i64>, i64, Option<String>)> = sqlx::query_as(
+                "SELECT state, base_version, selected_at, dropped_stage FROM participations \
                  WHERE experiment_id = $1 AND round = $2 AND attempt = $3 AND client_id = $4",
             )
             .bind(&exp)
@@ -434,13 +553,14 @@ impl Store {
             .fetch_optional(&mut *tx)
             .await?;
             let task = match part {
-                Some((state, Some(base_version), handed_out_ms)) => Some(FedBuffTaskView {
+                Some((state, Some(base_version), handed_out_ms, dropped)) => Some(FedBuffTaskView {
                     state: state.parse().map_err(StoreError::Corrupt)?,
                     base_version,
                     handed_out_ms,
+                    expired: dropped.as_deref() == Some("expired"),
                 }),
                 // A task of a synchronous round cannot be in a FedBuff experiment.
-                Some((_, None, _)) => {
+                Some((_, None, _, _)) => {
                     return Err(StoreError::Corrupt(format!(
                         "round {round} attempt {attempt} of FedBuff experiment {experiment_id} \
                          holds a task without a model version"
@@ -465,95 +585,15 @@ impl Store {
             // The update is applied to version buffer - 1; its base is never newer.
             let staleness = (buffer - 1 - base).max(0);
             if let Some(max) = rules.max_staleness.filter(|max| staleness > *max) {
-                sqlx::query(
-                    "UPDATE participations SET state = 'dropped', dropped_stage = 'stale' \
-                     WHERE experiment_id = $1 AND round = $2 AND attempt = $3 AND client_id = $4",
-                )
-                .bind(&exp)
-                .bind(round)
-                .bind(attempt)
-                .bind(&client)
-                .execute(&mut *tx)
-                .await?;
-                sqlx::query(
-                    "UPDATE rounds SET dropped = dropped + 1 \
-                     WHERE experiment_id = $1 AND round = $2 AND attempt = $3",
-                )
-                .bind(&exp)
-                .bind(round)
-                .bind(attempt)
-                .execute(&mut *tx)
-                .await?;
+                drop_stale_task!(tx, exp, round, attempt, client);
                 audit!(tx, now, "coordinator", "buffer.too_stale", exp.as_str(),
                     format!("client {client}: staleness {staleness} > {max}"));
                 tx.commit().await?;
                 return Ok(Buffered::TooStale { staleness, max_staleness: max });
             }
-            sqlx::query(
-                "UPDATE participations SET state = 'uploaded', uploaded_at = $1, num_samples = $2, \
-                 train_loss = $3 WHERE experiment_id = $4 AND round = $5 AND attempt = $6 \
-                 AND client_id = $7",
-            )
-            .bind(now)
-            .bind(upload.num_samples)
-            .bind(upload.train_loss)
-            .bind(&exp)
-            .bind(round)
-            .bind(attempt)
-            .bind(&client)
-            .execute(&mut *tx)
-            .await?;
-            sqlx::query(
-                "INSERT INTO uploads (id, experiment_id, round, attempt, client_id, blob_path, \
-                 bytes, sha256, created_at, num_samples, buffer_round, staleness, \
-                 client_upload_id) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
-            )
-            .bind(id.to_string())
-            .bind(&exp)
-            .bind(round)
-            .bind(attempt)
-            .bind(&client)
-            .bind(upload.blob_path)
-            .bind(upload.bytes)
-            .bind(upload.sha256)
-            .bind(now)
-            .bind(upload.num_samples)
-            .bind(buffer)
-            .bind(staleness)
-            .bind(upload.client_upload_id.map(|u| u.to_string()))
-            .execute(&mut *tx)
-            .await?;
-            if let Some(claimed) = upload.claimed_samples {
-                audit!(tx, now, &client, "upload.weight_capped", exp.as_str(),
-                    super::rounds::capped_detail(round, attempt, claimed, upload.num_samples));
-            }
+            store_buffered_upload!(tx, exp, round, attempt, client, id, upload, buffer, staleness, now);
             let closed = reported + 1 >= rules.buffer_size;
-            sqlx::query(
-                "UPDATE rounds SET reported = reported + 1, \
-                 stage = CASE WHEN $1 THEN 'aggregating' ELSE stage END \
-                 WHERE experiment_id = $2 AND round = $3 AND attempt = 1",
-            )
-            .bind(closed)
-            .bind(&exp)
-            .bind(buffer)
-            .execute(&mut *tx)
-            .await?;
-            if closed {
-                sqlx::query(super::jobs::ENQUEUE_JOB_SQL)
-                    .bind(super::JobKind::Aggregate.as_str())
-                    .bind(&exp)
-                    .bind(buffer)
-                    .bind(rules.job_attempts)
-                    .bind(now)
-                    .execute(&mut *tx)
-                    .await?;
-                if buffer < rules.last_step {
-                    insert_buffer!(tx, exp, buffer + 1, now);
-                }
-                audit!(tx, now, "coordinator", "buffer.close", exp.as_str(),
-                    format!("buffer {buffer}: {} updates", reported + 1));
-            }
+            count_into_buffer!(tx, exp, buffer, reported, closed, rules, now);
             tx.commit().await?;
             Ok(Buffered::Accepted {
                 upload: Upload {
