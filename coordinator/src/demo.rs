@@ -193,8 +193,46 @@ async fn run_async(args: &DemoArgs) -> Result<DemoOutcome, String> {
         ca.display()
     );
 
-    let quorum = (args.clients * 8 / 10).max(1);
-    let spec = ExperimentSpec {
+    let spec = demo_spec(args, &test);
+    spec.validate().map_err(|e| e.to_string())?;
+    let store = &state.store;
+    let exp = store
+        .create_experiment(
+            &spec.name,
+            &serde_json::to_value(&spec).map_err(|e| e.to_string())?,
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    store
+        .set_experiment_state(exp.id, ExperimentState::Running, "demo")
+        .await
+        .map_err(|e| e.to_string())?;
+
+    let mut children: Vec<Child> = Vec::new();
+    for (i, csv) in csvs.iter().enumerate() {
+        children.push(start_edge_client(store, &run_dir, &base, &ca, csv, i).await?);
+    }
+    eprintln!("started {} cohort-edge processes", children.len());
+
+    let outcome = wait_finished(store, exp.id, args.rounds).await;
+    let _ = stop.send(());
+    let _ = server.await;
+    for mut child in children {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    outcome?;
+    let accuracy_per_round = score_rounds(store, exp.id, &run_dir, &test, args.rounds).await?;
+    Ok(DemoOutcome {
+        run_dir,
+        accuracy_per_round,
+    })
+}
+
+/// The demo's experiment: the MLP on digits with every client in every round, a
+/// quorum of 80%, and the strategy asked for.
+fn demo_spec(args: &DemoArgs, test: &Dataset) -> ExperimentSpec {
+    ExperimentSpec {
         name: "demo: digits, MLP, Dirichlet(0.5)".into(),
         features: test.num_features(),
         classes: test.num_classes(),
@@ -206,7 +244,7 @@ async fn run_async(args: &DemoArgs) -> Result<DemoOutcome, String> {
         server_lr: args.server_lr,
         rounds: args.rounds,
         clients_per_round: args.clients,
-        min_participants: quorum,
+        min_participants: (args.clients * 8 / 10).max(1),
         over_selection: 1.0,
         collect_deadline_seconds: 60,
         max_round_attempts: 3,
@@ -223,99 +261,109 @@ async fn run_async(args: &DemoArgs) -> Result<DemoOutcome, String> {
         concurrency: None,
         staleness_exponent: None,
         max_staleness: None,
-    };
-    spec.validate().map_err(|e| e.to_string())?;
-    let store = &state.store;
-    let exp = store
-        .create_experiment(
-            &spec.name,
-            &serde_json::to_value(&spec).map_err(|e| e.to_string())?,
+    }
+}
+
+/// Starts client `i` as a `cohort edge` process of this binary on `csv`, with an
+/// enrolment token of its own; its output goes to `clients/client-<i>.log`.
+async fn start_edge_client(
+    store: &crate::store::Store,
+    run_dir: &Path,
+    base: &str,
+    ca: &Path,
+    csv: &Path,
+    i: usize,
+) -> Result<Child, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let token = auth::generate_secret().map_err(|e| e.to_string())?;
+    store
+        .create_enrolment_token(
+            &auth::hash_secret(&token),
+            &format!("demo-client-{i}"),
+            None,
         )
         .await
         .map_err(|e| e.to_string())?;
-    store
-        .set_experiment_state(exp.id, ExperimentState::Running, "demo")
-        .await
+    let log = std::fs::File::create(run_dir.join(format!("clients/client-{i}.log")))
         .map_err(|e| e.to_string())?;
+    Command::new(&exe)
+        .arg("edge")
+        .arg("--coordinator")
+        .arg(base)
+        .arg("--ca-cert")
+        .arg(ca)
+        .arg("--data")
+        .arg(csv)
+        .arg("--state-dir")
+        .arg(run_dir.join(format!("clients/state-{i}")))
+        .arg("--idle-exit")
+        .arg("20")
+        .arg("--seed")
+        .arg(i.to_string())
+        .env("COHORT_ENROL_TOKEN", &token)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().map_err(|e| e.to_string())?)
+        .stderr(log)
+        .spawn()
+        .map_err(|e| format!("cannot start an edge client: {e}"))
+}
 
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let mut children: Vec<Child> = Vec::new();
-    for (i, csv) in csvs.iter().enumerate() {
-        let token = auth::generate_secret().map_err(|e| e.to_string())?;
-        store
-            .create_enrolment_token(
-                &auth::hash_secret(&token),
-                &format!("demo-client-{i}"),
-                None,
-            )
-            .await
-            .map_err(|e| e.to_string())?;
-        let log = std::fs::File::create(run_dir.join(format!("clients/client-{i}.log")))
-            .map_err(|e| e.to_string())?;
-        let child = Command::new(&exe)
-            .arg("edge")
-            .arg("--coordinator")
-            .arg(&base)
-            .arg("--ca-cert")
-            .arg(&ca)
-            .arg("--data")
-            .arg(csv)
-            .arg("--state-dir")
-            .arg(run_dir.join(format!("clients/state-{i}")))
-            .arg("--idle-exit")
-            .arg("20")
-            .arg("--seed")
-            .arg(i.to_string())
-            .env("COHORT_ENROL_TOKEN", &token)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().map_err(|e| e.to_string())?)
-            .stderr(log)
-            .spawn()
-            .map_err(|e| format!("cannot start an edge client: {e}"))?;
-        children.push(child);
-    }
-    eprintln!("started {} cohort-edge processes", children.len());
-
+/// Waits for the experiment to finish, printing each round as it publishes; fails when
+/// it fails, is stopped, or takes over 15 minutes.
+async fn wait_finished(
+    store: &crate::store::Store,
+    experiment: uuid::Uuid,
+    rounds: u32,
+) -> Result<(), String> {
     let started = Instant::now();
     let mut reported = 0;
-    let outcome = loop {
+    loop {
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let exp_now = store.experiment(exp.id).await.map_err(|e| e.to_string())?;
-        let rounds = store.rounds(exp.id).await.map_err(|e| e.to_string())?;
-        for r in rounds
+        let exp_now = store
+            .experiment(experiment)
+            .await
+            .map_err(|e| e.to_string())?;
+        let published = store.rounds(experiment).await.map_err(|e| e.to_string())?;
+        for r in published
             .iter()
             .filter(|r| r.stage == RoundStage::Published)
             .skip(reported)
         {
             eprintln!(
-                "round {}/{} published: {} uploads, {} dropped",
-                r.round, args.rounds, r.reported, r.dropped
+                "round {}/{rounds} published: {} uploads, {} dropped",
+                r.round, r.reported, r.dropped
             );
             reported += 1;
         }
         match exp_now.state {
-            ExperimentState::Finished => break Ok(()),
+            ExperimentState::Finished => return Ok(()),
             ExperimentState::Failed | ExperimentState::Stopped => {
-                break Err(format!("experiment ended {}", exp_now.state.as_str()));
+                return Err(format!("experiment ended {}", exp_now.state.as_str()));
             }
             _ => {}
         }
         if started.elapsed() > Duration::from_secs(900) {
-            break Err("the experiment did not finish within 15 minutes".into());
+            return Err("the experiment did not finish within 15 minutes".into());
         }
-    };
-    let _ = stop.send(());
-    let _ = server.await;
-    for mut child in children {
-        let _ = child.kill();
-        let _ = child.wait();
     }
-    outcome?;
+}
 
-    // Score every published model on the held-out test set.
-    let (_, model) =
-        driver::experiment_model(&store.experiment(exp.id).await.map_err(|e| e.to_string())?)
-            .map_err(|e| e.to_string())?;
+/// Scores every published model on the held-out test set and writes `metrics.csv`:
+/// the accuracy of each round's model, from round 1.
+async fn score_rounds(
+    store: &crate::store::Store,
+    experiment: uuid::Uuid,
+    run_dir: &Path,
+    test: &Dataset,
+    rounds: u32,
+) -> Result<Vec<f64>, String> {
+    let (_, model) = driver::experiment_model(
+        &store
+            .experiment(experiment)
+            .await
+            .map_err(|e| e.to_string())?,
+    )
+    .map_err(|e| e.to_string())?;
     let model = model
         .built_in()
         .ok_or("the demo trains a built-in model")?
@@ -324,8 +372,8 @@ async fn run_async(args: &DemoArgs) -> Result<DemoOutcome, String> {
         .map_err(|e| e.to_string())?;
     let mut accuracy_per_round = Vec::new();
     let mut csv = String::from("round,test_accuracy,test_loss\n");
-    for round in 1..=i64::from(args.rounds) {
-        let path = format!("models/{}/round-{round}.bin", exp.id);
+    for round in 1..=i64::from(rounds) {
+        let path = format!("models/{experiment}/round-{round}.bin");
         let bytes = blobs
             .get(&path)
             .map_err(|e| format!("model of round {round}: {e}"))?;
@@ -337,8 +385,5 @@ async fn run_async(args: &DemoArgs) -> Result<DemoOutcome, String> {
         accuracy_per_round.push(eval.accuracy);
     }
     std::fs::write(run_dir.join("metrics.csv"), csv).map_err(|e| e.to_string())?;
-    Ok(DemoOutcome {
-        run_dir,
-        accuracy_per_round,
-    })
+    Ok(accuracy_per_round)
 }

@@ -432,16 +432,7 @@ fn run_simulate(args: SimulateArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let bar = std::io::stderr().is_terminal().then(|| {
-        let bar = ProgressBar::new(u64::from(cfg.rounds));
-        bar.set_style(
-            ProgressStyle::with_template(
-                "{bar:40.cyan/blue} {pos}/{len} rounds {msg} [{elapsed_precise}<{eta_precise}]",
-            )
-            .expect("static template is valid"),
-        );
-        bar
-    });
+    let bar = progress_bar(cfg.rounds);
     let rounds = cfg.rounds;
     let report = |prefix: &str, r: &RoundRecord| {
         let mut line = format!(
@@ -488,23 +479,7 @@ fn run_simulate(args: SimulateArgs) -> ExitCode {
             env: Vec::new(),
             shared_memory: std::env::var("COHORT_WORKER_TRANSPORT").as_deref() != Ok("pipes"),
         };
-        let cancel = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        cohort_coordinator::simulate::python::PythonPopulation::start(settings, cancel)
-            .and_then(|pop| {
-                cohort_coordinator::simulate::simulate_population(&cfg, &pop, |r| {
-                    report("", r)
-                })
-            })
-            .map(|(summary, dir, _)| {
-                format!(
-                    "final test accuracy {:.4} after {} rounds ({} failed tasks, {:.1} client updates/s); results in {}",
-                    summary.final_test_accuracy,
-                    summary.rounds,
-                    summary.total_failed,
-                    summary.updates_per_second,
-                    dir.display()
-                )
-            })
+        run_python(&cfg, settings, |r| report("", r))
     } else if strategies.len() > 1 {
         if let Some(bar) = &bar {
             bar.set_length(u64::from(rounds) * strategies.len() as u64);
@@ -523,46 +498,7 @@ fn run_simulate(args: SimulateArgs) -> ExitCode {
             )
         })
     } else {
-        simulate(&cfg, |r| report("", r)).map(|(summary, dir)| {
-            let privacy = summary
-                .epsilon
-                .map(|e| {
-                    let coordinator = match summary.epsilon_coordinator {
-                        Some(Some(c)) => format!("{c:.3}"),
-                        _ => "none".into(),
-                    };
-                    format!(
-                        ", epsilon {e:.3} at delta {} ({coordinator} against the coordinator)",
-                        cfg.dp_delta
-                    )
-                })
-                .unwrap_or_default();
-            let stopped = summary
-                .stopped
-                .as_ref()
-                .map(|why| format!(" (stopped: {why})"))
-                .unwrap_or_default();
-            let target = summary
-                .target
-                .as_ref()
-                .map(|t| match (t.rounds_to_target, t.sim_seconds_to_target) {
-                    (Some(round), Some(sim)) => format!(
-                        ", target {} reached in round {round} at {sim:.1} simulated s",
-                        t.target_accuracy
-                    ),
-                    _ => format!(", target {} not reached", t.target_accuracy),
-                })
-                .unwrap_or_default();
-            format!(
-                "final test accuracy {:.4} after {} rounds ({:.1} simulated s){target}{privacy}{stopped} ({:.1} client updates/s on {} threads); results in {}",
-                summary.final_test_accuracy,
-                summary.rounds,
-                summary.sim_seconds,
-                summary.updates_per_second,
-                summary.threads,
-                dir.display()
-            )
-        })
+        simulate(&cfg, |r| report("", r)).map(|(summary, dir)| final_line(&cfg, &summary, &dir))
     };
     if let Some(bar) = &bar {
         bar.finish_and_clear();
@@ -577,6 +513,88 @@ fn run_simulate(args: SimulateArgs) -> ExitCode {
             ExitCode::from(e.exit_code())
         }
     }
+}
+
+/// The progress bar of a simulation, when stderr is a terminal.
+fn progress_bar(rounds: u32) -> Option<ProgressBar> {
+    std::io::stderr().is_terminal().then(|| {
+        let bar = ProgressBar::new(u64::from(rounds));
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{bar:40.cyan/blue} {pos}/{len} rounds {msg} [{elapsed_precise}<{eta_precise}]",
+            )
+            .expect("static template is valid"),
+        );
+        bar
+    })
+}
+
+/// A simulation whose clients train with the user's Python `train` in worker processes.
+fn run_python(
+    cfg: &SimulationConfig,
+    settings: cohort_coordinator::simulate::python::PythonSettings,
+    on_round: impl FnMut(&RoundRecord),
+) -> Result<String, cohort_coordinator::simulate::SimulationError> {
+    let cancel = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    cohort_coordinator::simulate::python::PythonPopulation::start(settings, cancel)
+        .and_then(|pop| cohort_coordinator::simulate::simulate_population(cfg, &pop, on_round))
+        .map(|(summary, dir, _)| {
+            format!(
+                "final test accuracy {:.4} after {} rounds ({} failed tasks, {:.1} client updates/s); results in {}",
+                summary.final_test_accuracy,
+                summary.rounds,
+                summary.total_failed,
+                summary.updates_per_second,
+                dir.display()
+            )
+        })
+}
+
+/// The last line of a single-strategy simulation: accuracy, simulated time, the
+/// target, privacy spent and why it stopped, when any of these apply.
+fn final_line(
+    cfg: &SimulationConfig,
+    summary: &cohort_coordinator::simulate::Summary,
+    dir: &std::path::Path,
+) -> String {
+    let privacy = summary
+        .epsilon
+        .map(|e| {
+            let coordinator = match summary.epsilon_coordinator {
+                Some(Some(c)) => format!("{c:.3}"),
+                _ => "none".into(),
+            };
+            format!(
+                ", epsilon {e:.3} at delta {} ({coordinator} against the coordinator)",
+                cfg.dp_delta
+            )
+        })
+        .unwrap_or_default();
+    let stopped = summary
+        .stopped
+        .as_ref()
+        .map(|why| format!(" (stopped: {why})"))
+        .unwrap_or_default();
+    let target = summary
+        .target
+        .as_ref()
+        .map(|t| match (t.rounds_to_target, t.sim_seconds_to_target) {
+            (Some(round), Some(sim)) => format!(
+                ", target {} reached in round {round} at {sim:.1} simulated s",
+                t.target_accuracy
+            ),
+            _ => format!(", target {} not reached", t.target_accuracy),
+        })
+        .unwrap_or_default();
+    format!(
+        "final test accuracy {:.4} after {} rounds ({:.1} simulated s){target}{privacy}{stopped} ({:.1} client updates/s on {} threads); results in {}",
+        summary.final_test_accuracy,
+        summary.rounds,
+        summary.sim_seconds,
+        summary.updates_per_second,
+        summary.threads,
+        dir.display()
+    )
 }
 
 fn run_partition(args: &cohort_coordinator::demo::PartitionArgs) -> ExitCode {
