@@ -196,34 +196,7 @@ async fn run_async(args: &DashboardBenchArgs) -> Result<(), String> {
     let url = settings.database_url.clone();
     let prepared = prepare(settings).await.map_err(|e| e.to_string())?;
     let state = prepared.state().clone();
-    let spec = ExperimentSpec {
-        name: "benchmark".into(),
-        features: 64,
-        classes: 10,
-        model: "logreg".parse().map_err(|e| format!("{e}"))?,
-        initial_model: None,
-        tensors: None,
-        hyperparameters: None,
-        strategy: cohort_aggregation::Strategy::FedAvg,
-        server_lr: None,
-        rounds: args.rounds,
-        clients_per_round: args.participants as usize,
-        min_participants: 1,
-        over_selection: 1.0,
-        collect_deadline_seconds: 120,
-        max_round_attempts: 3,
-        train: TrainSettings::default(),
-        seed: 0,
-        secure_aggregation: None,
-        privacy: None,
-        aggregator: None,
-        max_weight: None,
-        mode: Default::default(),
-        buffer_size: None,
-        concurrency: None,
-        staleness_exponent: None,
-        max_staleness: None,
-    };
+    let spec = bench_spec(args)?;
     let spec_json = serde_json::to_string(&spec).map_err(|e| e.to_string())?;
     let seeding = Instant::now();
     let exp = if url.starts_with("postgres") {
@@ -268,38 +241,7 @@ async fn run_async(args: &DashboardBenchArgs) -> Result<(), String> {
         "sqlite"
     };
 
-    let measure = |path: String| {
-        let app = app.clone();
-        let cookie = cookie.clone();
-        async move {
-            let mut times = Vec::with_capacity(args.repeats);
-            let mut bytes = 0;
-            let mut status = 0;
-            for i in 0..args.repeats + 3 {
-                let request = Request::get(&path)
-                    .header(header::COOKIE, &cookie)
-                    .body(Body::empty())
-                    .map_err(|e| e.to_string())?;
-                let start = Instant::now();
-                let response = app
-                    .clone()
-                    .oneshot(request)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                status = response.status().as_u16();
-                let body = axum::body::to_bytes(response.into_body(), usize::MAX)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let took = start.elapsed();
-                bytes = body.len();
-                // The first few warm caches and the connection pool.
-                if i >= 3 {
-                    times.push(took);
-                }
-            }
-            Ok::<_, String>((times, bytes, status))
-        }
-    };
+    let measure = |path: String| measure(&app, &cookie, path, args.repeats);
     let (mut health, _, _) = measure("/api/v1/health".into()).await?;
     let (health_median, _, _) = summary(&mut health);
     let pages = [
@@ -349,6 +291,75 @@ async fn run_async(args: &DashboardBenchArgs) -> Result<(), String> {
         eprintln!("slowest page median {worst:.1} ms is over the {PAGE_BUDGET_MS} ms budget");
     }
     Ok(())
+}
+
+/// The benchmark's experiment: a logistic regression with `participants` clients a
+/// round, only ever filled in by the seeding, never run.
+fn bench_spec(args: &DashboardBenchArgs) -> Result<ExperimentSpec, String> {
+    Ok(ExperimentSpec {
+        name: "benchmark".into(),
+        features: 64,
+        classes: 10,
+        model: "logreg".parse().map_err(|e| format!("{e}"))?,
+        initial_model: None,
+        tensors: None,
+        hyperparameters: None,
+        strategy: cohort_aggregation::Strategy::FedAvg,
+        server_lr: None,
+        rounds: args.rounds,
+        clients_per_round: args.participants as usize,
+        min_participants: 1,
+        over_selection: 1.0,
+        collect_deadline_seconds: 120,
+        max_round_attempts: 3,
+        train: TrainSettings::default(),
+        seed: 0,
+        secure_aggregation: None,
+        privacy: None,
+        aggregator: None,
+        max_weight: None,
+        mode: Default::default(),
+        buffer_size: None,
+        concurrency: None,
+        staleness_exponent: None,
+        max_staleness: None,
+    })
+}
+
+/// Times `repeats` GETs of `path` through the whole application in process (after 3
+/// that warm caches and the connection pool): the times, the body's size and the
+/// status of the last.
+async fn measure(
+    app: &axum::Router,
+    cookie: &str,
+    path: String,
+    repeats: usize,
+) -> Result<(Vec<Duration>, usize, u16), String> {
+    let mut times = Vec::with_capacity(repeats);
+    let mut bytes = 0;
+    let mut status = 0;
+    for i in 0..repeats + 3 {
+        let request = Request::get(&path)
+            .header(header::COOKIE, cookie)
+            .body(Body::empty())
+            .map_err(|e| e.to_string())?;
+        let start = Instant::now();
+        let response = app
+            .clone()
+            .oneshot(request)
+            .await
+            .map_err(|e| e.to_string())?;
+        status = response.status().as_u16();
+        let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .map_err(|e| e.to_string())?;
+        let took = start.elapsed();
+        bytes = body.len();
+        if i >= 3 {
+            times.push(took);
+        }
+    }
+    Ok((times, bytes, status))
 }
 
 /// A fresh directory under the system's temporary directory.

@@ -235,20 +235,9 @@ fn run_case(
         let mut rng = ChaCha8Rng::seed_from_u64(args.seed.wrapping_mul(1_000_003) ^ u64::from(u));
         (0..d).map(|_| rng.random_range(-1.0f32..1.0)).collect()
     };
-    let mut client_mask = Vec::new();
-    let mut client_share = Vec::new();
-    // The parts the protocol against a coordinator that cheats adds: signing and
-    // checking keys, the graph nonces, signing and checking the survivor list.
-    let mut client_advertise = Vec::new();
-    let mut client_confirm = Vec::new();
-    let mut client_unmask = Vec::new();
-    let mut server_checks = Vec::new();
-    let mut server_unmask = Vec::new();
-    let mut server_mask = Vec::new();
-    let mut rounds = Vec::new();
+    let mut times = CaseTimes::default();
     let mut bytes_per_client = 0.0;
-    let mut max_err = 0.0f64;
-    let mut bound = 0.0f64;
+    let (mut max_err, mut bound) = (0.0f64, 0.0f64);
     let mut masks_removed = 0usize;
     for repeat in 0..args.repeats {
         let mut seed = [0u8; 32];
@@ -268,19 +257,7 @@ fn run_case(
             .result
             .map_err(|e| format!("n={n} d={d} k={k} f={f}: the round failed: {e}"))?;
         let input_time = input_time.into_inner().expect("no panics while held");
-        client_mask.extend(round.timings.client_mask.iter().copied());
-        client_share.extend(round.timings.client_share.iter().copied());
-        client_advertise.extend(round.timings.client_advertise.iter().copied());
-        client_confirm.extend(round.timings.client_confirm.iter().copied());
-        client_unmask.extend(round.timings.client_unmask.iter().copied());
-        server_checks.push(
-            round.timings.server_advertise
-                + round.timings.server_reveal
-                + round.timings.server_confirm,
-        );
-        server_unmask.push(round.timings.server_unmask);
-        server_mask.push(out.mask_seconds);
-        rounds.push(round.timings.round - input_time);
+        times.add(&round.timings, out.mask_seconds, input_time);
         let survivors = &out.survivors;
         bytes_per_client = survivors
             .iter()
@@ -289,27 +266,8 @@ fn run_case(
             / survivors.len() as f64;
         masks_removed = out.masks_removed;
         if repeat == 0 {
-            // Check the result against the plain weighted mean of the survivors.
-            let total: f64 = survivors
-                .iter()
-                .map(|&u| weights[u as usize - 1] as f64)
-                .sum();
-            let mut reference = vec![0f64; d];
-            for &u in survivors {
-                let w = weights[u as usize - 1] as f64;
-                for (r, x) in reference.iter_mut().zip(update(u)) {
-                    *r += w * f64::from(x);
-                }
-            }
-            for (r, m) in reference.iter().zip(&out.decoded.mean) {
-                max_err = max_err.max((r / total - f64::from(*m)).abs());
-            }
-            bound = out.decoded.error_bound;
-            if max_err > bound {
-                return Err(format!(
-                    "n={n} d={d}: error {max_err:e} exceeds the bound {bound:e}"
-                ));
-            }
+            (max_err, bound) = check_mean(survivors, &weights, &update, &out.decoded)
+                .map_err(|e| format!("n={n} d={d}: {e}"))?;
         }
         eprintln!(
             "n={n} d={d} k={k} t={t} f={f} repeat {}: mask {:.4}s/client, unmask {:.4}s, round {:.2}s",
@@ -319,9 +277,9 @@ fn run_case(
             round.timings.round - input_time
         );
     }
-    let client_mask_s = median(client_mask.clone());
-    let server_unmask_s = median(server_unmask.clone());
-    let round_s = median(rounds.clone());
+    let client_mask_s = median(times.client_mask.clone());
+    let server_unmask_s = median(times.server_unmask.clone());
+    let round_s = median(times.rounds.clone());
     let plain_bytes = (d * 4) as f64;
     // Keystream the server generated while unmasking, as a rate next to the memory probe.
     let keystream_gbps =
@@ -332,13 +290,13 @@ fn run_case(
         "suite": suite, "bench": "secagg", "impl": "cohort",
         "client_mask_s": client_mask_s,
         "server_unmask_s": server_unmask_s,
-        "server_mask_s": median(server_mask.clone()),
-        "client_advertise_s": median(client_advertise),
-        "client_confirm_s": median(client_confirm),
-        "client_unmask_s": median(client_unmask),
-        "server_advertise_reveal_confirm_s": median(server_checks),
+        "server_mask_s": median(times.server_mask.clone()),
+        "client_advertise_s": median(times.client_advertise),
+        "client_confirm_s": median(times.client_confirm),
+        "client_unmask_s": median(times.client_unmask),
+        "server_advertise_reveal_confirm_s": median(times.server_checks),
         "consistency_check": args.consistency_check,
-        "mask_share": median(server_mask) / server_unmask_s,
+        "mask_share": median(times.server_mask) / server_unmask_s,
         "round_s": round_s,
         "bytes_per_client": bytes_per_client,
         "expansion": bytes_per_client / plain_bytes,
@@ -353,10 +311,10 @@ fn run_case(
     merge(&mut record, &common);
     println!("{record}");
     for (bench, values) in [
-        ("secagg_client_mask", client_mask),
-        ("secagg_client_share_keys", client_share),
-        ("secagg_server_unmask", server_unmask),
-        ("secagg_round", rounds),
+        ("secagg_client_mask", times.client_mask),
+        ("secagg_client_share_keys", times.client_share),
+        ("secagg_server_unmask", times.server_unmask),
+        ("secagg_round", times.rounds),
     ] {
         let min = values.iter().copied().fold(f64::INFINITY, f64::min);
         let max = values.iter().copied().fold(0.0, f64::max);
@@ -372,6 +330,74 @@ fn run_case(
         println!("{line}");
     }
     Ok(())
+}
+
+/// Every repeat's timings of one case, in seconds: per client where the protocol runs
+/// per client, per round otherwise.
+#[derive(Default)]
+struct CaseTimes {
+    client_mask: Vec<f64>,
+    client_share: Vec<f64>,
+    // The parts the protocol against a coordinator that cheats adds: signing and checking
+    // keys, the graph nonces, signing and checking the survivor list.
+    client_advertise: Vec<f64>,
+    client_confirm: Vec<f64>,
+    client_unmask: Vec<f64>,
+    server_checks: Vec<f64>,
+    server_unmask: Vec<f64>,
+    server_mask: Vec<f64>,
+    /// Whole rounds, less the time spent making the inputs.
+    rounds: Vec<f64>,
+}
+
+impl CaseTimes {
+    fn add(&mut self, timings: &local::Timings, mask_seconds: f64, input_time: f64) {
+        self.client_mask.extend(timings.client_mask.iter().copied());
+        self.client_share
+            .extend(timings.client_share.iter().copied());
+        self.client_advertise
+            .extend(timings.client_advertise.iter().copied());
+        self.client_confirm
+            .extend(timings.client_confirm.iter().copied());
+        self.client_unmask
+            .extend(timings.client_unmask.iter().copied());
+        self.server_checks
+            .push(timings.server_advertise + timings.server_reveal + timings.server_confirm);
+        self.server_unmask.push(timings.server_unmask);
+        self.server_mask.push(mask_seconds);
+        self.rounds.push(timings.round - input_time);
+    }
+}
+
+/// The unmasked mean against the plain weighted mean of the survivors' updates: the
+/// largest error and the bound it must stay within.
+fn check_mean(
+    survivors: &[u32],
+    weights: &[u64],
+    update: &dyn Fn(u32) -> Vec<f32>,
+    decoded: &secagg::Decoded,
+) -> Result<(f64, f64), String> {
+    let total: f64 = survivors
+        .iter()
+        .map(|&u| weights[u as usize - 1] as f64)
+        .sum();
+    let mut reference = vec![0f64; decoded.mean.len()];
+    for &u in survivors {
+        let w = weights[u as usize - 1] as f64;
+        for (r, x) in reference.iter_mut().zip(update(u)) {
+            *r += w * f64::from(x);
+        }
+    }
+    let max_err = reference
+        .iter()
+        .zip(&decoded.mean)
+        .map(|(r, m)| (r / total - f64::from(*m)).abs())
+        .fold(0.0f64, f64::max);
+    let bound = decoded.error_bound;
+    if max_err > bound {
+        return Err(format!("error {max_err:e} exceeds the bound {bound:e}"));
+    }
+    Ok((max_err, bound))
 }
 
 fn merge(into: &mut serde_json::Value, from: &serde_json::Value) {
