@@ -410,18 +410,10 @@ fn run_simulate(args: SimulateArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if let Some(n) = threads {
-        if n == 0 {
-            eprintln!("error: --threads must be at least 1");
-            return ExitCode::from(2);
-        }
-        if let Err(e) = rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global()
-        {
-            eprintln!("error: cannot start {n} worker threads: {e}");
-            return ExitCode::from(1);
-        }
+    if let Some(n) = threads
+        && let Err(code) = set_threads(n)
+    {
+        return code;
     }
     // The one line that says where aggregation runs (and why, when `auto` falls back),
     // shown with the first round, so that bad input still gets its single error line.
@@ -513,6 +505,21 @@ fn run_simulate(args: SimulateArgs) -> ExitCode {
             ExitCode::from(e.exit_code())
         }
     }
+}
+
+/// Sizes rayon's global pool to `n` threads, or says why it cannot.
+fn set_threads(n: usize) -> Result<(), ExitCode> {
+    if n == 0 {
+        eprintln!("error: --threads must be at least 1");
+        return Err(ExitCode::from(2));
+    }
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build_global()
+        .map_err(|e| {
+            eprintln!("error: cannot start {n} worker threads: {e}");
+            ExitCode::from(1)
+        })
 }
 
 /// The progress bar of a simulation, when stderr is a terminal.

@@ -220,17 +220,7 @@ fn run_case(
     };
     let config = case_config(case, args.consistency_check);
     config.validate().map_err(|e| e.to_string())?;
-    let dropped = (f * f64::from(n)).round() as usize;
-    let mut drop_rng = ChaCha8Rng::seed_from_u64(args.seed ^ 0xd20b);
-    let drop_at: BTreeMap<u32, Stage> =
-        rand::seq::index::sample(&mut drop_rng, n as usize, dropped)
-            .into_iter()
-            .map(|i| (i as u32 + 1, args.dropout_stage))
-            .collect();
-    let weights: Vec<u64> = {
-        let mut rng = ChaCha8Rng::seed_from_u64(args.seed ^ 0x3e16);
-        (0..n).map(|_| rng.random_range(100..1000)).collect()
-    };
+    let (dropped, drop_at, weights) = case_inputs(args, case);
     let update = |u: u32| -> Vec<f32> {
         let mut rng = ChaCha8Rng::seed_from_u64(args.seed.wrapping_mul(1_000_003) ^ u64::from(u));
         (0..d).map(|_| rng.random_range(-1.0f32..1.0)).collect()
@@ -330,6 +320,23 @@ fn run_case(
         println!("{line}");
     }
     Ok(())
+}
+
+/// Who drops (a fraction `f` of the parties, at `--dropout-stage`) and each party's
+/// weight, from the bench's seed.
+fn case_inputs(args: &SecAggBenchArgs, case: &Case) -> (usize, BTreeMap<u32, Stage>, Vec<u64>) {
+    let dropped = (case.f * f64::from(case.n)).round() as usize;
+    let mut drop_rng = ChaCha8Rng::seed_from_u64(args.seed ^ 0xd20b);
+    let drop_at: BTreeMap<u32, Stage> =
+        rand::seq::index::sample(&mut drop_rng, case.n as usize, dropped)
+            .into_iter()
+            .map(|i| (i as u32 + 1, args.dropout_stage))
+            .collect();
+    let weights: Vec<u64> = {
+        let mut rng = ChaCha8Rng::seed_from_u64(args.seed ^ 0x3e16);
+        (0..case.n).map(|_| rng.random_range(100..1000)).collect()
+    };
+    (dropped, drop_at, weights)
 }
 
 /// Every repeat's timings of one case, in seconds: per client where the protocol runs
