@@ -721,8 +721,118 @@ pub enum Parsed {
     Invalid(Vec<Fieldset>),
 }
 
+/// The secure aggregation fieldset, when its box is ticked.
+fn secure_fields(r: &mut Reader) -> Option<SecureAggregationSpec> {
+    if r.text("secure_aggregation").is_empty() {
+        None
+    } else {
+        let s = SecureAggregationSpec::default();
+        let clip = r
+            .number::<f32>("secure_aggregation.clip")
+            .filter(|c| c.is_finite() && *c > 0.0);
+        if clip.is_none() {
+            r.errors
+                .entry("secure_aggregation.clip")
+                .or_insert_with(|| "must be a number above 0".into());
+        }
+        Some(SecureAggregationSpec {
+            threshold: r.optional("secure_aggregation.threshold").flatten(),
+            neighbours: r.optional("secure_aggregation.neighbours").flatten(),
+            colluding_fraction: r
+                .number("secure_aggregation.colluding_fraction")
+                .unwrap_or(s.colluding_fraction),
+            clip: clip.unwrap_or(s.clip),
+            max_weight: r
+                .whole("secure_aggregation.max_weight")
+                .unwrap_or(s.max_weight),
+            consistency_check: s.consistency_check,
+            advertise_seconds: r
+                .whole("secure_aggregation.advertise_seconds")
+                .unwrap_or(s.advertise_seconds),
+            reveal_seconds: s.reveal_seconds,
+            confirm_seconds: s.confirm_seconds,
+            share_seconds: r
+                .whole("secure_aggregation.share_seconds")
+                .unwrap_or(s.share_seconds),
+            unmask_seconds: r
+                .whole("secure_aggregation.unmask_seconds")
+                .unwrap_or(s.unmask_seconds),
+        })
+    }
+}
+
+/// The differential privacy fieldset, when its box is ticked.
+fn privacy_fields(r: &mut Reader) -> Option<PrivacySpec> {
+    if r.text("privacy").is_empty() {
+        None
+    } else {
+        let p = default_privacy();
+        Some(PrivacySpec {
+            noise_multiplier: r
+                .number("privacy.noise_multiplier")
+                .unwrap_or(p.noise_multiplier),
+            clip: r.number("privacy.clip").unwrap_or(p.clip),
+            delta: r.number("privacy.delta").unwrap_or(p.delta),
+            epsilon_budget: r
+                .number("privacy.epsilon_budget")
+                .unwrap_or(p.epsilon_budget),
+            clip_quantile: r.optional_number("privacy.clip_quantile").flatten(),
+            clip_count_noise: r.optional_number("privacy.clip_count_noise").flatten(),
+            budget_against: if r.text("privacy.budget_against").is_empty() {
+                p.budget_against
+            } else {
+                r.parsed("privacy.budget_against")
+                    .unwrap_or(p.budget_against)
+            },
+        })
+    }
+}
+
+/// The initial model's id, when one is chosen.
+fn initial_model_field(r: &mut Reader) -> Option<uuid::Uuid> {
+    match r.text("initial_model").to_string().as_str() {
+        "" => None,
+        text => {
+            let id = uuid::Uuid::parse_str(text).ok();
+            if id.is_none() {
+                r.errors
+                    .insert("initial_model", format!("`{text}` is not a model file id"));
+            }
+            id
+        }
+    }
+}
+
+/// The trainers' hyperparameters, a JSON object, when given.
+fn hyperparameters_field(r: &mut Reader) -> Option<serde_json::Map<String, serde_json::Value>> {
+    match r.text("hyperparameters").to_string().as_str() {
+        "" => None,
+        text => match serde_json::from_str(text) {
+            Ok(map) => Some(map),
+            Err(e) => {
+                r.errors.insert(
+                    "hyperparameters",
+                    format!("must be a JSON object, like {{\"epochs\": 2}}: {e}"),
+                );
+                None
+            }
+        },
+    }
+}
+
+/// Local training's settings, each defaulting to `d`'s.
+fn train_fields(r: &mut Reader, d: &TrainSettings) -> TrainSettings {
+    TrainSettings {
+        local_epochs: r.whole("train.local_epochs").unwrap_or(d.local_epochs),
+        batch_size: r.whole("train.batch_size").unwrap_or(d.batch_size),
+        lr: r.number("train.lr").unwrap_or(d.lr),
+        momentum: r.number("train.momentum").unwrap_or(d.momentum),
+        weight_decay: r.number("train.weight_decay").unwrap_or(d.weight_decay),
+    }
+}
+
 /// Reads a submitted form: each field on its own, then the spec as a whole
-/// ([`ExperimentSpec::problems`]).
+/// ([`ExperimentSpec::validate`]).
 /// The submitted values, and a message for each field that did not parse.
 struct Reader {
     values: HashMap<&'static str, String>,
@@ -800,7 +910,7 @@ impl Reader {
 }
 
 /// Reads a submitted form: each field on its own, then the spec as a whole
-/// ([`ExperimentSpec::problems`]).
+/// ([`ExperimentSpec::validate`]).
 pub fn parse(fields: &[(String, String)]) -> Parsed {
     let mut r = Reader {
         values: submitted_values(fields),
@@ -809,65 +919,8 @@ pub fn parse(fields: &[(String, String)]) -> Parsed {
     // A field that did not parse already has its message; the spec-wide rules still run,
     // with the default in its place, so that every other problem shows up at once too.
     let d = default_spec();
-    let secure = if r.text("secure_aggregation").is_empty() {
-        None
-    } else {
-        let s = SecureAggregationSpec::default();
-        let clip = r
-            .number::<f32>("secure_aggregation.clip")
-            .filter(|c| c.is_finite() && *c > 0.0);
-        if clip.is_none() {
-            r.errors
-                .entry("secure_aggregation.clip")
-                .or_insert_with(|| "must be a number above 0".into());
-        }
-        Some(SecureAggregationSpec {
-            threshold: r.optional("secure_aggregation.threshold").flatten(),
-            neighbours: r.optional("secure_aggregation.neighbours").flatten(),
-            colluding_fraction: r
-                .number("secure_aggregation.colluding_fraction")
-                .unwrap_or(s.colluding_fraction),
-            clip: clip.unwrap_or(s.clip),
-            max_weight: r
-                .whole("secure_aggregation.max_weight")
-                .unwrap_or(s.max_weight),
-            consistency_check: s.consistency_check,
-            advertise_seconds: r
-                .whole("secure_aggregation.advertise_seconds")
-                .unwrap_or(s.advertise_seconds),
-            reveal_seconds: s.reveal_seconds,
-            confirm_seconds: s.confirm_seconds,
-            share_seconds: r
-                .whole("secure_aggregation.share_seconds")
-                .unwrap_or(s.share_seconds),
-            unmask_seconds: r
-                .whole("secure_aggregation.unmask_seconds")
-                .unwrap_or(s.unmask_seconds),
-        })
-    };
-    let privacy = if r.text("privacy").is_empty() {
-        None
-    } else {
-        let p = default_privacy();
-        Some(PrivacySpec {
-            noise_multiplier: r
-                .number("privacy.noise_multiplier")
-                .unwrap_or(p.noise_multiplier),
-            clip: r.number("privacy.clip").unwrap_or(p.clip),
-            delta: r.number("privacy.delta").unwrap_or(p.delta),
-            epsilon_budget: r
-                .number("privacy.epsilon_budget")
-                .unwrap_or(p.epsilon_budget),
-            clip_quantile: r.optional_number("privacy.clip_quantile").flatten(),
-            clip_count_noise: r.optional_number("privacy.clip_count_noise").flatten(),
-            budget_against: if r.text("privacy.budget_against").is_empty() {
-                p.budget_against
-            } else {
-                r.parsed("privacy.budget_against")
-                    .unwrap_or(p.budget_against)
-            },
-        })
-    };
+    let secure = secure_fields(&mut r);
+    let privacy = privacy_fields(&mut r);
     let aggregator = if r.text("aggregator").is_empty() {
         None
     } else {
@@ -878,32 +931,10 @@ pub fn parse(fields: &[(String, String)]) -> Parsed {
         features: r.whole("features").unwrap_or(d.features),
         classes: r.whole("classes").unwrap_or(d.classes),
         model: r.parsed("model").unwrap_or(d.model),
-        initial_model: match r.text("initial_model").to_string().as_str() {
-            "" => None,
-            text => {
-                let id = uuid::Uuid::parse_str(text).ok();
-                if id.is_none() {
-                    r.errors
-                        .insert("initial_model", format!("`{text}` is not a model file id"));
-                }
-                id
-            }
-        },
+        initial_model: initial_model_field(&mut r),
         // Filled in from the initial model when the experiment is created.
         tensors: None,
-        hyperparameters: match r.text("hyperparameters").to_string().as_str() {
-            "" => None,
-            text => match serde_json::from_str(text) {
-                Ok(map) => Some(map),
-                Err(e) => {
-                    r.errors.insert(
-                        "hyperparameters",
-                        format!("must be a JSON object, like {{\"epochs\": 2}}: {e}"),
-                    );
-                    None
-                }
-            },
-        },
+        hyperparameters: hyperparameters_field(&mut r),
         strategy: r.parsed("strategy").unwrap_or(d.strategy),
         server_lr: r.optional_number("server_lr").flatten().map(|lr| lr as f32),
         rounds: r.whole("rounds").unwrap_or(d.rounds),
@@ -916,17 +947,7 @@ pub fn parse(fields: &[(String, String)]) -> Parsed {
         max_round_attempts: r
             .whole("max_round_attempts")
             .unwrap_or(d.max_round_attempts),
-        train: TrainSettings {
-            local_epochs: r
-                .whole("train.local_epochs")
-                .unwrap_or(d.train.local_epochs),
-            batch_size: r.whole("train.batch_size").unwrap_or(d.train.batch_size),
-            lr: r.number("train.lr").unwrap_or(d.train.lr),
-            momentum: r.number("train.momentum").unwrap_or(d.train.momentum),
-            weight_decay: r
-                .number("train.weight_decay")
-                .unwrap_or(d.train.weight_decay),
-        },
+        train: train_fields(&mut r, &d.train),
         seed: r.whole("seed").unwrap_or(d.seed),
         secure_aggregation: secure,
         privacy,
