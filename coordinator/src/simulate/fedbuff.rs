@@ -203,6 +203,91 @@ impl Buffer {
             dropped: 0,
         })
     }
+
+    /// Folds a finished task's update into the buffer with its staleness (server steps
+    /// since the version it trained on); `attack` rewrites a malicious client's delta.
+    /// An update that is not finite (an attack's overflow) is refused, as the
+    /// coordinator refuses its upload, and counts as a dropout. Returns the staleness of
+    /// a folded update.
+    fn add(
+        &mut self,
+        update: &cohort_edge::train::LocalUpdate,
+        task: &Task,
+        version: u32,
+        attack: Option<&super::config::Attack>,
+    ) -> Option<u32> {
+        let tau = version - task.version;
+        let samples = update.num_samples as u64;
+        let delta: Vec<f32> = update
+            .params
+            .values()
+            .iter()
+            .zip(task.model.values())
+            .map(|(p, s)| match attack {
+                Some(attack) => attack.apply(p - s),
+                None => p - s,
+            })
+            .collect();
+        let delta =
+            ModelVector::new(task.model.layout().clone(), delta).expect("the model's own layout");
+        if self.fold.fold_deltas(&[(&delta, samples, tau)]).is_err() {
+            self.dropped += 1;
+            return None;
+        }
+        self.samples += samples;
+        if update.train_loss.is_finite() {
+            self.loss_sum += update.train_loss * samples as f64;
+            self.loss_samples += samples;
+        }
+        Some(tau)
+    }
+
+    /// What the server step taken from this buffer reports, before its fold is spent.
+    fn tally(&self) -> StepTally {
+        let updates = self.fold.updates();
+        StepTally {
+            updates,
+            dropped: self.dropped,
+            samples: self.samples,
+            train_loss: (self.loss_samples > 0).then(|| self.loss_sum / self.loss_samples as f64),
+        }
+    }
+}
+
+/// The counts of one buffer's server step.
+struct StepTally {
+    updates: usize,
+    dropped: usize,
+    samples: u64,
+    train_loss: Option<f64>,
+}
+
+impl StepTally {
+    /// The record of the server step that published `version`, taken at simulated time
+    /// `now` after `seconds` of real time.
+    fn record(
+        self,
+        version: u32,
+        eval: &cohort_edge::model::Evaluation,
+        seconds: f64,
+        now: f64,
+    ) -> RoundRecord {
+        RoundRecord {
+            round: version,
+            test_accuracy: eval.accuracy,
+            test_loss: eval.loss,
+            participants: self.updates,
+            dropped: self.dropped,
+            seconds,
+            selected: self.updates + self.dropped,
+            train_loss: self.train_loss,
+            samples: self.samples,
+            status: RoundStatus::Published,
+            sim_seconds: now,
+            epsilon: None,
+            epsilon_coordinator: None,
+        }
+    }
 }
 
 /// Runs `cfg.rounds` FedBuff server steps on prepared data, calling `on_round` after each.
@@ -278,35 +363,9 @@ pub(super) fn run(
                 buffer.dropped += 1;
                 failures.push(failure);
             }
-            Some(Ok(update)) => {
-                let tau = version - task.version;
-                let samples = update.num_samples as u64;
-                let attacked = malicious.contains(&task.client);
-                let delta: Vec<f32> = update
-                    .params
-                    .values()
-                    .iter()
-                    .zip(task.model.values())
-                    .map(|(p, s)| {
-                        if attacked {
-                            cfg.attack.apply(p - s)
-                        } else {
-                            p - s
-                        }
-                    })
-                    .collect();
-                let delta = ModelVector::new(global.layout().clone(), delta)
-                    .expect("the model's own layout");
-                // An update that is not finite (an attack's overflow) is refused, as the
-                // coordinator refuses its upload, and counts as a dropout.
-                if buffer.fold.fold_deltas(&[(&delta, samples, tau)]).is_err() {
-                    buffer.dropped += 1;
-                } else {
-                    buffer.samples += samples;
-                    if update.train_loss.is_finite() {
-                        buffer.loss_sum += update.train_loss * samples as f64;
-                        buffer.loss_samples += samples;
-                    }
+            Some(Ok(ref update)) => {
+                let attacked = malicious.contains(&task.client).then_some(&cfg.attack);
+                if let Some(tau) = buffer.add(update, &task, version, attacked) {
                     staleness_sum += u64::from(tau);
                 }
             }
@@ -314,7 +373,8 @@ pub(super) fn run(
         if buffer.fold.updates() == k {
             let fresh = Buffer::new(&global, reducer.as_ref(), exponent)?;
             let buffer = std::mem::replace(&mut buffer, fresh);
-            let updates = buffer.fold.updates();
+            let tally = buffer.tally();
+            let updates = tally.updates;
             let mean = buffer.fold.target(&global).map_err(|e| {
                 EngineError::InvalidConfig(format!("FedBuff server step {}: {e}", version + 1))
             })?;
@@ -327,22 +387,8 @@ pub(super) fn run(
             total_updates += updates;
             training_seconds += busy.elapsed().as_secs_f64();
             let eval = pop.evaluate(version, &global)?;
-            let record = RoundRecord {
-                round: version,
-                test_accuracy: eval.accuracy,
-                test_loss: eval.loss,
-                participants: updates,
-                dropped: buffer.dropped,
-                seconds: step_started.elapsed().as_secs_f64(),
-                selected: updates + buffer.dropped,
-                train_loss: (buffer.loss_samples > 0)
-                    .then(|| buffer.loss_sum / buffer.loss_samples as f64),
-                samples: buffer.samples,
-                status: RoundStatus::Published,
-                sim_seconds: now,
-                epsilon: None,
-                epsilon_coordinator: None,
-            };
+            let seconds = step_started.elapsed().as_secs_f64();
+            let record = tally.record(version, &eval, seconds, now);
             on_round(&record)?;
             records.push(record);
             step_started = Instant::now();
