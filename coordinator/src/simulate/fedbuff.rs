@@ -178,6 +178,41 @@ impl Scheduler<'_> {
     }
 }
 
+impl<'a> Scheduler<'a> {
+    /// A scheduler with every client idle and no task started.
+    fn new(
+        cfg: &'a SimulationConfig,
+        pop: &'a dyn Population,
+        train: TrainConfig,
+        chunk: usize,
+    ) -> Self {
+        let n = pop.clients();
+        Scheduler {
+            cfg,
+            pop,
+            train,
+            stragglers: Stragglers::new(cfg.straggler, n, cfg.seed),
+            idle: (0..n as u64).map(ClientId).collect(),
+            tasks: BTreeMap::new(),
+            events: BinaryHeap::new(),
+            next_seq: 0,
+            select_rng: ChaCha8Rng::seed_from_u64(derive_seed(
+                cfg.seed,
+                Stream::AsyncSelection,
+                0,
+                0,
+            )),
+            drop_rng: ChaCha8Rng::seed_from_u64(derive_seed(
+                cfg.seed,
+                Stream::AsyncSelection,
+                1,
+                0,
+            )),
+            chunk,
+        }
+    }
+}
+
 /// The buffer of staleness-weighted updates since the last server step.
 struct Buffer {
     fold: BufferFold,
@@ -316,19 +351,12 @@ pub(super) fn run(
     // four tasks per thread.
     const CHUNK_BYTES: usize = 64 << 20;
     let update_bytes = global.len().max(1) * std::mem::size_of::<f32>();
-    let mut sched = Scheduler {
+    let mut sched = Scheduler::new(
         cfg,
         pop,
         train,
-        stragglers: Stragglers::new(cfg.straggler, n, cfg.seed),
-        idle: (0..n as u64).map(ClientId).collect(),
-        tasks: BTreeMap::new(),
-        events: BinaryHeap::new(),
-        next_seq: 0,
-        select_rng: ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::AsyncSelection, 0, 0)),
-        drop_rng: ChaCha8Rng::seed_from_u64(derive_seed(cfg.seed, Stream::AsyncSelection, 1, 0)),
-        chunk: (CHUNK_BYTES / update_bytes).max(threads * 4),
-    };
+        (CHUNK_BYTES / update_bytes).max(threads * 4),
+    );
     let mut version = 0u32;
     for _ in 0..cfg.concurrency().min(n) {
         sched.start(0.0, &global, version);

@@ -390,27 +390,7 @@ async fn upload(
     state.limits.upload(client.id, peer)?;
     let axum::extract::Query(query) =
         query.map_err(|e| ApiError::unprocessable("invalid_query", e.body_text()))?;
-    let is_octets = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("application/octet-stream"));
-    if !is_octets {
-        return Err(ApiError::UnsupportedMediaType(
-            "an update must be sent as application/octet-stream".into(),
-        ));
-    }
-    if query.num_samples.is_some_and(|n| n < 1) {
-        return Err(ApiError::unprocessable(
-            "invalid_query",
-            "num_samples must be at least 1",
-        ));
-    }
-    if query.train_loss.is_some_and(|l| !l.is_finite()) {
-        return Err(ApiError::unprocessable(
-            "invalid_query",
-            "train_loss must be finite",
-        ));
-    }
+    check_upload_request(&headers, &query)?;
     let id = crate::server::http::extract::parse_id(&id, "experiment")?;
     // A retry of an upload that was stored: the same answer, nothing counted again,
     // whatever stage the round has reached since.
@@ -428,24 +408,7 @@ async fn upload(
         Err(crate::store::StoreError::NotFound(what)) => return Err(ApiError::NotFound(what)),
         Err(e) => return Err(e.into()),
     };
-    let expected = if secure {
-        if query.num_samples.is_some() || query.train_loss.is_some() {
-            return Err(ApiError::unprocessable(
-                "invalid_query",
-                "a secure round's upload is the masked vector alone: its weight and loss \
-                 travel masked inside it, so num_samples and train_loss must not be sent",
-            ));
-        }
-        Body::MaskedWords(model.layout().len() + cohort_aggregation::secagg::EXTRA_WORDS)
-    } else {
-        if query.num_samples.is_none() {
-            return Err(ApiError::unprocessable(
-                "invalid_query",
-                "num_samples is required: the number of samples behind the update",
-            ));
-        }
-        Body::Floats(model.layout().len())
-    };
+    let expected = expected_body(secure, &query, model.layout().len())?;
     // Each upload gets a blob of its own name, so a refused replay can never overwrite
     // the bytes of an acknowledged upload.
     let path = format!(
@@ -516,6 +479,59 @@ async fn upload(
             Err(e)
         }
     }
+}
+
+/// What an upload request must be before its body is read: octets, and a sample count
+/// and loss that make sense when given.
+fn check_upload_request(
+    headers: &axum::http::HeaderMap,
+    query: &UploadQuery,
+) -> Result<(), ApiError> {
+    let is_octets = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/octet-stream"));
+    if !is_octets {
+        return Err(ApiError::UnsupportedMediaType(
+            "an update must be sent as application/octet-stream".into(),
+        ));
+    }
+    if query.num_samples.is_some_and(|n| n < 1) {
+        return Err(ApiError::unprocessable(
+            "invalid_query",
+            "num_samples must be at least 1",
+        ));
+    }
+    if query.train_loss.is_some_and(|l| !l.is_finite()) {
+        return Err(ApiError::unprocessable(
+            "invalid_query",
+            "train_loss must be finite",
+        ));
+    }
+    Ok(())
+}
+
+/// The body a round takes from this request: masked words under secure aggregation (with
+/// no weight or loss beside them, they travel masked), else floats with a sample count.
+fn expected_body(secure: bool, query: &UploadQuery, params: usize) -> Result<Body, ApiError> {
+    Ok(if secure {
+        if query.num_samples.is_some() || query.train_loss.is_some() {
+            return Err(ApiError::unprocessable(
+                "invalid_query",
+                "a secure round's upload is the masked vector alone: its weight and loss \
+                 travel masked inside it, so num_samples and train_loss must not be sent",
+            ));
+        }
+        Body::MaskedWords(params + cohort_aggregation::secagg::EXTRA_WORDS)
+    } else {
+        if query.num_samples.is_none() {
+            return Err(ApiError::unprocessable(
+                "invalid_query",
+                "num_samples is required: the number of samples behind the update",
+            ));
+        }
+        Body::Floats(params)
+    })
 }
 
 /// The answer to a retry of an upload already stored under the client's `upload_id`
