@@ -218,22 +218,7 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
     let public = identity.public();
     let fingerprint = cohort_aggregation::secagg::identity::fingerprint(&public);
     note(&format!("identity fingerprint {fingerprint}"));
-    let cred = match load_credential(&config.state_dir)? {
-        Some(cred) => {
-            // A client enrolled before identities existed registers its own now; for
-            // one that has it, this changes nothing. Another key on file is refused:
-            // the admin must reset it, which is what a swapped identity should need.
-            with_retries(|| client.register_identity(&cred, &public)).await?;
-            cred
-        }
-        None => {
-            let token = config.enrol_token.as_deref().ok_or(AgentError::NoToken)?;
-            let cred = with_retries(|| client.enrol(token, &public)).await?;
-            store_credential(&config.state_dir, &cred)?;
-            note(&format!("enrolled as {}", cred.client_id));
-            cred
-        }
-    };
+    let cred = credential(&client, &config, &public).await?;
     let mut report = AgentReport {
         client_id: Some(cred.client_id),
         identity_fingerprint: Some(fingerprint),
@@ -271,26 +256,9 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
         let Some(task) = task else { continue };
         if let (TaskKind::Train, Some(dp), Some(ledger)) =
             (task.kind, &config.local_dp, &mut ledger)
+            && !charge_local_dp(ledger, dp, &config.state_dir)?
         {
-            // Charged, and the ledger on disk, before the update can leave: a crash after
-            // the upload cannot forget what it spent. Only updates are charged: nothing
-            // else of this client's data leaves under local DP (see `withhold_metrics`).
-            match ledger.charge(dp) {
-                Ok(epsilon) => {
-                    ledger.store(&config.state_dir)?;
-                    note(&format!(
-                        "local dp: epsilon {epsilon:.4} (delta {}) with this update",
-                        dp.delta
-                    ));
-                }
-                Err(e @ crate::local_dp::LocalDpError::BudgetSpent { .. }) => {
-                    // A client that can no longer contribute stops checking in, rather
-                    // than be selected and drop out of every round.
-                    note(&e.to_string());
-                    return Ok(report);
-                }
-                Err(e) => return Err(e.into()),
-            }
+            return Ok(report);
         }
         let round_seed = task_seed(config.seed, task.round);
         let how = HowToServe {
@@ -313,64 +281,131 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
         // started still runs; the next task, and the caller once this returns, must not
         // see it go on: an app's C callback cannot be cancelled, so it is waited for.
         runs.settled().await;
-        match outcome {
-            Ok(Served::Evaluated) => {
-                report.evaluations += 1;
-                note(&format!(
-                    "evaluated experiment={} model_version={}",
-                    task.experiment_id, task.round
-                ));
-            }
-            Ok(Served::Withheld) => {
-                report.evaluations_withheld += 1;
-                note(&format!(
-                    "withheld the evaluation (local dp) experiment={} model_version={}",
-                    task.experiment_id, task.round
-                ));
-            }
-            // The trainer failed: the task is reported failed and nothing was uploaded;
-            // the next task starts afresh.
-            Err(AgentError::Trainer(failure)) => {
-                note(&format!(
-                    "task failed experiment={} round={} attempt={}: {failure}",
-                    task.experiment_id, task.round, task.attempt
-                ));
-                report.failed += 1;
-                if let Err(e) =
-                    with_retries(|| client.report_failure(&cred, &task, &failure.reason)).await
-                {
-                    note(&format!("could not report the failure: {e}"));
-                }
-            }
-            Ok(Served::Uploaded) => {
-                report.uploads += 1;
-                report
-                    .acknowledged
-                    .push((task.experiment_id, task.round, task.attempt));
-                // The site's own record of what the coordinator confirmed it holds.
-                note(&format!(
-                    "acknowledged experiment={} round={} attempt={}",
-                    task.experiment_id, task.round, task.attempt
-                ));
-            }
-            // The round moved on (closed, deadline passed): wait for the next one.
-            Err(AgentError::Protocol(ProtocolError::Refused {
-                status: 404 | 409, ..
-            })) => {
-                report.skipped += 1;
-            }
-            // This client left a secure round; the next one starts afresh.
-            Err(AgentError::SecureAggregation(e)) => {
-                note(&format!(
-                    "left secure round experiment={} round={} attempt={}: {e}",
-                    task.experiment_id, task.round, task.attempt
-                ));
-                report.skipped += 1;
-            }
-            Err(e) => return Err(e),
-        }
+        record_outcome(outcome, &task, &mut report, &client, &cred).await?;
         idle_since = Instant::now();
     }
+}
+
+/// This client's credential: the stored one (its identity key registered, for a
+/// client enrolled before identities existed), or a new enrolment with the token.
+async fn credential(
+    client: &CoordinatorClient,
+    config: &AgentConfig,
+    public: &[u8; 32],
+) -> Result<Credential, AgentError> {
+    Ok(match load_credential(&config.state_dir)? {
+        Some(cred) => {
+            // A client enrolled before identities existed registers its own now; for
+            // one that has it, this changes nothing. Another key on file is refused:
+            // the admin must reset it, which is what a swapped identity should need.
+            with_retries(|| client.register_identity(&cred, public)).await?;
+            cred
+        }
+        None => {
+            let token = config.enrol_token.as_deref().ok_or(AgentError::NoToken)?;
+            let cred = with_retries(|| client.enrol(token, public)).await?;
+            store_credential(&config.state_dir, &cred)?;
+            note(&format!("enrolled as {}", cred.client_id));
+            cred
+        }
+    })
+}
+
+/// Charges a training task's update to the local DP ledger, and stores the ledger,
+/// before the update can leave: a crash after the upload cannot forget what it spent.
+/// Only updates are charged: nothing else of this client's data leaves under local DP
+/// (see `withhold_metrics`). `false` when the budget is spent: a client that can no
+/// longer contribute stops checking in, rather than be selected and drop out of every
+/// round.
+fn charge_local_dp(
+    ledger: &mut crate::local_dp::Ledger,
+    dp: &crate::local_dp::LocalDp,
+    state_dir: &Path,
+) -> Result<bool, AgentError> {
+    match ledger.charge(dp) {
+        Ok(epsilon) => {
+            ledger.store(state_dir)?;
+            note(&format!(
+                "local dp: epsilon {epsilon:.4} (delta {}) with this update",
+                dp.delta
+            ));
+            Ok(true)
+        }
+        Err(e @ crate::local_dp::LocalDpError::BudgetSpent { .. }) => {
+            note(&e.to_string());
+            Ok(false)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Counts what became of a task in the report (and says so in the log): a failed
+/// trainer is reported to the coordinator, a round that moved on or a secure round left
+/// is skipped; any other error ends the agent.
+async fn record_outcome(
+    outcome: Result<Served, AgentError>,
+    task: &Task,
+    report: &mut AgentReport,
+    client: &CoordinatorClient,
+    cred: &Credential,
+) -> Result<(), AgentError> {
+    match outcome {
+        Ok(Served::Evaluated) => {
+            report.evaluations += 1;
+            note(&format!(
+                "evaluated experiment={} model_version={}",
+                task.experiment_id, task.round
+            ));
+        }
+        Ok(Served::Withheld) => {
+            report.evaluations_withheld += 1;
+            note(&format!(
+                "withheld the evaluation (local dp) experiment={} model_version={}",
+                task.experiment_id, task.round
+            ));
+        }
+        // The trainer failed: the task is reported failed and nothing was uploaded;
+        // the next task starts afresh.
+        Err(AgentError::Trainer(failure)) => {
+            note(&format!(
+                "task failed experiment={} round={} attempt={}: {failure}",
+                task.experiment_id, task.round, task.attempt
+            ));
+            report.failed += 1;
+            if let Err(e) =
+                with_retries(|| client.report_failure(cred, task, &failure.reason)).await
+            {
+                note(&format!("could not report the failure: {e}"));
+            }
+        }
+        Ok(Served::Uploaded) => {
+            report.uploads += 1;
+            report
+                .acknowledged
+                .push((task.experiment_id, task.round, task.attempt));
+            // The site's own record of what the coordinator confirmed it holds.
+            note(&format!(
+                "acknowledged experiment={} round={} attempt={}",
+                task.experiment_id, task.round, task.attempt
+            ));
+        }
+        // The round moved on (closed, deadline passed): wait for the next one.
+        Err(AgentError::Protocol(ProtocolError::Refused {
+            status: 404 | 409, ..
+        })) => {
+            report.skipped += 1;
+        }
+        // This client left a secure round; the next one starts afresh.
+        Err(AgentError::SecureAggregation(e)) => {
+            note(&format!(
+                "left secure round experiment={} round={} attempt={}: {e}",
+                task.experiment_id, task.round, task.attempt
+            ));
+            report.skipped += 1;
+        }
+        Err(e) => return Err(e),
+    }
+    Ok(())
 }
 
 /// The experiment's class index of every local sample.
