@@ -5,6 +5,7 @@
 use std::collections::HashSet;
 use std::str::FromStr;
 
+use cohort_coordinator::store::RoundKey;
 use cohort_coordinator::store::{
     BufferRules, Buffered, Experiment, ExperimentState, JobKind, JobState, NewUpload,
     ParticipationState, PublishedModel, RoundMetrics, RoundStage, SecAggMessageKind, SecureNext,
@@ -1077,7 +1078,7 @@ async fn secure_round_moves_through_its_stages_and_records_who_dropped_where(sto
     let (e, c) = running_with_clients(store, 5).await;
     let t0 = now_millis();
     let r = store
-        .open_secure_round(e.id, 1, 1, &c, SECAGG, t0 + 60_000, t0)
+        .open_secure_round(RoundKey::new(e.id, 1, 1), &c, SECAGG, t0 + 60_000, t0)
         .await
         .unwrap();
     assert_eq!(r.stage, RoundStage::Advertising);
@@ -1088,7 +1089,7 @@ async fn secure_round_moves_through_its_stages_and_records_who_dropped_where(sto
     assert!(task.secagg.as_deref().unwrap().contains("\"threshold\":2"));
     let send = |client: Uuid, kind: SecAggMessageKind, body: &'static str, at: i64| async move {
         store
-            .record_secagg_message(e.id, 1, 1, client, kind, body, at)
+            .record_secagg_message(RoundKey::new(e.id, 1, 1), client, kind, body, at)
             .await
             .unwrap();
     };
@@ -1126,7 +1127,13 @@ async fn secure_round_moves_through_its_stages_and_records_who_dropped_where(sto
     // Sharing before every nonce is revealed is out of turn.
     assert!(matches!(
         store
-            .record_secagg_message(e.id, 1, 1, c[0], SecAggMessageKind::Share, "{}", t0 + 3)
+            .record_secagg_message(
+                RoundKey::new(e.id, 1, 1),
+                c[0],
+                SecAggMessageKind::Share,
+                "{}",
+                t0 + 3
+            )
             .await,
         Err(StoreError::Conflict(_))
     ));
@@ -1185,7 +1192,13 @@ async fn secure_round_moves_through_its_stages_and_records_who_dropped_where(sto
     // c[4] never signed: it may not reveal shares.
     assert!(matches!(
         store
-            .record_secagg_message(e.id, 1, 1, c[4], SecAggMessageKind::Confirm, "{}", t0 + 11)
+            .record_secagg_message(
+                RoundKey::new(e.id, 1, 1),
+                c[4],
+                SecAggMessageKind::Confirm,
+                "{}",
+                t0 + 11
+            )
             .await,
         Err(StoreError::Conflict(_))
     ));
@@ -1253,7 +1266,7 @@ async fn secure_messages_out_of_turn_are_refused_and_change_nothing(store: &Stor
     let (e, c) = running_with_clients(store, 4).await;
     let t0 = now_millis();
     store
-        .open_secure_round(e.id, 1, 1, &c[..3], SECAGG, t0 + 1_000, t0)
+        .open_secure_round(RoundKey::new(e.id, 1, 1), &c[..3], SECAGG, t0 + 1_000, t0)
         .await
         .unwrap();
     let refused =
@@ -1261,20 +1274,30 @@ async fn secure_messages_out_of_turn_are_refused_and_change_nothing(store: &Stor
     // Wrong stage, not selected, after the deadline, twice.
     refused(
         store
-            .record_secagg_message(e.id, 1, 1, c[0], SecAggMessageKind::Share, "{}", t0)
-            .await,
-    );
-    refused(
-        store
-            .record_secagg_message(e.id, 1, 1, c[3], SecAggMessageKind::Advertise, "{}", t0)
+            .record_secagg_message(
+                RoundKey::new(e.id, 1, 1),
+                c[0],
+                SecAggMessageKind::Share,
+                "{}",
+                t0,
+            )
             .await,
     );
     refused(
         store
             .record_secagg_message(
-                e.id,
-                1,
-                1,
+                RoundKey::new(e.id, 1, 1),
+                c[3],
+                SecAggMessageKind::Advertise,
+                "{}",
+                t0,
+            )
+            .await,
+    );
+    refused(
+        store
+            .record_secagg_message(
+                RoundKey::new(e.id, 1, 1),
                 c[0],
                 SecAggMessageKind::Advertise,
                 "{}",
@@ -1283,17 +1306,35 @@ async fn secure_messages_out_of_turn_are_refused_and_change_nothing(store: &Stor
             .await,
     );
     store
-        .record_secagg_message(e.id, 1, 1, c[0], SecAggMessageKind::Advertise, "{}", t0 + 1)
+        .record_secagg_message(
+            RoundKey::new(e.id, 1, 1),
+            c[0],
+            SecAggMessageKind::Advertise,
+            "{}",
+            t0 + 1,
+        )
         .await
         .unwrap();
     refused(
         store
-            .record_secagg_message(e.id, 1, 1, c[0], SecAggMessageKind::Advertise, "{}", t0 + 2)
+            .record_secagg_message(
+                RoundKey::new(e.id, 1, 1),
+                c[0],
+                SecAggMessageKind::Advertise,
+                "{}",
+                t0 + 2,
+            )
             .await,
     );
     assert!(matches!(
         store
-            .record_secagg_message(e.id, 2, 1, c[0], SecAggMessageKind::Advertise, "{}", t0)
+            .record_secagg_message(
+                RoundKey::new(e.id, 2, 1),
+                c[0],
+                SecAggMessageKind::Advertise,
+                "{}",
+                t0
+            )
             .await,
         Err(StoreError::NotFound(_))
     ));
@@ -1339,7 +1380,13 @@ async fn secure_messages_out_of_turn_are_refused_and_change_nothing(store: &Stor
         .unwrap();
     refused(
         store
-            .record_secagg_message(p.id, 1, 1, pc[0], SecAggMessageKind::Advertise, "{}", t0)
+            .record_secagg_message(
+                RoundKey::new(p.id, 1, 1),
+                pc[0],
+                SecAggMessageKind::Advertise,
+                "{}",
+                t0,
+            )
             .await,
     );
     assert!(matches!(
@@ -1388,7 +1435,7 @@ async fn secure_round_fails_with_its_reason_and_runs_again(store: &Store) {
     let (e, c) = running_with_clients(store, 4).await;
     let t0 = now_millis();
     store
-        .open_secure_round(e.id, 1, 1, &c, SECAGG, t0 + 1_000, t0)
+        .open_secure_round(RoundKey::new(e.id, 1, 1), &c, SECAGG, t0 + 1_000, t0)
         .await
         .unwrap();
     // A second round cannot open while this one advertises.
@@ -1414,7 +1461,13 @@ async fn secure_round_fails_with_its_reason_and_runs_again(store: &Store) {
     assert_eq!(failed.dropped, 4);
     assert!(failed.finished_at.is_some());
     let again = store
-        .open_secure_round(e.id, 1, 2, &c, SECAGG, t0 + 5_000, t0 + 1_002)
+        .open_secure_round(
+            RoundKey::new(e.id, 1, 2),
+            &c,
+            SECAGG,
+            t0 + 5_000,
+            t0 + 1_002,
+        )
         .await
         .unwrap();
     assert_eq!((again.attempt, again.stage), (2, RoundStage::Advertising));
@@ -1423,9 +1476,7 @@ async fn secure_round_fails_with_its_reason_and_runs_again(store: &Store) {
     for &client in &c {
         store
             .record_secagg_message(
-                e.id,
-                1,
-                2,
+                RoundKey::new(e.id, 1, 2),
                 client,
                 SecAggMessageKind::Advertise,
                 "{}",
@@ -1469,15 +1520,13 @@ async fn concurrent_secure_advances_move_the_round_once(store: &Store) {
     let (e, c) = running_with_clients(store, 3).await;
     let t0 = now_millis();
     store
-        .open_secure_round(e.id, 1, 1, &c, SECAGG, t0 + 1_000, t0)
+        .open_secure_round(RoundKey::new(e.id, 1, 1), &c, SECAGG, t0 + 1_000, t0)
         .await
         .unwrap();
     for &client in &c {
         store
             .record_secagg_message(
-                e.id,
-                1,
-                1,
+                RoundKey::new(e.id, 1, 1),
                 client,
                 SecAggMessageKind::Advertise,
                 "{}",

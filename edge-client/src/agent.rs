@@ -844,44 +844,8 @@ async fn serve_secure_task(
     if local_dp.is_none() {
         send_evaluation(client, cred, task, version, &output).await;
     }
-    let update = output
-        .update
-        .expect("checked: a training task has an update");
-    let delta: Vec<f32> = update
-        .values()
-        .iter()
-        .zip(base.values())
-        .map(|(p, g)| p - g)
-        .collect();
-    let mut delta = delta;
-    let (loss, samples) = match local_dp {
-        // Noised before masking; weight 1 and no loss, as on plain rounds.
-        Some(dp) => {
-            dp.privatize(&mut delta, &mut rand::rng())?;
-            (0.0, 1)
-        }
-        None => (output.train_loss.unwrap_or(0.0), output.num_examples),
-    };
-    // Stochastic rounding needs no secrecy (the masks hide the rounded vector), so its
-    // noise follows the task's seed and a re-run of the round gives the same sum. Noise
-    // for differential privacy must be unpredictable: with distributed noise the
-    // generator is the operating system's.
-    let seeded_rounding = session.quantizer().distributed_noise().is_none();
-    // Masking is a few passes over the model: off the async threads.
-    let (mut session, masked) = tokio::task::spawn_blocking(move || {
-        let masked = if seeded_rounding {
-            // A stream apart from training's, derived from the same task seed.
-            let mut rounding =
-                <rand_chacha::ChaCha20Rng as rand::SeedableRng>::seed_from_u64(task_seed(seed, -1));
-            session.mask(&forwarded, &delta, samples, loss, &mut rounding)
-        } else {
-            session.mask(&forwarded, &delta, samples, loss, &mut rand::rng())
-        };
-        (session, masked)
-    })
-    .await
-    .map_err(|e| AgentError::Task(e.to_string()))?;
-    let masked = masked?;
+    let (mut session, masked) =
+        mask_update(session, forwarded, &output, &base, local_dp, seed).await?;
     let upload_id = uuid::Uuid::new_v4();
     pause_point("masked", task.round).await;
     match with_retries(|| client.upload_masked(cred, task, &masked, upload_id)).await {
@@ -909,6 +873,58 @@ async fn serve_secure_task(
     with_retries(|| client.send_unmask(cred, task, &reveal)).await?;
     note(&format!("secagg revealed shares {round}"));
     Ok(())
+}
+
+/// The update's difference from the model it started from, noised first under local
+/// DP, masked for the round (off the async threads: masking is a few passes over the
+/// model). Hands the session back with the masked words.
+async fn mask_update(
+    mut session: cohort_aggregation::secagg::ClientSession,
+    forwarded: cohort_aggregation::secagg::ForwardedShares,
+    output: &TrainerOutput,
+    base: &ModelVector,
+    local_dp: Option<&crate::local_dp::LocalDp>,
+    seed: u64,
+) -> Result<(cohort_aggregation::secagg::ClientSession, Vec<u32>), AgentError> {
+    let update = output
+        .update
+        .as_ref()
+        .expect("checked: a training task has an update");
+    let delta: Vec<f32> = update
+        .values()
+        .iter()
+        .zip(base.values())
+        .map(|(p, g)| p - g)
+        .collect();
+    let mut delta = delta;
+    let (loss, samples) = match local_dp {
+        // Noised before masking; weight 1 and no loss, as on plain rounds.
+        Some(dp) => {
+            dp.privatize(&mut delta, &mut rand::rng())?;
+            (0.0, 1)
+        }
+        None => (output.train_loss.unwrap_or(0.0), output.num_examples),
+    };
+    // Stochastic rounding needs no secrecy (the masks hide the rounded vector), so its
+    // noise follows the task's seed and a re-run of the round gives the same sum. Noise
+    // for differential privacy must be unpredictable: with distributed noise the
+    // generator is the operating system's.
+    let seeded_rounding = session.quantizer().distributed_noise().is_none();
+    // Masking is a few passes over the model: off the async threads.
+    let (session, masked) = tokio::task::spawn_blocking(move || {
+        let masked = if seeded_rounding {
+            // A stream apart from training's, derived from the same task seed.
+            let mut rounding =
+                <rand_chacha::ChaCha20Rng as rand::SeedableRng>::seed_from_u64(task_seed(seed, -1));
+            session.mask(&forwarded, &delta, samples, loss, &mut rounding)
+        } else {
+            session.mask(&forwarded, &delta, samples, loss, &mut rand::rng())
+        };
+        (session, masked)
+    })
+    .await
+    .map_err(|e| AgentError::Task(e.to_string()))?;
+    Ok((session, masked?))
 }
 
 /// Refuses a secure round whose settings could make this client sign something a

@@ -112,6 +112,32 @@ pub struct EdgeArgs {
     pub allow_no_consistency_check: bool,
 }
 
+/// The trainer the flags ask for: an external command (`--trainer`) or the built-in
+/// models on `--data`.
+fn trainer_of(args: &EdgeArgs) -> Result<crate::trainer::SharedTrainer, String> {
+    match (&args.trainer, &args.data) {
+        (Some(command), _) => {
+            if args.trainer_timeout == 0 {
+                return Err("--trainer-timeout must be at least 1 second".into());
+            }
+            let trainer = crate::trainer::external::ExternalTrainer::new(
+                command,
+                Duration::from_secs(args.trainer_timeout),
+                &args.state_dir.join("work"),
+            )
+            .map_err(|e| e.to_string())?;
+            Ok(std::sync::Arc::new(trainer))
+        }
+        (None, Some(path)) => {
+            let data = crate::data::load_csv(path).map_err(|e| e.to_string())?;
+            Ok(std::sync::Arc::new(crate::trainer::BuiltInTrainer::new(
+                data,
+            )))
+        }
+        (None, None) => Err("give --data FILE.csv (built-in models) or --trainer COMMAND".into()),
+    }
+}
+
 /// Runs the client to the end: exit status 2 for bad input, 1 for a failure, 0 when it
 /// stopped after `--idle-exit`.
 pub fn run(args: EdgeArgs) -> ExitCode {
@@ -121,33 +147,10 @@ pub fn run(args: EdgeArgs) -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
-    let trainer: crate::trainer::SharedTrainer = match (&args.trainer, &args.data) {
-        (Some(command), _) => {
-            if args.trainer_timeout == 0 {
-                eprintln!("error: --trainer-timeout must be at least 1 second");
-                return ExitCode::from(2);
-            }
-            match crate::trainer::external::ExternalTrainer::new(
-                command,
-                Duration::from_secs(args.trainer_timeout),
-                &args.state_dir.join("work"),
-            ) {
-                Ok(t) => std::sync::Arc::new(t),
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    return ExitCode::from(2);
-                }
-            }
-        }
-        (None, Some(path)) => match crate::data::load_csv(path) {
-            Ok(d) => std::sync::Arc::new(crate::trainer::BuiltInTrainer::new(d)),
-            Err(e) => {
-                eprintln!("error: {e}");
-                return ExitCode::from(2);
-            }
-        },
-        (None, None) => {
-            eprintln!("error: give --data FILE.csv (built-in models) or --trainer COMMAND");
+    let trainer = match trainer_of(&args) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
             return ExitCode::from(2);
         }
     };

@@ -131,7 +131,30 @@ fn run_edge<'py>(
         floors: cohort_aggregation::secagg::ClientFloors::default(),
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let agent = std::thread::Builder::new()
+    let agent = spawn_agent(client, config, done_tx, stop_rx)
+        .map_err(|e| PyRuntimeError::new_err(format!("cannot start the agent: {e}")))?;
+    let (jobs_rx, done_rx) = (
+        std::sync::Mutex::new(jobs_rx),
+        std::sync::Mutex::new(done_rx),
+    );
+    let result = serve(py, &handler, &jobs_rx, &done_rx);
+    if result.is_err() {
+        let _ = stop_tx.send(());
+    }
+    drop(jobs_rx);
+    let _ = py.detach(|| agent.join());
+    python_outcome(py, result?)
+}
+
+/// Runs the agent on a thread of its own with its own runtime, until it finishes (its
+/// end sent on `done`) or `stop` fires.
+fn spawn_agent(
+    client: CoordinatorClient,
+    config: AgentConfig,
+    done_tx: std::sync::mpsc::Sender<Finished>,
+    stop_rx: tokio::sync::oneshot::Receiver<()>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
         .name("cohort-edge-agent".into())
         .spawn(move || {
             let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -165,18 +188,10 @@ fn run_edge<'py>(
             // atomically, so a stop at any point leaves the state directory usable.
             runtime.shutdown_timeout(Duration::from_secs(1));
         })
-        .map_err(|e| PyRuntimeError::new_err(format!("cannot start the agent: {e}")))?;
-    let (jobs_rx, done_rx) = (
-        std::sync::Mutex::new(jobs_rx),
-        std::sync::Mutex::new(done_rx),
-    );
-    let result = serve(py, &handler, &jobs_rx, &done_rx);
-    if result.is_err() {
-        let _ = stop_tx.send(());
-    }
-    drop(jobs_rx);
-    let _ = py.detach(|| agent.join());
-    let finished = result?;
+}
+
+/// The agent's end as Python sees it: the report as a dict, or the exception.
+fn python_outcome(py: Python<'_>, finished: Finished) -> PyResult<Bound<'_, PyDict>> {
     match finished {
         Finished::Unreachable(reason) => Err(cohort_error(
             py,

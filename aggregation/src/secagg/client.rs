@@ -223,23 +223,16 @@ impl ClientSession {
         })
     }
 
-    /// Stage 3: checks the key directory (the roster's members, every member's graph
-    /// nonce against its commitment, and each neighbour's keys against its signature
-    /// under a distinct registered identity), derives the neighbour graph,
-    /// secret-shares the self-mask seed and the mask key among this client's neighbours,
-    /// and encrypts each neighbour's pair.
-    pub fn share_keys<R: rand_core::CryptoRng + ?Sized>(
-        &mut self,
+    /// Stage 3's checks of the key directory before anything is derived from it: the
+    /// roster's members, every member's graph nonce against its commitment, entries for
+    /// members only (ascending), and this client's own keys as it advertised them.
+    /// Returns the indices the directory has keys for.
+    fn check_directory(
+        &self,
         directory: &KeyDirectory,
-        rng: &mut R,
-    ) -> Result<ShareKeys, SecAggError> {
-        let ClientState::Revealed {
-            members,
-            commitments,
-        } = &self.state
-        else {
-            return Err(self.wrong_stage(Stage::Share));
-        };
+        members: &[u32],
+        commitments: &[[u8; KEY_BYTES]],
+    ) -> Result<Vec<u32>, SecAggError> {
         if directory.members != *members {
             return Err(SecAggError::BadMessage(
                 "the directory's members are not the roster's".into(),
@@ -283,32 +276,25 @@ impl ClientSession {
                 "the directory does not hold this client's own keys".into(),
             ));
         }
-        let seed = crypto::graph_seed(session, members, &directory.reveals);
-        let graph = NeighbourGraph::new(members, &seed, self.config.neighbours)?;
-        let neighbours = graph.neighbours(self.me).expect("a member");
-        if let Some(&v) = neighbours
-            .iter()
-            .find(|v| indices.binary_search(v).is_err())
-        {
-            return Err(SecAggError::BadMessage(format!(
-                "the directory lacks the keys of neighbour {v}"
-            )));
-        }
-        let t = self.config.threshold;
-        if neighbours.len() < t {
-            return Err(SecAggError::TooFewNeighbours {
-                client: self.me,
-                have: neighbours.len(),
-                need: t,
-            });
-        }
-        // Each neighbour's keys must carry its signature under a registered identity
-        // that no other party of this neighbourhood (this client included) presents:
-        // keys the coordinator made itself would fail here.
+        Ok(indices)
+    }
+
+    /// Each neighbour's keys must carry the roster's graph commitment and its signature
+    /// under a registered identity that no other party of this neighbourhood (this
+    /// client included) presents: keys the coordinator made itself would fail here.
+    /// Returns each neighbour's identity.
+    fn verify_neighbour_keys(
+        &self,
+        directory: &KeyDirectory,
+        indices: &[u32],
+        members: &[u32],
+        commitments: &[[u8; KEY_BYTES]],
+        neighbours: &[u32],
+    ) -> Result<BTreeMap<u32, [u8; PUBLIC_KEY_BYTES]>, SecAggError> {
         let mut identities: BTreeMap<u32, [u8; PUBLIC_KEY_BYTES]> = BTreeMap::new();
         let mut seen: BTreeMap<[u8; PUBLIC_KEY_BYTES], u32> = BTreeMap::new();
         seen.insert(self.identity, self.me);
-        for &v in &neighbours {
+        for &v in neighbours {
             let entry = &directory.entries[indices.binary_search(&v).expect("checked")];
             let position = members.binary_search(&v).expect("a member");
             if entry.keys.graph_commitment != commitments[position] {
@@ -329,6 +315,49 @@ impl ClientSession {
             seen.insert(entry.identity, v);
             identities.insert(v, entry.identity);
         }
+        Ok(identities)
+    }
+
+    /// Stage 3: checks the key directory (the roster's members, every member's graph
+    /// nonce against its commitment, and each neighbour's keys against its signature
+    /// under a distinct registered identity), derives the neighbour graph,
+    /// secret-shares the self-mask seed and the mask key among this client's neighbours,
+    /// and encrypts each neighbour's pair.
+    pub fn share_keys<R: rand_core::CryptoRng + ?Sized>(
+        &mut self,
+        directory: &KeyDirectory,
+        rng: &mut R,
+    ) -> Result<ShareKeys, SecAggError> {
+        let ClientState::Revealed {
+            members,
+            commitments,
+        } = &self.state
+        else {
+            return Err(self.wrong_stage(Stage::Share));
+        };
+        let indices = self.check_directory(directory, members, commitments)?;
+        let session = &self.config.session;
+        let seed = crypto::graph_seed(session, members, &directory.reveals);
+        let graph = NeighbourGraph::new(members, &seed, self.config.neighbours)?;
+        let neighbours = graph.neighbours(self.me).expect("a member");
+        if let Some(&v) = neighbours
+            .iter()
+            .find(|v| indices.binary_search(v).is_err())
+        {
+            return Err(SecAggError::BadMessage(format!(
+                "the directory lacks the keys of neighbour {v}"
+            )));
+        }
+        let t = self.config.threshold;
+        if neighbours.len() < t {
+            return Err(SecAggError::TooFewNeighbours {
+                client: self.me,
+                have: neighbours.len(),
+                need: t,
+            });
+        }
+        let identities =
+            self.verify_neighbour_keys(directory, &indices, members, commitments, &neighbours)?;
         let directory: BTreeMap<u32, &AdvertiseKeys> = directory
             .entries
             .iter()

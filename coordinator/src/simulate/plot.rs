@@ -215,31 +215,17 @@ pub fn write_privacy_plot(
     draw_privacy(SVGBackend::new(svg, SIZE).into_drawing_area(), runs, title)
 }
 
-fn draw_privacy<DB: DrawingBackend>(
-    root: DrawingArea<DB, Shift>,
+/// The left panel: each private run's accuracy as its epsilon grows, and the runs
+/// without privacy as dashed reference levels.
+fn draw_budget_spent<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
     runs: &[PrivacyRun],
-    title: &str,
+    max_eps: f64,
+    references: &[(usize, &PrivacyRun, f64)],
 ) -> Result<(), String> {
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| format!("cannot draw plot: {e}");
-    root.fill(&WHITE).map_err(err)?;
-    let root = root.titled(title, ("sans-serif", 20)).map_err(err)?;
-    let (left, right) = root.split_horizontally(root.dim_in_pixel().0 / 2);
-    let max_eps = runs
-        .iter()
-        .flat_map(|r| r.points.iter().filter_map(|p| p.0))
-        .filter(|e| e.is_finite())
-        .fold(0.0f64, f64::max)
-        .max(1.0)
-        * 1.05;
     let colour = |i: usize| PALETTE[i % PALETTE.len()];
-    let references: Vec<(usize, &PrivacyRun, f64)> = runs
-        .iter()
-        .enumerate()
-        .filter(|(_, r)| r.points.iter().all(|p| p.0.is_none()))
-        .filter_map(|(i, r)| r.points.last().map(|p| (i, r, p.1)))
-        .collect();
-
-    let mut chart = ChartBuilder::on(&left)
+    let mut chart = ChartBuilder::on(area)
         .caption("accuracy as the budget is spent", ("sans-serif", 16))
         .margin(12)
         .x_label_area_size(36)
@@ -268,7 +254,7 @@ fn draw_privacy<DB: DrawingBackend>(
             .label(run.label.as_str())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
     }
-    for &(i, run, level) in &references {
+    for &(i, run, level) in references {
         let c = colour(i);
         chart
             .draw_series(DashedLineSeries::new(
@@ -290,7 +276,20 @@ fn draw_privacy<DB: DrawingBackend>(
         .draw()
         .map_err(err)?;
 
-    let mut chart = ChartBuilder::on(&right)
+    Ok(())
+}
+
+/// The right panel: each private run's final accuracy at its final epsilon, joined in
+/// epsilon order, with the references' levels.
+fn draw_final_accuracy<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    runs: &[PrivacyRun],
+    max_eps: f64,
+    references: &[(usize, &PrivacyRun, f64)],
+) -> Result<(), String> {
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| format!("cannot draw plot: {e}");
+    let colour = |i: usize| PALETTE[i % PALETTE.len()];
+    let mut chart = ChartBuilder::on(area)
         .caption("final accuracy against final epsilon", ("sans-serif", 16))
         .margin(12)
         .x_label_area_size(36)
@@ -329,7 +328,7 @@ fn draw_privacy<DB: DrawingBackend>(
             )))
             .map_err(err)?;
     }
-    for &(i, _, level) in &references {
+    for &(i, _, level) in references {
         chart
             .draw_series(DashedLineSeries::new(
                 vec![(0.0, level), (max_eps, level)],
@@ -339,5 +338,33 @@ fn draw_privacy<DB: DrawingBackend>(
             ))
             .map_err(err)?;
     }
+    Ok(())
+}
+
+fn draw_privacy<DB: DrawingBackend>(
+    root: DrawingArea<DB, Shift>,
+    runs: &[PrivacyRun],
+    title: &str,
+) -> Result<(), String> {
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| format!("cannot draw plot: {e}");
+    root.fill(&WHITE).map_err(err)?;
+    let root = root.titled(title, ("sans-serif", 20)).map_err(err)?;
+    let (left, right) = root.split_horizontally(root.dim_in_pixel().0 / 2);
+    let max_eps = runs
+        .iter()
+        .flat_map(|r| r.points.iter().filter_map(|p| p.0))
+        .filter(|e| e.is_finite())
+        .fold(0.0f64, f64::max)
+        .max(1.0)
+        * 1.05;
+    let references: Vec<(usize, &PrivacyRun, f64)> = runs
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.points.iter().all(|p| p.0.is_none()))
+        .filter_map(|(i, r)| r.points.last().map(|p| (i, r, p.1)))
+        .collect();
+
+    draw_budget_spent(&left, runs, max_eps, &references)?;
+    draw_final_accuracy(&right, runs, max_eps, &references)?;
     root.present().map_err(err)
 }

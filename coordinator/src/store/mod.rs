@@ -41,7 +41,7 @@ pub use jobs::{Job, JobKind, JobState};
 pub use model_files::{ClientEvaluation, ModelFile, TaskFailure};
 pub use rounds::{
     NewUpload, NoiseMechanism, Participation, ParticipationState, PendingTask, PublishedModel,
-    Round, RoundMetrics, RoundPrivacy, RoundStage, Selection, Upload,
+    Round, RoundKey, RoundMetrics, RoundPrivacy, RoundStage, Selection, Upload,
 };
 pub use secagg::{SecAggMessage, SecAggMessageKind, SecureNext};
 pub use telemetry::StoreCounts;

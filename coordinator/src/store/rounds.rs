@@ -272,6 +272,28 @@ pub struct PublishedModel {
     pub parameters: i64,
 }
 
+/// Which attempt of which round of which experiment a store call is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RoundKey {
+    /// The experiment.
+    pub experiment: Uuid,
+    /// The round (a FedBuff buffer, a model version).
+    pub round: i64,
+    /// The attempt of the round.
+    pub attempt: i64,
+}
+
+impl RoundKey {
+    /// Attempt `attempt` of round `round` of `experiment`.
+    pub fn new(experiment: Uuid, round: i64, attempt: i64) -> Self {
+        Self {
+            experiment,
+            round,
+            attempt,
+        }
+    }
+}
+
 /// Metrics recorded when a round's model is published.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct RoundMetrics {
@@ -321,9 +343,7 @@ impl Store {
         now: i64,
     ) -> Result<Round, StoreError> {
         self.open_attempt(
-            experiment_id,
-            round,
-            attempt,
+            RoundKey::new(experiment_id, round, attempt),
             selected,
             None,
             None,
@@ -335,12 +355,9 @@ impl Store {
 
     /// Starts an attempt of a differentially private round: a plaintext one, or a
     /// secure one when `secagg` is given, recorded with what it is `privacy` charged.
-    #[allow(clippy::too_many_arguments)]
     pub async fn open_private_round(
         &self,
-        experiment_id: Uuid,
-        round: i64,
-        attempt: i64,
+        key: RoundKey,
         selected: &[Uuid],
         secagg: Option<&str>,
         privacy: &RoundPrivacy,
@@ -348,59 +365,40 @@ impl Store {
         now: i64,
     ) -> Result<Round, StoreError> {
         let privacy = serde_json::to_string(privacy).expect("privacy records serialise");
-        self.open_attempt(
-            experiment_id,
-            round,
-            attempt,
-            selected,
-            secagg,
-            Some(&privacy),
-            deadline,
-            now,
-        )
-        .await
+        self.open_attempt(key, selected, secagg, Some(&privacy), deadline, now)
+            .await
     }
 
     /// Starts a secure round attempt: like [`open_round`](Self::open_round), but the
     /// round first collects public keys (stage `advertising`, until `deadline`), keeps
     /// the protocol's public settings `secagg` (JSON), and gives the `selected` clients
     /// the protocol indices `1..=n` in the order given.
-    #[allow(clippy::too_many_arguments)]
     pub async fn open_secure_round(
         &self,
-        experiment_id: Uuid,
-        round: i64,
-        attempt: i64,
+        key: RoundKey,
         selected: &[Uuid],
         secagg: &str,
         deadline: i64,
         now: i64,
     ) -> Result<Round, StoreError> {
-        self.open_attempt(
-            experiment_id,
-            round,
-            attempt,
-            selected,
-            Some(secagg),
-            None,
-            deadline,
-            now,
-        )
-        .await
+        self.open_attempt(key, selected, Some(secagg), None, deadline, now)
+            .await
     }
 
-    #[allow(clippy::too_many_arguments)]
     async fn open_attempt(
         &self,
-        experiment_id: Uuid,
-        round: i64,
-        attempt: i64,
+        key: RoundKey,
         selected: &[Uuid],
         secagg: Option<&str>,
         privacy: Option<&str>,
         deadline: i64,
         now: i64,
     ) -> Result<Round, StoreError> {
+        let RoundKey {
+            experiment: experiment_id,
+            round,
+            attempt,
+        } = key;
         let exp = experiment_id.to_string();
         let stage = if secagg.is_some() {
             "advertising"
@@ -922,24 +920,32 @@ impl Store {
         metrics: RoundMetrics,
         now: i64,
     ) -> Result<(), StoreError> {
-        self.publish_private_model(experiment_id, round, attempt, model, metrics, None, now)
-            .await
+        self.publish_private_model(
+            RoundKey::new(experiment_id, round, attempt),
+            model,
+            metrics,
+            None,
+            now,
+        )
+        .await
     }
 
     /// [`publish_model`](Self::publish_model) for a private round, whose privacy record
     /// is replaced by `privacy` (what it was finally charged, the next clip) in the same
     /// transaction; `None` leaves the record as it is.
-    #[allow(clippy::too_many_arguments)]
     pub async fn publish_private_model(
         &self,
-        experiment_id: Uuid,
-        round: i64,
-        attempt: i64,
+        key: RoundKey,
         model: &PublishedModel,
         metrics: RoundMetrics,
         privacy: Option<&RoundPrivacy>,
         now: i64,
     ) -> Result<(), StoreError> {
+        let RoundKey {
+            experiment: experiment_id,
+            round,
+            attempt,
+        } = key;
         let exp = experiment_id.to_string();
         let privacy = privacy.map(|p| serde_json::to_string(p).expect("privacy records serialise"));
         with_pool!(self, p => {

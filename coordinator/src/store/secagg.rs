@@ -9,7 +9,9 @@
 use serde::Serialize;
 use uuid::Uuid;
 
-use super::{BeginWrite, Pool, Round, RoundStage, Store, StoreError, audit, parse_uuid, with_pool};
+use super::{
+    BeginWrite, Pool, Round, RoundKey, RoundStage, Store, StoreError, audit, parse_uuid, with_pool,
+};
 
 /// Which protocol message a client sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -107,17 +109,19 @@ impl Store {
     /// Records client `client`'s protocol message of `kind`. Refused, with nothing
     /// changed, unless the round is at the stage that takes it, before its deadline,
     /// and the client is in the round and has completed exactly the stage before.
-    #[allow(clippy::too_many_arguments)]
     pub async fn record_secagg_message(
         &self,
-        experiment_id: Uuid,
-        round: i64,
-        attempt: i64,
+        key: RoundKey,
         client: Uuid,
         kind: SecAggMessageKind,
         body: &str,
         now: i64,
     ) -> Result<(), StoreError> {
+        let RoundKey {
+            experiment: experiment_id,
+            round,
+            attempt,
+        } = key;
         let exp = experiment_id.to_string();
         let lock = self.for_update();
         let client_text = client.to_string();

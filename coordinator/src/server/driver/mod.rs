@@ -26,8 +26,8 @@ use uuid::Uuid;
 
 use crate::server::AppState;
 use crate::store::{
-    Experiment, ExperimentState, Job, JobKind, PublishedModel, Round, RoundMetrics, RoundStage,
-    StoreError, now_millis,
+    Experiment, ExperimentState, Job, JobKind, PublishedModel, Round, RoundKey, RoundMetrics,
+    RoundStage, StoreError, now_millis,
 };
 use cohort_aggregation::privacy::central::CentralSum;
 use cohort_core::ExperimentSpec;
@@ -469,7 +469,13 @@ async fn open(
             let deadline = now + (secure.advertise_seconds as i64) * 1000;
             state
                 .store
-                .open_secure_round(exp.id, round, attempt, &selected, &text, deadline, now)
+                .open_secure_round(
+                    RoundKey::new(exp.id, round, attempt),
+                    &selected,
+                    &text,
+                    deadline,
+                    now,
+                )
                 .await
         }
         None => {
@@ -610,9 +616,7 @@ async fn open_private(
     let opened = state
         .store
         .open_private_round(
-            exp.id,
-            round,
-            attempt,
+            RoundKey::new(exp.id, round, attempt),
             &selected,
             secagg.as_deref(),
             &charge.record,
@@ -665,16 +669,27 @@ async fn run_job(state: &AppState, job: &Job) -> Result<(), DriverError> {
     }
 }
 
+/// What an aggregation job works on: the experiment with its spec and model, the round
+/// attempt that closed, and the published model it starts from.
+#[derive(Clone, Copy)]
+struct RoundJob<'a> {
+    exp: &'a Experiment,
+    spec: &'a ExperimentSpec,
+    model: &'a ExperimentModel,
+    round: &'a Round,
+    current: &'a PublishedModel,
+}
+
 /// Unmasks a secure round's sum and publishes the model it moves to. A sum that cannot
 /// be unmasked (a share failed its check) fails the round, which then runs again.
-async fn aggregate_secure(
-    state: &AppState,
-    exp: &Experiment,
-    spec: &ExperimentSpec,
-    model: &ExperimentModel,
-    round: &Round,
-    current: &PublishedModel,
-) -> Result<(), DriverError> {
+async fn aggregate_secure(state: &AppState, job: &RoundJob<'_>) -> Result<(), DriverError> {
+    let RoundJob {
+        exp,
+        spec,
+        model,
+        round,
+        current,
+    } = *job;
     let unmasked = match crate::server::driver::secure_rounds::unmask_round(state, round).await? {
         Ok(u) => u,
         Err(e) => {
@@ -828,8 +843,15 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
         .latest_model(exp.id)
         .await?
         .ok_or_else(|| DriverError::Aggregation("no current model".into()))?;
+    let job = RoundJob {
+        exp: &exp,
+        spec: &spec,
+        model: &model,
+        round: &round,
+        current: &current,
+    };
     if round.secagg.is_some() {
-        return aggregate_secure(state, &exp, &spec, &model, &round, &current).await;
+        return aggregate_secure(state, &job).await;
     }
     let mut uploads = store.uploads(exp.id, round.round, round.attempt).await?;
     // Floating-point sums depend on their order. Folding in the order of the uploads'
@@ -837,10 +859,7 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
     // in a replay of the experiment) give the same model bit for bit.
     uploads.sort_by(|a, b| a.sha256.cmp(&b.sha256).then(a.id.cmp(&b.id)));
     if let (Some(privacy), Some(record)) = (&spec.privacy, &round.privacy) {
-        return aggregate_central(
-            state, &exp, &spec, privacy, record, &model, &round, &current, uploads,
-        )
-        .await;
+        return aggregate_central(state, &job, privacy, record, uploads).await;
     }
     let participations = store
         .participations(exp.id, round.round, round.attempt)
@@ -912,15 +931,21 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
     )
     .await
     .map_err(|e| DriverError::Aggregation(e.to_string()))??;
+    let metrics = RoundMetrics {
+        train_loss: mean_train_loss(&participations, cap),
+        ..tested
+    };
+    publish(state, exp.id, &round, &published, metrics).await
+}
+
+/// The clients' training loss, weighted by their (capped) sample counts; `None` when no
+/// client reported one.
+fn mean_train_loss(participations: &[crate::store::Participation], cap: i64) -> Option<f64> {
     let (weighted, samples) = participations
         .iter()
         .filter_map(|p| Some((p.train_loss?, p.num_samples?.min(cap) as f64)))
         .fold((0.0, 0.0), |(l, n), (loss, s)| (l + loss * s, n + s));
-    let metrics = RoundMetrics {
-        train_loss: (samples > 0.0).then(|| weighted / samples),
-        ..tested
-    };
-    publish(state, exp.id, &round, &published, metrics).await
+    (samples > 0.0).then(|| weighted / samples)
 }
 
 /// A round of central differential privacy (DP-FedAvg, McMahan et al. 2018): each
@@ -930,18 +955,20 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
 /// Clients weigh equally (a sample count would raise a client's influence past the clip)
 /// and no training loss is published, since it is not noised. With adaptive clipping the
 /// noised count of clients within the bound moves the bound for the next round.
-#[allow(clippy::too_many_arguments)]
 async fn aggregate_central(
     state: &AppState,
-    exp: &Experiment,
-    spec: &ExperimentSpec,
+    job: &RoundJob<'_>,
     privacy: &cohort_core::privacy::PrivacySpec,
     record: &crate::store::RoundPrivacy,
-    model: &ExperimentModel,
-    round: &Round,
-    current: &PublishedModel,
     uploads: Vec<crate::store::Upload>,
 ) -> Result<(), DriverError> {
+    let RoundJob {
+        exp,
+        spec,
+        model,
+        round,
+        current,
+    } = *job;
     let step = ModelStep::new(state, exp.id, spec, model, current, round.round);
     let blobs = state.blobs.clone();
     let layout = model.layout().clone();
@@ -1026,9 +1053,7 @@ async fn publish_private(
     match state
         .store
         .publish_private_model(
-            experiment,
-            round.round,
-            round.attempt,
+            RoundKey::new(experiment, round.round, round.attempt),
             model,
             metrics,
             Some(&record),

@@ -35,6 +35,7 @@ use crate::server::error::{ApiError, ErrorBody, Json};
 use crate::server::http::client_api::MAX_CHECKIN_WAIT_SECONDS;
 use crate::server::http::extract::AuthenticatedClient;
 use crate::server::secagg_snapshots::POLL_INTERVAL;
+use crate::store::RoundKey;
 use crate::store::{Participation, Round, RoundStage, SecAggMessageKind, now_millis};
 
 const BASE: &str = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg";
@@ -298,9 +299,7 @@ async fn record(
     state
         .store
         .record_secagg_message(
-            v.experiment,
-            v.round.round,
-            v.round.attempt,
+            RoundKey::new(v.experiment, v.round.round, v.round.attempt),
             client.0.id,
             kind,
             &body,
