@@ -316,6 +316,17 @@ pub fn valgrind_command(log: &Path) -> Command {
     c
 }
 
+/// A child process killed (and reaped) when dropped, so that a test that fails half-way
+/// leaves no coordinator or client running behind it.
+pub struct KillOnDrop(pub Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// A `cohort serve` child on SQLite in its own data directory, killed when dropped.
 pub struct Served {
     pub child: std::process::Child,
