@@ -208,9 +208,10 @@ async fn run_async(args: &DemoArgs) -> Result<DemoOutcome, String> {
         .await
         .map_err(|e| e.to_string())?;
 
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut children: Vec<Child> = Vec::new();
     for (i, csv) in csvs.iter().enumerate() {
-        children.push(start_edge_client(store, &run_dir, &base, &ca, csv, i).await?);
+        children.push(start_edge_client(store, &exe, &run_dir, &base, &ca, csv, i).await?);
     }
     eprintln!("started {} cohort-edge processes", children.len());
 
@@ -264,17 +265,17 @@ fn demo_spec(args: &DemoArgs, test: &Dataset) -> ExperimentSpec {
     }
 }
 
-/// Starts client `i` as a `cohort edge` process of this binary on `csv`, with an
-/// enrolment token of its own; its output goes to `clients/client-<i>.log`.
+/// Starts client `i` as a `cohort edge` process of this binary (`exe`) on `csv`, with
+/// an enrolment token of its own; its output goes to `clients/client-<i>.log`.
 async fn start_edge_client(
     store: &crate::store::Store,
+    exe: &Path,
     run_dir: &Path,
     base: &str,
     ca: &Path,
     csv: &Path,
     i: usize,
 ) -> Result<Child, String> {
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let token = auth::generate_secret().map_err(|e| e.to_string())?;
     store
         .create_enrolment_token(
@@ -286,7 +287,7 @@ async fn start_edge_client(
         .map_err(|e| e.to_string())?;
     let log = std::fs::File::create(run_dir.join(format!("clients/client-{i}.log")))
         .map_err(|e| e.to_string())?;
-    Command::new(&exe)
+    Command::new(exe)
         .arg("edge")
         .arg("--coordinator")
         .arg(base)

@@ -1528,37 +1528,26 @@ async fn a_round_whose_aggregation_fails_every_attempt_fails_and_runs_again() {
     server.shut_down().await;
 }
 
-/// Issue 22: in FedBuff mode a full buffer whose aggregation job failed every try stayed
-/// `aggregating` for ever, and every later buffer's job waited on it. Now the driver
-/// fails that attempt with the job's last error and aggregates the same buffered update
-/// again as the buffer's next attempt; here the blob the first attempt could not read is
-/// back by then, so the second attempt publishes the version and the experiment
-/// finishes.
-#[tokio::test]
-async fn a_buffer_whose_aggregation_fails_every_attempt_runs_again() {
-    use cohort_coordinator::store::RoundStage;
-    let server = start().await;
-    let spec = serde_json::json!({"name": "lost buffered blob", "features": 4, "classes": 2,
-        "model": "logreg", "rounds": 1, "clients_per_round": 1, "min_participants": 1,
-        "mode": "fedbuff", "buffer_size": 1, "concurrency": 1,
-        "collect_deadline_seconds": 60, "max_round_attempts": 2});
-    let (experiment, clients) = running_with_round(&server, spec, 1).await;
+/// Hands `client` the only task of FedBuff experiment `experiment` (concurrency 1) and
+/// records its update straight in the store as the blob at `path` (`bytes` long, with
+/// `sha256`), which
+/// fills the one-update buffer of the experiment's last step and queues its
+/// aggregation.
+async fn buffer_upload(
+    server: &Server,
+    experiment: uuid::Uuid,
+    client: uuid::Uuid,
+    path: &str,
+    bytes: i64,
+    sha256: &[u8],
+) {
     let now = cohort_coordinator::store::now_millis();
     let task = server
         .store
-        .fedbuff_task(experiment, clients[0], 1, 60_000, true, now)
+        .fedbuff_task(experiment, client, 1, 60_000, true, now)
         .await
         .unwrap()
         .expect("a task for the only client");
-    // The update is the initial model itself (a valid upload of the right size); its
-    // blob is written only after the first attempt has failed.
-    let blobs =
-        cohort_coordinator::blobs::BlobStore::open(&server.dir.path().join("blobs")).unwrap();
-    let update = blobs
-        .get(&format!("models/{experiment}/round-0.bin"))
-        .unwrap();
-    let scratch = blobs.put("scratch/update", &update).unwrap();
-    let path = format!("uploads/{experiment}/late");
     server
         .store
         .record_fedbuff_upload(
@@ -1566,10 +1555,10 @@ async fn a_buffer_whose_aggregation_fails_every_attempt_runs_again() {
             task.round,
             task.attempt,
             &cohort_coordinator::store::NewUpload {
-                client_id: clients[0],
-                blob_path: &path,
-                bytes: update.len() as i64,
-                sha256: &scratch.sha256,
+                client_id: client,
+                blob_path: path,
+                bytes,
+                sha256,
                 num_samples: 10,
                 claimed_samples: None,
                 train_loss: Some(0.5),
@@ -1586,6 +1575,41 @@ async fn a_buffer_whose_aggregation_fails_every_attempt_runs_again() {
         )
         .await
         .unwrap();
+}
+
+/// Issue 22: in FedBuff mode a full buffer whose aggregation job failed every try stayed
+/// `aggregating` for ever, and every later buffer's job waited on it. Now the driver
+/// fails that attempt with the job's last error and aggregates the same buffered update
+/// again as the buffer's next attempt; here the blob the first attempt could not read is
+/// back by then, so the second attempt publishes the version and the experiment
+/// finishes.
+#[tokio::test]
+async fn a_buffer_whose_aggregation_fails_every_attempt_runs_again() {
+    use cohort_coordinator::store::RoundStage;
+    let server = start().await;
+    let spec = serde_json::json!({"name": "lost buffered blob", "features": 4, "classes": 2,
+        "model": "logreg", "rounds": 1, "clients_per_round": 1, "min_participants": 1,
+        "mode": "fedbuff", "buffer_size": 1, "concurrency": 1,
+        "collect_deadline_seconds": 60, "max_round_attempts": 2});
+    let (experiment, clients) = running_with_round(&server, spec, 1).await;
+    // The update is the initial model itself (a valid upload of the right size); its
+    // blob is written only after the first attempt has failed.
+    let blobs =
+        cohort_coordinator::blobs::BlobStore::open(&server.dir.path().join("blobs")).unwrap();
+    let update = blobs
+        .get(&format!("models/{experiment}/round-0.bin"))
+        .unwrap();
+    let scratch = blobs.put("scratch/update", &update).unwrap();
+    let path = format!("uploads/{experiment}/late");
+    buffer_upload(
+        &server,
+        experiment,
+        clients[0],
+        &path,
+        update.len() as i64,
+        &scratch.sha256,
+    )
+    .await;
     let started = std::time::Instant::now();
     let wait = |what: &str| {
         assert!(
@@ -1643,40 +1667,15 @@ async fn a_buffer_that_fails_its_last_attempt_fails_the_experiment() {
         "mode": "fedbuff", "buffer_size": 1, "concurrency": 1,
         "collect_deadline_seconds": 60, "max_round_attempts": 1});
     let (experiment, clients) = running_with_round(&server, spec, 1).await;
-    let now = cohort_coordinator::store::now_millis();
-    let task = server
-        .store
-        .fedbuff_task(experiment, clients[0], 1, 60_000, true, now)
-        .await
-        .unwrap()
-        .unwrap();
-    server
-        .store
-        .record_fedbuff_upload(
-            experiment,
-            task.round,
-            task.attempt,
-            &cohort_coordinator::store::NewUpload {
-                client_id: clients[0],
-                blob_path: "uploads/never-written",
-                bytes: 16,
-                sha256: &[7; 32],
-                num_samples: 10,
-                claimed_samples: None,
-                train_loss: None,
-                client_upload_id: None,
-            },
-            cohort_coordinator::store::BufferRules {
-                buffer_size: 1,
-                max_staleness: None,
-                task_ms: 60_000,
-                last_step: 1,
-                job_attempts: 5,
-            },
-            now,
-        )
-        .await
-        .unwrap();
+    buffer_upload(
+        &server,
+        experiment,
+        clients[0],
+        "uploads/never-written",
+        16,
+        &[7; 32],
+    )
+    .await;
     let started = std::time::Instant::now();
     while server.store.experiment(experiment).await.unwrap().state != ExperimentState::Failed {
         assert!(

@@ -311,16 +311,14 @@ impl ExperimentSpec {
                 "max_round_attempts must be at least 1".into(),
             );
         }
-        if let Err(e) = self.strategy.server_optimizer(self.server_lr) {
-            let field = if self.server_lr.is_some() && self.strategy.server_optimizer(None).is_ok()
-            {
-                "server_lr"
-            } else {
-                "strategy"
-            };
-            bad(field, format!("{field}: {e}"));
-        } else if self.server_lr.is_some_and(|lr| lr > 100.0) {
-            bad("server_lr", "server_lr must be at most 100".into());
+        // The strategy itself always has a valid optimizer (its defaults); only a
+        // server_lr given can make one fail.
+        if let Some(lr) = self.server_lr {
+            if let Err(e) = self.strategy.server_optimizer(Some(lr)) {
+                bad("server_lr", format!("server_lr: {e}"));
+            } else if lr > 100.0 {
+                bad("server_lr", "server_lr must be at most 100".into());
+            }
         }
     }
 

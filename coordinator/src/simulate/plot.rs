@@ -4,6 +4,7 @@ use std::path::Path;
 use std::sync::Once;
 
 use plotters::coord::Shift;
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 use plotters::style::FontStyle;
 
@@ -99,7 +100,6 @@ fn draw<DB: DrawingBackend>(
     } else {
         Vec::new()
     };
-    let colour = |i: usize| PALETTE[i % PALETTE.len()];
 
     let mut chart = ChartBuilder::on(&left)
         .caption("test accuracy", ("sans-serif", 16))
@@ -215,6 +215,36 @@ pub fn write_privacy_plot(
     draw_privacy(SVGBackend::new(svg, SIZE).into_drawing_area(), runs, title)
 }
 
+/// One panel of the privacy plot: test accuracy (0 to 1) against epsilon (0 to
+/// `max_eps`), with its caption and mesh drawn.
+fn accuracy_panel<'a, DB: DrawingBackend>(
+    area: &'a DrawingArea<DB, Shift>,
+    caption: &str,
+    x_desc: &str,
+    max_eps: f64,
+) -> Result<ChartContext<'a, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>, String> {
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| format!("cannot draw plot: {e}");
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 16))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0f64..max_eps, 0f64..1f64)
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc(x_desc)
+        .y_desc("test accuracy")
+        .draw()
+        .map_err(err)?;
+    Ok(chart)
+}
+
+/// The colour of run `i`, the same in every panel.
+fn colour(i: usize) -> RGBColor {
+    PALETTE[i % PALETTE.len()]
+}
+
 /// The left panel: each private run's accuracy as its epsilon grows, and the runs
 /// without privacy as dashed reference levels.
 fn draw_budget_spent<DB: DrawingBackend>(
@@ -224,20 +254,12 @@ fn draw_budget_spent<DB: DrawingBackend>(
     references: &[(usize, &PrivacyRun, f64)],
 ) -> Result<(), String> {
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| format!("cannot draw plot: {e}");
-    let colour = |i: usize| PALETTE[i % PALETTE.len()];
-    let mut chart = ChartBuilder::on(area)
-        .caption("accuracy as the budget is spent", ("sans-serif", 16))
-        .margin(12)
-        .x_label_area_size(36)
-        .y_label_area_size(50)
-        .build_cartesian_2d(0f64..max_eps, 0f64..1f64)
-        .map_err(err)?;
-    chart
-        .configure_mesh()
-        .x_desc("epsilon spent")
-        .y_desc("test accuracy")
-        .draw()
-        .map_err(err)?;
+    let mut chart = accuracy_panel(
+        area,
+        "accuracy as the budget is spent",
+        "epsilon spent",
+        max_eps,
+    )?;
     for (i, run) in runs.iter().enumerate() {
         let c = colour(i);
         let pts: Vec<(f64, f64)> = run
@@ -288,20 +310,12 @@ fn draw_final_accuracy<DB: DrawingBackend>(
     references: &[(usize, &PrivacyRun, f64)],
 ) -> Result<(), String> {
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| format!("cannot draw plot: {e}");
-    let colour = |i: usize| PALETTE[i % PALETTE.len()];
-    let mut chart = ChartBuilder::on(area)
-        .caption("final accuracy against final epsilon", ("sans-serif", 16))
-        .margin(12)
-        .x_label_area_size(36)
-        .y_label_area_size(50)
-        .build_cartesian_2d(0f64..max_eps, 0f64..1f64)
-        .map_err(err)?;
-    chart
-        .configure_mesh()
-        .x_desc("epsilon")
-        .y_desc("test accuracy")
-        .draw()
-        .map_err(err)?;
+    let mut chart = accuracy_panel(
+        area,
+        "final accuracy against final epsilon",
+        "epsilon",
+        max_eps,
+    )?;
     let finals: Vec<(usize, f64, f64)> = runs
         .iter()
         .enumerate()

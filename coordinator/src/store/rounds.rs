@@ -488,6 +488,25 @@ impl Store {
         })
     }
 
+    /// The latest attempt of round `round`.
+    pub async fn latest_attempt(
+        &self,
+        experiment_id: Uuid,
+        round: i64,
+    ) -> Result<Round, StoreError> {
+        let sql =
+            select_rounds!("WHERE experiment_id = $1 AND round = $2 ORDER BY attempt DESC LIMIT 1");
+        with_pool!(self, p => {
+            let row: Option<RoundRow> = sqlx::query_as(sql)
+                .bind(experiment_id.to_string())
+                .bind(round)
+                .fetch_optional(p)
+                .await?;
+            row.ok_or_else(|| StoreError::NotFound(format!("round {round}")))
+                .and_then(Round::from_row)
+        })
+    }
+
     /// Every attempt of every round of an experiment, in order.
     pub async fn rounds(&self, experiment_id: Uuid) -> Result<Vec<Round>, StoreError> {
         with_pool!(self, p => {

@@ -121,13 +121,7 @@ pub(super) async fn aggregate(
         }
         published_before = Some(current.round);
         // The buffer's latest attempt: an aggregation that failed runs again as the next.
-        let round = store
-            .rounds(exp.id)
-            .await?
-            .into_iter()
-            .filter(|r| r.round == buffer)
-            .max_by_key(|r| r.attempt)
-            .ok_or_else(|| DriverError::Aggregation(format!("buffer {buffer} is missing")))?;
+        let round = store.latest_attempt(exp.id, buffer).await?;
         if round.stage != RoundStage::Aggregating {
             return Err(DriverError::Aggregation(format!(
                 "buffer {buffer} is {}, not full",

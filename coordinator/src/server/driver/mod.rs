@@ -829,15 +829,12 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
         )
         .await;
     }
-    let round = store
-        .rounds(exp.id)
-        .await?
-        .into_iter()
-        .filter(|r| r.round == job.round && r.stage == RoundStage::Aggregating)
-        .max_by_key(|r| r.attempt);
-    let Some(round) = round else {
+    // Only a round's latest attempt can be aggregating: the next opens once it failed.
+    let round = match store.latest_attempt(exp.id, job.round).await {
+        Ok(round) if round.stage == RoundStage::Aggregating => round,
         // Already published by an earlier run of this job.
-        return Ok(());
+        Ok(_) | Err(StoreError::NotFound(_)) => return Ok(()),
+        Err(e) => return Err(e.into()),
     };
     let current = store
         .latest_model(exp.id)
