@@ -14,11 +14,12 @@ use cohort_aggregation::{
     AggregationError, Finite, ModelVector, ServerOptimizer, Strategy, WeightedMean,
 };
 use cohort_core::round::{
-    ParticipationState, ParticipationView, RoundStage, RoundView, UploadRefusal, check_upload,
+    AfterFailure, AttemptEnd, AttemptFailure, CloseOutcome, CohortSize, FailedAttemptPolicy,
+    ParticipationState, ParticipationView, RoundStage, RoundView, UploadRefusal,
+    after_failed_attempt, check_upload, close_outcome, select_cohort,
 };
 use cohort_edge::train::TrainConfig;
 use rand::Rng;
-use rand::seq::index;
 use serde::Serialize;
 
 /// Identifies a client within an experiment.
@@ -46,6 +47,10 @@ pub struct EngineConfig {
     pub strategy: Strategy,
     /// Server learning rate; `None` takes the strategy's default.
     pub server_lr: Option<f32>,
+    /// What a failed attempt (below quorum, or a secure round that could not unmask)
+    /// leads to: `cohort simulate` skips to the next round; mirroring `serve`, the round
+    /// runs again up to a number of attempts, then the experiment fails.
+    pub failed_attempts: FailedAttemptPolicy,
 }
 
 /// Why the engine refused a call. The engine's state is unchanged after any of these.
@@ -60,6 +65,14 @@ pub enum EngineError {
     /// `submit` or `close_round` with no round open.
     #[error("no round is open")]
     NoOpenRound,
+    /// `open_round` after a round failed its last attempt.
+    #[error("the experiment failed: round {round} failed all {attempts} attempts")]
+    ExperimentFailed {
+        /// The round.
+        round: u32,
+        /// Its attempts.
+        attempts: u32,
+    },
     /// Fewer clients are available than the quorum needs.
     #[error("{available} clients available but the quorum is {quorum}")]
     NotEnoughClients {
@@ -108,6 +121,8 @@ pub enum EngineError {
 pub struct Task {
     /// Round number, starting at 1.
     pub round: u32,
+    /// Attempt at the round, starting at 1.
+    pub attempt: u32,
     /// The global model to start from.
     pub global: Arc<ModelVector>,
     /// Local training settings, including the FedProx mu when the strategy has one.
@@ -149,37 +164,15 @@ pub struct SecureMean {
     pub train_loss: Option<f64>,
 }
 
-/// Whether a closed round changed the global model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RoundStatus {
-    /// Enough clients reported; the new global model is published.
-    Published,
-    /// Too few clients reported; the global model is unchanged.
-    BelowQuorum,
-    /// Secure aggregation could not unmask the sum (too few shares of a secret, or a
-    /// share failed its check); the global model is unchanged.
-    Failed,
-}
-
-impl RoundStatus {
-    /// The status as written in metrics files: `published` or `below_quorum`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RoundStatus::Published => "published",
-            RoundStatus::BelowQuorum => "below_quorum",
-            RoundStatus::Failed => "failed",
-        }
-    }
-}
-
 /// Summary of a closed round.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RoundOutcome {
     /// Round number.
     pub round: u32,
-    /// Whether the global model moved.
-    pub status: RoundStatus,
+    /// Attempt at the round.
+    pub attempt: u32,
+    /// Published, or failed and why.
+    pub status: AttemptEnd,
     /// Clients selected.
     pub selected: usize,
     /// Clients whose update was folded in.
@@ -194,6 +187,7 @@ pub struct RoundOutcome {
 
 struct Collecting {
     round: u32,
+    attempt: u32,
     selected: BTreeSet<ClientId>,
     reported: BTreeSet<ClientId>,
     mean: WeightedMean,
@@ -207,6 +201,10 @@ pub struct RoundEngine {
     global: Arc<ModelVector>,
     optimizer: ServerOptimizer,
     rounds_closed: u32,
+    /// The attempt the next (or open) round runs as.
+    attempt: u32,
+    /// Set once a round failed its last attempt: no round opens after it.
+    failed: bool,
     open: Option<Collecting>,
     reducer: Arc<dyn Reducer>,
 }
@@ -253,6 +251,8 @@ impl RoundEngine {
             global: Arc::new(initial),
             optimizer,
             rounds_closed: 0,
+            attempt: 1,
+            failed: false,
             open: None,
             reducer: cohort_aggregation::reduce::cpu(),
         })
@@ -274,9 +274,20 @@ impl RoundEngine {
         &self.global
     }
 
-    /// Rounds closed so far, published or not.
+    /// Rounds done so far: published, or skipped after a failed attempt. (A round that
+    /// runs again is not done until its last attempt.)
     pub fn rounds_closed(&self) -> u32 {
         self.rounds_closed
+    }
+
+    /// The attempt the next round opens as (1 unless the last one failed and runs again).
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// Whether a round failed its last attempt, which ends the experiment.
+    pub fn experiment_failed(&self) -> bool {
+        self.failed
     }
 
     /// The number of the round now collecting, if any.
@@ -291,37 +302,57 @@ impl RoundEngine {
         available: &[ClientId],
         rng: &mut R,
     ) -> Result<RoundPlan, EngineError> {
-        if let Some(c) = &self.open {
-            return Err(EngineError::RoundAlreadyOpen(c.round));
-        }
-        let pool: Vec<ClientId> = available
-            .iter()
-            .copied()
-            .collect::<BTreeSet<_>>()
-            .into_iter()
-            .collect();
-        if pool.len() < self.config.min_participants {
+        self.check_can_open()?;
+        let size = CohortSize {
+            wanted: self.config.clients_per_round,
+            needed: self.config.min_participants,
+        };
+        let Some(selected) = select_cohort(available, size, rng) else {
             return Err(EngineError::NotEnoughClients {
-                available: pool.len(),
+                available: available.iter().collect::<BTreeSet<_>>().len(),
                 quorum: self.config.min_participants,
             });
-        }
-        let k = self.config.clients_per_round.min(pool.len());
-        let selected: BTreeSet<ClientId> = index::sample(rng, pool.len(), k)
-            .into_iter()
-            .map(|i| pool[i])
-            .collect();
-        self.open_with(selected)
+        };
+        self.open_with(selected.into_iter().collect())
     }
 
     /// Opens the next round for exactly `selected` (duplicates count once), chosen by the
     /// caller: Poisson sampling for differential privacy picks each client independently,
     /// so a round may have any size, none included. The quorum is applied at close.
     pub fn open_round_for(&mut self, selected: &[ClientId]) -> Result<RoundPlan, EngineError> {
+        self.check_can_open()?;
+        self.open_with(selected.iter().copied().collect())
+    }
+
+    fn check_can_open(&self) -> Result<(), EngineError> {
         if let Some(c) = &self.open {
             return Err(EngineError::RoundAlreadyOpen(c.round));
         }
-        self.open_with(selected.iter().copied().collect())
+        if self.failed {
+            return Err(EngineError::ExperimentFailed {
+                round: self.rounds_closed + 1,
+                attempts: self.attempt,
+            });
+        }
+        Ok(())
+    }
+
+    /// Counts the closed attempt by the core's rules: a published round is done; a
+    /// failed one runs again, is skipped or fails the experiment, as configured.
+    fn count_closed(&mut self, status: AttemptEnd) {
+        if status.published() {
+            self.rounds_closed += 1;
+            self.attempt = 1;
+            return;
+        }
+        match after_failed_attempt(i64::from(self.attempt), self.config.failed_attempts) {
+            AfterFailure::Retry(next) => self.attempt = u32::try_from(next).unwrap_or(u32::MAX),
+            AfterFailure::NextRound => {
+                self.rounds_closed += 1;
+                self.attempt = 1;
+            }
+            AfterFailure::FailExperiment => self.failed = true,
+        }
     }
 
     fn open_with(&mut self, selected: BTreeSet<ClientId>) -> Result<RoundPlan, EngineError> {
@@ -334,12 +365,14 @@ impl RoundEngine {
             selected: selected.iter().copied().collect(),
             task: Task {
                 round,
+                attempt: self.attempt,
                 global: self.global.clone(),
                 train,
             },
         };
         self.open = Some(Collecting {
             round,
+            attempt: self.attempt,
             selected,
             reported: BTreeSet::new(),
             mean: WeightedMean::with_reducer(self.global.layout().clone(), self.reducer.as_ref())
@@ -374,7 +407,7 @@ impl RoundEngine {
         // straggler model instead).
         let view = RoundView {
             round: i64::from(open.round),
-            attempt: 1,
+            attempt: i64::from(open.attempt),
             stage: RoundStage::Collecting,
             deadline_ms: None,
             secure: false,
@@ -460,31 +493,33 @@ impl RoundEngine {
             }
         }
         let open = self.open.take().expect("checked above");
+        let quorum = self.config.min_participants;
         let (status, participants, samples, train_loss) = match result {
-            Some(r) if r.participants >= self.config.min_participants => {
+            Some(r) if close_outcome(r.participants, quorum) == CloseOutcome::Aggregate => {
                 let mut next = (*self.global).clone();
                 self.optimizer
                     .step(&mut next, &r.mean)
                     .expect("mean has the global layout");
                 self.global = Arc::new(next);
                 (
-                    RoundStatus::Published,
+                    AttemptEnd::PUBLISHED,
                     r.participants,
                     r.samples,
                     r.train_loss,
                 )
             }
             Some(r) => (
-                RoundStatus::BelowQuorum,
+                AttemptEnd::failed(AttemptFailure::BelowQuorum),
                 r.participants,
                 r.samples,
                 r.train_loss,
             ),
-            None => (RoundStatus::Failed, 0, 0, None),
+            None => (AttemptEnd::failed(AttemptFailure::NotUnmasked), 0, 0, None),
         };
-        self.rounds_closed += 1;
+        self.count_closed(status);
         Ok(RoundOutcome {
             round: open.round,
+            attempt: open.attempt,
             status,
             selected: open.selected.len(),
             participants,
@@ -499,7 +534,8 @@ impl RoundEngine {
     pub fn close_round(&mut self) -> Result<RoundOutcome, EngineError> {
         let open = self.open.take().ok_or(EngineError::NoOpenRound)?;
         let participants = open.reported.len();
-        let status = if participants >= self.config.min_participants {
+        let quorum = self.config.min_participants;
+        let status = if close_outcome(participants, quorum) == CloseOutcome::Aggregate {
             let mean = open
                 .mean
                 .finish()
@@ -509,13 +545,14 @@ impl RoundEngine {
                 .step(&mut next, &mean)
                 .expect("mean has the global layout");
             self.global = Arc::new(next);
-            RoundStatus::Published
+            AttemptEnd::PUBLISHED
         } else {
-            RoundStatus::BelowQuorum
+            AttemptEnd::failed(AttemptFailure::BelowQuorum)
         };
-        self.rounds_closed += 1;
+        self.count_closed(status);
         Ok(RoundOutcome {
             round: open.round,
+            attempt: open.attempt,
             status,
             selected: open.selected.len(),
             participants,
@@ -541,6 +578,7 @@ mod tests {
                 train: TrainConfig::default(),
                 strategy,
                 server_lr: None,
+                failed_attempts: FailedAttemptPolicy::Skip,
             },
         )
         .unwrap()
@@ -570,7 +608,7 @@ mod tests {
         e.submit(ClientId(0), update(&a, 2)).unwrap();
         e.submit(ClientId(1), update(&b, 1)).unwrap();
         let out = e.close_round().unwrap();
-        assert_eq!(out.status, RoundStatus::Published);
+        assert_eq!(out.status, AttemptEnd::PUBLISHED);
         assert_eq!((out.participants, out.dropped, out.samples), (2, 0, 3));
         assert_eq!(e.global().values(), &[2.0, 4.0]);
         assert_eq!(e.rounds_closed(), 1);
@@ -584,9 +622,47 @@ mod tests {
         let a = ModelVector::from_flat(vec![1.0, 1.0]);
         e.submit(ClientId(0), update(&a, 5)).unwrap();
         let out = e.close_round().unwrap();
-        assert_eq!(out.status, RoundStatus::BelowQuorum);
+        assert_eq!(out.status, AttemptEnd::failed(AttemptFailure::BelowQuorum));
         assert_eq!(out.dropped, 2);
         assert_eq!(e.global().values(), &[0.0, 0.0]);
+    }
+
+    #[test]
+    fn a_round_below_quorum_runs_again_until_its_last_attempt_then_the_experiment_fails() {
+        let mut e = engine(3, 2, Strategy::FedAvg);
+        e.config.failed_attempts = FailedAttemptPolicy::Retry { max_attempts: 2 };
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let plan = e.open_round(&clients(3), &mut rng).unwrap();
+        assert_eq!((plan.task.round, plan.task.attempt), (1, 1));
+        let out = e.close_round().unwrap();
+        assert_eq!(
+            (out.round, out.attempt, out.status),
+            (1, 1, AttemptEnd::failed(AttemptFailure::BelowQuorum))
+        );
+        assert_eq!((e.rounds_closed(), e.attempt()), (0, 2));
+        // The second attempt publishes: the next round starts at its first attempt.
+        let plan = e.open_round(&clients(3), &mut rng).unwrap();
+        assert_eq!((plan.task.round, plan.task.attempt), (1, 2));
+        let a = ModelVector::from_flat(vec![1.0, 1.0]);
+        for client in &plan.selected[..2] {
+            e.submit(*client, update(&a, 1)).unwrap();
+        }
+        assert_eq!(e.close_round().unwrap().status, AttemptEnd::PUBLISHED);
+        assert_eq!((e.rounds_closed(), e.attempt()), (1, 1));
+        // Round 2 misses its quorum twice: the experiment fails and nothing opens.
+        for attempt in 1..=2 {
+            let plan = e.open_round(&clients(3), &mut rng).unwrap();
+            assert_eq!((plan.task.round, plan.task.attempt), (2, attempt));
+            e.close_round().unwrap();
+        }
+        assert!(e.experiment_failed());
+        assert_eq!(
+            e.open_round(&clients(3), &mut rng).unwrap_err(),
+            EngineError::ExperimentFailed {
+                round: 2,
+                attempts: 2
+            }
+        );
     }
 
     #[test]
@@ -719,6 +795,7 @@ mod tests {
                 train: TrainConfig::default(),
                 strategy: Strategy::FedAvg,
                 server_lr: None,
+                failed_attempts: FailedAttemptPolicy::Skip,
             },
         );
         assert!(matches!(bad, Err(EngineError::InvalidConfig(_))));

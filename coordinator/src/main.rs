@@ -431,7 +431,7 @@ fn run_simulate(args: SimulateArgs) -> ExitCode {
             "{prefix}accuracy {:.4} loss {:.4} participants {} dropped {}",
             r.test_accuracy, r.test_loss, r.participants, r.dropped
         );
-        if r.status != cohort_coordinator::engine::RoundStatus::Published {
+        if !r.status.published() {
             line.push_str(&format!(" ({})", r.status.as_str()));
         }
         if let Some(first) = reducer_line.take() {

@@ -101,6 +101,66 @@ impl std::str::FromStr for RoundStage {
     }
 }
 
+/// Why a round attempt failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum AttemptFailure {
+    /// Too few uploads when collection closed.
+    BelowQuorum,
+    /// Secure aggregation could not unmask the sum: too few shares of a secret, or a
+    /// share failed its check.
+    NotUnmasked,
+}
+
+/// How a closed round attempt ended: its last [`RoundStage`] (published or failed) and,
+/// when it failed, why. There is no other vocabulary for a round's outcome: a
+/// simulation's `metrics.csv` writes it as its `status` column ([`as_str`](Self::as_str)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AttemptEnd {
+    /// [`RoundStage::Published`] or [`RoundStage::Failed`].
+    pub stage: RoundStage,
+    /// Why it failed; `None` when published.
+    pub failure: Option<AttemptFailure>,
+}
+
+impl AttemptEnd {
+    /// The attempt published a new global model.
+    pub const PUBLISHED: AttemptEnd = AttemptEnd {
+        stage: RoundStage::Published,
+        failure: None,
+    };
+
+    /// The attempt failed, for this reason; the global model is unchanged.
+    pub fn failed(why: AttemptFailure) -> Self {
+        AttemptEnd {
+            stage: RoundStage::Failed,
+            failure: Some(why),
+        }
+    }
+
+    /// Whether the global model moved.
+    pub fn published(self) -> bool {
+        self.stage == RoundStage::Published
+    }
+
+    /// As written in metrics files: `published`, `below_quorum`, or `failed` (secure
+    /// aggregation could not unmask).
+    pub fn as_str(self) -> &'static str {
+        match self.failure {
+            None => "published",
+            Some(AttemptFailure::BelowQuorum) => "below_quorum",
+            Some(AttemptFailure::NotUnmasked) => "failed",
+        }
+    }
+}
+
+impl Serialize for AttemptEnd {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
 /// A selected client's part in a round attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -331,6 +391,144 @@ pub fn next_attempt(attempt: i64, max_attempts: u32) -> Option<i64> {
     (attempt < i64::from(max_attempts)).then_some(attempt + 1)
 }
 
+/// The fewest clients a round can open with, and how many it asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CohortSize {
+    /// Clients selected when that many are available.
+    pub wanted: usize,
+    /// Below this many available clients the round does not open (it waits, or a
+    /// simulation stops): the quorum, or more where secure aggregation needs more.
+    pub needed: usize,
+}
+
+/// Picks a round's cohort: `size.wanted` of the `available` clients (each counted once,
+/// whatever order they come in) uniformly without replacement, or all of them when
+/// fewer are available; `None` when fewer than `size.needed` are, so the round waits.
+/// Returns the cohort in ascending order.
+///
+/// Both drivers select with this rule; given the same generator state and the same
+/// clients (in any order) they pick the same cohort.
+pub fn select_cohort<T: Ord + Copy, R: rand::Rng + ?Sized>(
+    available: &[T],
+    size: CohortSize,
+    rng: &mut R,
+) -> Option<Vec<T>> {
+    let pool: Vec<T> = available
+        .iter()
+        .copied()
+        .collect::<std::collections::BTreeSet<T>>()
+        .into_iter()
+        .collect();
+    if pool.len() < size.needed.max(1) {
+        return None;
+    }
+    let k = size.wanted.clamp(1, pool.len());
+    let mut cohort: Vec<T> = rand::seq::index::sample(rng, pool.len(), k)
+        .into_iter()
+        .map(|i| pool[i])
+        .collect();
+    cohort.sort_unstable();
+    Some(cohort)
+}
+
+/// The seed of an attempt's selection when a deployment asks for reproducible cohorts
+/// (`cohort serve --selection-seed`): a mix of the deployment's seed, the round and the
+/// attempt, so the cohort does not depend on which replica or tick opens the attempt.
+pub fn selection_seed(seed: u64, round: i64, attempt: i64) -> u64 {
+    // SplitMix64's finaliser over the three: neighbouring rounds get unrelated seeds.
+    let mix = |mut z: u64| {
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    mix(mix(mix(seed) ^ round as u64) ^ attempt as u64)
+}
+
+/// How an attempt's collection stands: its selected clients, and how many of them
+/// uploaded, were dropped (revoked, or left a secure stage) or reported that their
+/// training failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Collection {
+    /// Clients selected.
+    pub selected: usize,
+    /// Uploads taken.
+    pub reported: usize,
+    /// Selected clients dropped before the close.
+    pub dropped: usize,
+    /// Selected clients that reported a failed training task.
+    pub failed: usize,
+}
+
+impl Collection {
+    /// Whether collection closes now: every selected client has uploaded, dropped or
+    /// failed (waiting longer would change nothing), or the deadline passed (`due`).
+    pub fn closes(&self, due: bool) -> bool {
+        due || self.reported + self.dropped + self.failed >= self.selected
+    }
+
+    /// What the close leads to, given the experiment's quorum.
+    pub fn outcome(&self, quorum: usize) -> CloseOutcome {
+        close_outcome(self.reported, quorum)
+    }
+}
+
+/// What closing a collection with `reported` uploads leads to: aggregation with a
+/// quorum (and at least one upload, since there is nothing to average otherwise), a
+/// failed attempt without.
+pub fn close_outcome(reported: usize, quorum: usize) -> CloseOutcome {
+    if reported >= quorum.max(1) {
+        CloseOutcome::Aggregate
+    } else {
+        CloseOutcome::BelowQuorum
+    }
+}
+
+/// What closing an attempt's collection leads to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CloseOutcome {
+    /// A quorum uploaded: the attempt aggregates (then publishes).
+    Aggregate,
+    /// Too few uploaded: the attempt fails (see [`after_failed_attempt`]).
+    BelowQuorum,
+}
+
+/// What a driver does once an attempt failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailedAttemptPolicy {
+    /// Run the round again as its next attempt, up to this many attempts; after the last
+    /// the experiment fails (`serve`, and the in-memory driver that mirrors it).
+    Retry {
+        /// Attempts per round (`max_round_attempts`).
+        max_attempts: u32,
+    },
+    /// Count the round as run with the model unchanged and go on with the next
+    /// (`cohort simulate`, whose rounds are a fixed budget of training steps).
+    Skip,
+}
+
+/// What follows a failed attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterFailure {
+    /// The same round again, as this attempt.
+    Retry(i64),
+    /// The next round (its first attempt), the model unchanged.
+    NextRound,
+    /// The experiment fails: its round failed every attempt.
+    FailExperiment,
+}
+
+/// The rule after a failed attempt (a missed quorum, an aggregation that failed every
+/// try, a secure round that could not unmask), for both drivers.
+pub fn after_failed_attempt(attempt: i64, policy: FailedAttemptPolicy) -> AfterFailure {
+    match policy {
+        FailedAttemptPolicy::Skip => AfterFailure::NextRound,
+        FailedAttemptPolicy::Retry { max_attempts } => match next_attempt(attempt, max_attempts) {
+            Some(next) => AfterFailure::Retry(next),
+            None => AfterFailure::FailExperiment,
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
@@ -379,6 +577,74 @@ mod tests {
         assert_eq!(next_attempt(2, 3), Some(3));
         assert_eq!(next_attempt(3, 3), None);
         assert_eq!(next_attempt(1, 1), None);
+    }
+
+    #[test]
+    fn collection_closes_when_everyone_is_accounted_for_or_at_the_deadline() {
+        let c = Collection {
+            selected: 4,
+            reported: 2,
+            dropped: 1,
+            failed: 0,
+        };
+        assert!(!c.closes(false));
+        assert!(c.closes(true));
+        assert!(Collection { failed: 1, ..c }.closes(false));
+        assert_eq!(c.outcome(2), CloseOutcome::Aggregate);
+        assert_eq!(c.outcome(3), CloseOutcome::BelowQuorum);
+        // A quorum of zero still needs one upload: there is nothing to average otherwise.
+        let none = Collection { reported: 0, ..c };
+        assert_eq!(none.outcome(0), CloseOutcome::BelowQuorum);
+    }
+
+    #[test]
+    fn a_failed_attempt_is_retried_skipped_or_ends_the_experiment() {
+        let retry = FailedAttemptPolicy::Retry { max_attempts: 2 };
+        assert_eq!(after_failed_attempt(1, retry), AfterFailure::Retry(2));
+        assert_eq!(after_failed_attempt(2, retry), AfterFailure::FailExperiment);
+        assert_eq!(
+            after_failed_attempt(1, FailedAttemptPolicy::Skip),
+            AfterFailure::NextRound
+        );
+    }
+
+    #[test]
+    fn selection_seeds_differ_between_rounds_and_attempts() {
+        let seeds: std::collections::BTreeSet<u64> = (1..=20)
+            .flat_map(|r| (1..=3).map(move |a| selection_seed(7, r, a)))
+            .collect();
+        assert_eq!(seeds.len(), 60);
+        assert_ne!(selection_seed(7, 1, 1), selection_seed(8, 1, 1));
+    }
+
+    proptest! {
+        /// A cohort is `wanted` distinct available clients (all when fewer), sorted;
+        /// none below `needed`; and the order the clients are offered in does not matter.
+        #[test]
+        fn a_cohort_is_a_sorted_sample_of_distinct_available_clients(
+            available in prop::collection::vec(0u32..40, 0..30),
+            wanted in 1usize..12,
+            needed in 0usize..12,
+            seed in any::<u64>(),
+        ) {
+            use rand::SeedableRng;
+            let size = CohortSize { wanted, needed };
+            let distinct: std::collections::BTreeSet<u32> = available.iter().copied().collect();
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            let cohort = select_cohort(&available, size, &mut rng);
+            let mut reversed: Vec<u32> = available.clone();
+            reversed.reverse();
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            prop_assert_eq!(&select_cohort(&reversed, size, &mut rng), &cohort);
+            match cohort {
+                None => prop_assert!(distinct.len() < needed.max(1)),
+                Some(cohort) => {
+                    prop_assert_eq!(cohort.len(), wanted.min(distinct.len()));
+                    prop_assert!(cohort.windows(2).all(|w| w[0] < w[1]));
+                    prop_assert!(cohort.iter().all(|c| distinct.contains(c)));
+                }
+            }
+        }
     }
 
     const STAGES: [RoundStage; 9] = [

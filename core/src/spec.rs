@@ -193,6 +193,25 @@ impl ExperimentSpec {
         ((self.clients_per_round as f64 * self.over_selection).ceil() as usize).max(1)
     }
 
+    /// How many clients a synchronous round asks for, and the fewest it opens with: the
+    /// quorum, or more where secure aggregation needs `t + 1` parties.
+    pub fn cohort_size(&self) -> crate::round::CohortSize {
+        let wanted = self.selected_per_round();
+        let needed = match &self.secure_aggregation {
+            Some(secure) => self.min_participants.max(secure.min_clients(wanted)),
+            None => self.min_participants,
+        };
+        crate::round::CohortSize { wanted, needed }
+    }
+
+    /// What a synchronous round does after a failed attempt: runs again, up to
+    /// `max_round_attempts`.
+    pub fn failed_attempt_policy(&self) -> crate::round::FailedAttemptPolicy {
+        crate::round::FailedAttemptPolicy::Retry {
+            max_attempts: self.max_round_attempts,
+        }
+    }
+
     /// Checks the spec as a whole: `Err` holds every problem, each tied to the field it
     /// is about (so that a form can show all of them next to their fields at once); its
     /// message is the first one's, which names the field.

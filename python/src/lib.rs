@@ -86,7 +86,7 @@ fn report_round(r: &RoundRecord, rounds: u32) {
     if let Some(e) = r.epsilon {
         line.push_str(&format!(" epsilon {e:.3}"));
     }
-    if r.status != cohort_coordinator::engine::RoundStatus::Published {
+    if !r.status.published() {
         line.push_str(&format!(" ({})", r.status.as_str()));
     }
     eprintln!("{line} {:.3}s", r.seconds);

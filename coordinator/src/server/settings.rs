@@ -115,6 +115,10 @@ pub struct ServeSettings {
     /// How long a replica holds a claimed job without renewing it; a job held by a
     /// replica that died is taken over this long after its last renewal.
     pub job_lease: std::time::Duration,
+    /// Draws every round's cohort from this seed (mixed with the round and attempt)
+    /// instead of the operating system's generator, so that a deployment's selections
+    /// can be replayed; `None` (the default) draws them unpredictably.
+    pub selection_seed: Option<u64>,
 }
 
 /// Why the settings cannot be used. Messages name the setting and, except for secrets,
@@ -281,6 +285,11 @@ pub struct ServeFlags {
     /// that died is taken over after this [env: COHORT_JOB_LEASE_SECONDS] [default: 120]
     #[arg(long, value_name = "SECS")]
     pub job_lease_seconds: Option<u64>,
+    /// Draw round cohorts from this seed, mixed with the round and attempt, so that a
+    /// deployment's selections can be replayed (and compared with `cohort simulate`);
+    /// by default they are unpredictable [env: COHORT_SELECTION_SEED]
+    #[arg(long, value_name = "SEED")]
+    pub selection_seed: Option<u64>,
 }
 
 /// `cohort serve`'s command line: an optional config file plus the flags.
@@ -318,6 +327,7 @@ struct Layer {
     sign_in_failure_rate: Option<u32>,
     trusted_proxies: Option<String>,
     job_lease_seconds: Option<u64>,
+    selection_seed: Option<u64>,
 }
 
 impl Layer {
@@ -344,6 +354,7 @@ impl Layer {
             sign_in_failure_rate: over.sign_in_failure_rate.or(self.sign_in_failure_rate),
             trusted_proxies: over.trusted_proxies.or(self.trusted_proxies),
             job_lease_seconds: over.job_lease_seconds.or(self.job_lease_seconds),
+            selection_seed: over.selection_seed.or(self.selection_seed),
         }
     }
 
@@ -442,6 +453,14 @@ impl Layer {
                     })
                 })
                 .transpose()?,
+            selection_seed: get("COHORT_SELECTION_SEED")
+                .map(|v| {
+                    v.parse().map_err(|_| SettingsError::InvalidEnv {
+                        var: "COHORT_SELECTION_SEED",
+                        message: format!("expected a whole number from 0 to 2^64 - 1, got `{v}`"),
+                    })
+                })
+                .transpose()?,
         })
     }
 
@@ -468,6 +487,7 @@ impl Layer {
             sign_in_failure_rate: flags.sign_in_failure_rate,
             trusted_proxies: flags.trusted_proxies,
             job_lease_seconds: flags.job_lease_seconds,
+            selection_seed: flags.selection_seed,
         }
     }
 }
@@ -578,6 +598,7 @@ impl ServeSettings {
             client_ca: layer.client_ca,
             trusted_proxies,
             job_lease: std::time::Duration::from_secs(job_lease_seconds),
+            selection_seed: layer.selection_seed,
             rate_limits: {
                 use super::rate_limit::{PerMinute, RateSettings};
                 let d = RateSettings::default();

@@ -42,7 +42,7 @@ use super::config::{ConfigError, SimulationConfig};
 use super::population::{ClientFailure, ClientTask, Population, TaskResult, malicious_clients};
 use super::record::{RoundRecord, SimulationResult};
 use super::straggler::Stragglers;
-use crate::engine::{ClientId, EngineError, RoundStatus};
+use crate::engine::{ClientId, EngineError};
 use crate::seeds::{Stream, derive_seed};
 
 /// A client's task between its start and its finish.
@@ -317,7 +317,7 @@ impl StepTally {
             selected: self.updates + self.dropped,
             train_loss: self.train_loss,
             samples: self.samples,
-            status: RoundStatus::Published,
+            status: cohort_core::round::AttemptEnd::PUBLISHED,
             sim_seconds: now,
             epsilon: None,
             epsilon_coordinator: None,

@@ -5,7 +5,6 @@
 use serde::Serialize;
 
 use super::population::{ClientFailure, DataFacts};
-use crate::engine::RoundStatus;
 
 /// One row of `metrics.csv`: the state after a round.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -28,8 +27,8 @@ pub struct RoundRecord {
     pub train_loss: Option<f64>,
     /// Training samples behind the aggregate.
     pub samples: u64,
-    /// Whether the global model was updated.
-    pub status: RoundStatus,
+    /// Whether the global model was updated (`published`), or why not.
+    pub status: cohort_core::round::AttemptEnd,
     /// Simulated seconds from the start of the run to the end of this round, by the
     /// straggler model: a synchronous round lasts as long as its slowest reporting
     /// client; a FedBuff step happens when the update that fills the buffer arrives.

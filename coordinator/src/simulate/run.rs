@@ -19,7 +19,7 @@ use super::population::{
 use super::straggler::Stragglers;
 use crate::engine::{
     ClientId, ClientUpdate, EngineConfig, EngineError, RoundEngine, RoundOutcome, RoundPlan,
-    RoundStatus, SecureMean,
+    SecureMean,
 };
 use crate::seeds::{Stream, derive_seed, derive_seed_bytes};
 use cohort_aggregation::privacy::central::CentralSum;
@@ -231,6 +231,9 @@ pub fn run_rounds(
             train: cfg.train_config(),
             strategy: cfg.strategy,
             server_lr: cfg.server_lr.map(|lr| lr as f32),
+            // A simulation's rounds are a fixed budget: a round below quorum is counted
+            // with the model unchanged, and the next one runs.
+            failed_attempts: cohort_core::round::FailedAttemptPolicy::Skip,
         },
     )?;
     let reducer = cohort_aggregation::reduce::select(cfg.reducer)
@@ -427,7 +430,9 @@ fn private_round_step(
                 },
             )?;
             // A round that could not be unmasked released nothing.
-            let spent = (outcome.status == RoundStatus::Published)
+            let spent = outcome
+                .status
+                .published()
                 .then(|| sigma * (outcome.participants as f64 / plan.selected.len() as f64).sqrt());
             (outcome, spent)
         }

@@ -788,7 +788,13 @@ impl Store {
             .execute(&mut *tx)
             .await?
             .rows_affected() as i64;
-            let next = if reported >= quorum { "aggregating" } else { "failed" };
+            let next = match cohort_core::round::close_outcome(
+                usize::try_from(reported).unwrap_or(0),
+                usize::try_from(quorum).unwrap_or(usize::MAX),
+            ) {
+                cohort_core::round::CloseOutcome::Aggregate => "aggregating",
+                cohort_core::round::CloseOutcome::BelowQuorum => "failed",
+            };
             sqlx::query(
                 "UPDATE rounds SET stage = $1, dropped = dropped + $2, \
                  finished_at = CASE WHEN $1 = 'failed' THEN $3 ELSE NULL END \

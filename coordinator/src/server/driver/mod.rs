@@ -20,8 +20,8 @@ use cohort_aggregation::{ModelVector, WeightedMean, wire};
 use cohort_edge::model::ModelSpec;
 
 use cohort_core::SpecModel;
+use cohort_core::round::{AfterFailure, Collection, after_failed_attempt};
 use model::ExperimentModel;
-use rand::seq::index;
 use uuid::Uuid;
 
 use crate::server::AppState;
@@ -211,20 +211,31 @@ impl ModelStep {
 /// One pass: every running experiment takes its next step, then queued jobs run until
 /// none is left. `worker` names this coordinator in job leases.
 pub async fn tick(state: &AppState, worker: &str) -> Result<(), DriverError> {
+    tick_with(state, worker, now_millis).await
+}
+
+/// [`tick`] with the clock stopped at `now` (Unix ms) for the rounds' deadlines and the
+/// jobs' leases: a test drives time forward with it instead of sleeping through
+/// deadlines. (A running job's lease is still renewed on the wall clock.)
+pub async fn tick_at(state: &AppState, worker: &str, now: i64) -> Result<(), DriverError> {
+    tick_with(state, worker, || now).await
+}
+
+async fn tick_with(
+    state: &AppState,
+    worker: &str,
+    clock: impl Fn() -> i64,
+) -> Result<(), DriverError> {
     for exp in state.store.experiments().await? {
         if exp.state == ExperimentState::Running
-            && let Err(e) = step_experiment(state, &exp).await
+            && let Err(e) = step_experiment(state, &exp, clock()).await
         {
             tracing::warn!(experiment = %exp.id, error = %e, "experiment step failed");
         }
     }
     let lease = state.settings.job_lease;
     let lease_ms = lease.as_millis() as i64;
-    while let Some(job) = state
-        .store
-        .claim_job(worker, now_millis(), lease_ms)
-        .await?
-    {
+    while let Some(job) = state.store.claim_job(worker, clock(), lease_ms).await? {
         crate::fault::reached(crate::fault::FaultPoint::JobClaimed).await;
         let started = std::time::Instant::now();
         let outcome = {
@@ -258,7 +269,7 @@ pub async fn tick(state: &AppState, worker: &str) -> Result<(), DriverError> {
                 tracing::warn!(job = job.id, error = %e, "job failed");
                 state
                     .store
-                    .fail_job(job.id, worker, &e.to_string(), now_millis(), 1_000)
+                    .fail_job(job.id, worker, &e.to_string(), clock(), 1_000)
                     .await?;
             }
         }
@@ -303,10 +314,9 @@ async fn initial_model(
     }
 }
 
-async fn step_experiment(state: &AppState, exp: &Experiment) -> Result<(), DriverError> {
+async fn step_experiment(state: &AppState, exp: &Experiment, now: i64) -> Result<(), DriverError> {
     let store = &state.store;
     let (spec, model) = experiment_model(exp)?;
-    let now = now_millis();
     if store.latest_model(exp.id).await?.is_none() {
         let initial = initial_model(state, &spec, &model).await?;
         let path = model_blob(exp.id, 0);
@@ -347,14 +357,18 @@ async fn step_experiment(state: &AppState, exp: &Experiment) -> Result<(), Drive
             // A client whose trainer failed will not upload: waiting for it until the
             // deadline would only slow the round down.
             // Nor for a client revoked since the round opened (counted as dropped).
-            let failed = if round.reported + round.dropped < round.selected && !due {
-                store
-                    .task_failure_count(exp.id, round.round, round.attempt)
-                    .await?
-            } else {
-                0
+            let mut collection = Collection {
+                selected: round.selected as usize,
+                reported: round.reported as usize,
+                dropped: round.dropped as usize,
+                failed: 0,
             };
-            if round.reported + round.dropped + failed >= round.selected || due {
+            if !collection.closes(due) {
+                collection.failed = store
+                    .task_failure_count(exp.id, round.round, round.attempt)
+                    .await? as usize;
+            }
+            if collection.closes(due) {
                 close(state, exp, &spec, &round, now).await?;
             }
         }
@@ -372,9 +386,17 @@ async fn step_experiment(state: &AppState, exp: &Experiment) -> Result<(), Drive
             }
         }
         RoundStage::Failed => {
-            match cohort_core::round::next_attempt(round.attempt, spec.max_round_attempts) {
-                Some(attempt) => open(state, exp, &spec, round.round, attempt, now).await?,
-                None => set_state(state, exp.id, ExperimentState::Failed).await?,
+            match after_failed_attempt(round.attempt, spec.failed_attempt_policy()) {
+                AfterFailure::Retry(attempt) => {
+                    open(state, exp, &spec, round.round, attempt, now).await?
+                }
+                AfterFailure::NextRound if round.round >= i64::from(spec.rounds) => {
+                    set_state(state, exp.id, ExperimentState::Finished).await?
+                }
+                AfterFailure::NextRound => open(state, exp, &spec, round.round + 1, 1, now).await?,
+                AfterFailure::FailExperiment => {
+                    set_state(state, exp.id, ExperimentState::Failed).await?
+                }
             }
         }
     }
@@ -428,28 +450,24 @@ async fn open(
         .store
         .available_clients(now - AVAILABILITY_WINDOW_MS)
         .await?;
-    let wanted = spec.selected_per_round();
-    let needed = match &spec.secure_aggregation {
-        Some(secure) => spec.min_participants.max(secure.min_clients(wanted)),
-        None => spec.min_participants,
-    };
-    if available.len() < needed {
+    let size = spec.cohort_size();
+    if available.len() < size.needed {
         return Ok(());
     }
     if let Some(privacy) = &spec.privacy {
         let round = RoundToOpen {
             round,
             attempt,
-            needed,
+            needed: size.needed,
             now,
         };
         return open_private(state, exp, spec, privacy, &available, round).await;
     }
-    let k = wanted.clamp(1, available.len());
-    let selected: Vec<Uuid> = index::sample(&mut rand::rng(), available.len(), k)
-        .into_iter()
-        .map(|i| available[i])
-        .collect();
+    let mut rng = selection_rng(state, round, attempt);
+    let Some(selected) = cohort_core::round::select_cohort(&available, size, &mut rng) else {
+        return Ok(());
+    };
+    let k = selected.len();
     crate::fault::reached(crate::fault::FaultPoint::Selection).await;
     let opened = match &spec.secure_aggregation {
         Some(secure) => {
@@ -487,6 +505,19 @@ async fn open(
         }
     };
     opened_or_raced(opened)
+}
+
+/// The generator an attempt's cohort is drawn from: the operating system's, or one
+/// seeded from `--selection-seed` and the attempt, so that replicas and restarts draw
+/// the same cohort for it.
+fn selection_rng(state: &AppState, round: i64, attempt: i64) -> rand_chacha::ChaCha8Rng {
+    use rand::SeedableRng;
+    match state.settings.selection_seed {
+        Some(seed) => rand_chacha::ChaCha8Rng::seed_from_u64(cohort_core::round::selection_seed(
+            seed, round, attempt,
+        )),
+        None => rand_chacha::ChaCha8Rng::from_rng(&mut rand::rng()),
+    }
 }
 
 fn opened_or_raced(opened: Result<Round, StoreError>) -> Result<(), DriverError> {

@@ -14,6 +14,7 @@ use cohort_aggregation::secagg::{
     self, Confirmation, DirectoryEntry, GraphReveal, RoundConfig, SecAggError, ServerSession,
     ShareKeys, UnmaskShares, Unmasked,
 };
+use cohort_core::round::{CloseOutcome, close_outcome};
 use serde::Serialize;
 use utoipa::ToSchema;
 
@@ -397,7 +398,10 @@ pub async fn step(
             _ => session.close_collection().map(|_| ()),
         };
         match closed {
-            Ok(()) if round.stage == RoundStage::Collecting && p.masked < quorum => {
+            Ok(())
+                if round.stage == RoundStage::Collecting
+                    && close_outcome(p.masked, quorum) == CloseOutcome::BelowQuorum =>
+            {
                 SecureNext::Fail {
                     reason: format!("{} masked inputs, below the quorum of {quorum}", p.masked),
                 }
