@@ -17,6 +17,8 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+pub use super::error_code::ErrorCode;
+
 /// An error the API reports to its caller. The code is a stable `snake_case` string for
 /// programs; the message is for people.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -25,7 +27,7 @@ pub enum ApiError {
     #[error("{message}")]
     BadRequest {
         /// Stable code, e.g. `malformed_json`.
-        code: &'static str,
+        code: ErrorCode,
         /// What was wrong.
         message: String,
     },
@@ -44,8 +46,8 @@ pub enum ApiError {
     /// 409: the request conflicts with the current state.
     #[error("{message}")]
     Conflict {
-        /// Stable code, e.g. `conflict` or a more specific one.
-        code: &'static str,
+        /// Stable code, e.g. `deadline_passed`.
+        code: ErrorCode,
         /// What conflicts.
         message: String,
     },
@@ -59,7 +61,7 @@ pub enum ApiError {
     #[error("{message}")]
     UnprocessableEntity {
         /// Stable code, e.g. `invalid_body`.
-        code: &'static str,
+        code: ErrorCode,
         /// What is invalid, naming the field when known.
         message: String,
     },
@@ -111,7 +113,7 @@ const UNAVAILABLE_MESSAGE: &str =
 
 impl ApiError {
     /// A 400 with a specific code.
-    pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
+    pub fn bad_request(code: ErrorCode, message: impl Into<String>) -> Self {
         Self::BadRequest {
             code,
             message: message.into(),
@@ -119,7 +121,7 @@ impl ApiError {
     }
 
     /// A 409 with a specific code.
-    pub fn conflict(code: &'static str, message: impl Into<String>) -> Self {
+    pub fn conflict(code: ErrorCode, message: impl Into<String>) -> Self {
         Self::Conflict {
             code,
             message: message.into(),
@@ -127,7 +129,7 @@ impl ApiError {
     }
 
     /// A 422 with a specific code.
-    pub fn unprocessable(code: &'static str, message: impl Into<String>) -> Self {
+    pub fn unprocessable(code: ErrorCode, message: impl Into<String>) -> Self {
         Self::UnprocessableEntity {
             code,
             message: message.into(),
@@ -158,20 +160,20 @@ impl ApiError {
     }
 
     /// The stable code.
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         match self {
             ApiError::BadRequest { code, .. }
             | ApiError::Conflict { code, .. }
-            | ApiError::UnprocessableEntity { code, .. } => code,
-            ApiError::Unauthorized(_) => "unauthorized",
-            ApiError::Forbidden(_) => "forbidden",
-            ApiError::NotFound(_) => "not_found",
-            ApiError::MethodNotAllowed(_) => "method_not_allowed",
-            ApiError::PayloadTooLarge(_) => "payload_too_large",
-            ApiError::UnsupportedMediaType(_) => "unsupported_media_type",
-            ApiError::TooManyRequests { .. } => "rate_limited",
-            ApiError::Internal(_) => "internal",
-            ApiError::Unavailable { .. } => "unavailable",
+            | ApiError::UnprocessableEntity { code, .. } => *code,
+            ApiError::Unauthorized(_) => ErrorCode::Unauthorized,
+            ApiError::Forbidden(_) => ErrorCode::Forbidden,
+            ApiError::NotFound(_) => ErrorCode::NotFound,
+            ApiError::MethodNotAllowed(_) => ErrorCode::MethodNotAllowed,
+            ApiError::PayloadTooLarge(_) => ErrorCode::PayloadTooLarge,
+            ApiError::UnsupportedMediaType(_) => ErrorCode::UnsupportedMediaType,
+            ApiError::TooManyRequests { .. } => ErrorCode::RateLimited,
+            ApiError::Internal(_) => ErrorCode::Internal,
+            ApiError::Unavailable { .. } => ErrorCode::Unavailable,
         }
     }
 
@@ -197,7 +199,7 @@ impl ApiError {
     pub fn body(&self) -> ErrorBody {
         ErrorBody {
             error: ErrorDetail {
-                code: self.code().to_string(),
+                code: self.code().as_str().to_string(),
                 message: self.client_message().to_string(),
             },
         }
@@ -217,12 +219,13 @@ impl ApiError {
             StatusCode::FORBIDDEN => ApiError::Forbidden(message),
             StatusCode::NOT_FOUND => ApiError::NotFound(message),
             StatusCode::METHOD_NOT_ALLOWED => ApiError::MethodNotAllowed(message),
-            StatusCode::CONFLICT => ApiError::conflict("conflict", message),
+            // No layer answers 409 on its own: one that did would be a fault here.
+            StatusCode::CONFLICT => ApiError::Internal(message),
             StatusCode::PAYLOAD_TOO_LARGE => ApiError::PayloadTooLarge(message),
             StatusCode::UNSUPPORTED_MEDIA_TYPE => ApiError::UnsupportedMediaType(message),
-            StatusCode::UNPROCESSABLE_ENTITY => ApiError::unprocessable("invalid_body", message),
+            StatusCode::UNPROCESSABLE_ENTITY => ApiError::unprocessable(ErrorCode::InvalidBody, message),
             s if s.is_server_error() => ApiError::Internal(message),
-            _ => ApiError::bad_request("bad_request", message),
+            _ => ApiError::bad_request(ErrorCode::BadRequest, message),
         }
     }
 }
@@ -266,10 +269,10 @@ impl From<JsonRejection> for ApiError {
     fn from(rejection: JsonRejection) -> Self {
         match rejection {
             JsonRejection::JsonDataError(e) => {
-                ApiError::unprocessable("invalid_body", e.body_text())
+                ApiError::unprocessable(ErrorCode::InvalidBody, e.body_text())
             }
             JsonRejection::JsonSyntaxError(e) => {
-                ApiError::bad_request("malformed_json", e.body_text())
+                ApiError::bad_request(ErrorCode::MalformedJson, e.body_text())
             }
             JsonRejection::MissingJsonContentType(_) => {
                 ApiError::UnsupportedMediaType("expected `Content-Type: application/json`".into())
@@ -280,10 +283,10 @@ impl From<JsonRejection> for ApiError {
                         "request body is larger than the server accepts".into(),
                     )
                 } else {
-                    ApiError::bad_request("unreadable_body", e.body_text())
+                    ApiError::bad_request(ErrorCode::UnreadableBody, e.body_text())
                 }
             }
-            other => ApiError::bad_request("bad_request", other.body_text()),
+            other => ApiError::bad_request(ErrorCode::BadRequest, other.body_text()),
         }
     }
 }

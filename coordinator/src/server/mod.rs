@@ -17,6 +17,7 @@ pub mod auth;
 pub mod dashboard;
 pub mod driver;
 pub mod error;
+pub mod error_code;
 pub mod fd_limit;
 pub mod http;
 pub mod privacy;

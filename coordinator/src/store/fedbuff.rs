@@ -322,7 +322,7 @@ impl Store {
             let mut tx = p.begin_write().await?;
             let state = experiment_state_for_update!(tx, lock, &exp, experiment_id);
             if state != "running" {
-                return Err(StoreError::Conflict(format!(
+                return Err(StoreError::conflict(super::ConflictKind::ExperimentNotRunning, format!(
                     "experiment {experiment_id} is {state}, not running"
                 )));
             }
@@ -333,7 +333,7 @@ impl Store {
             .fetch_one(&mut *tx)
             .await?;
             if open > 0 {
-                return Err(StoreError::Conflict(format!(
+                return Err(StoreError::conflict(super::ConflictKind::RoundInProgress, format!(
                     "experiment {experiment_id} already has a buffer open"
                 )));
             }
@@ -523,7 +523,7 @@ impl Store {
         now: i64,
     ) -> Result<Buffered, StoreError> {
         if rules.buffer_size < 1 || rules.job_attempts < 1 {
-            return Err(StoreError::Conflict(format!(
+            return Err(StoreError::conflict(super::ConflictKind::InvalidArgument, format!(
                 "a buffer needs at least one update and a job one attempt, got {} and {}",
                 rules.buffer_size, rules.job_attempts
             )));
@@ -538,7 +538,7 @@ impl Store {
             // A paused experiment still takes the updates of the tasks it handed out; a
             // stopped or finished one takes nothing more.
             if state != "running" && state != "paused" {
-                return Err(StoreError::Conflict(format!(
+                return Err(StoreError::conflict(super::ConflictKind::ExperimentNotRunning, format!(
                     "experiment {experiment_id} is {state}: it takes no more updates"
                 )));
             }
@@ -577,7 +577,7 @@ impl Store {
             .fetch_optional(&mut *tx)
             .await?;
             let Some((buffer, reported)) = buffer else {
-                return Err(StoreError::Conflict(format!(
+                return Err(StoreError::conflict(super::ConflictKind::NoBufferOpen, format!(
                     "experiment {experiment_id} has no buffer open: it has taken its last \
                      server step or has not started"
                 )));

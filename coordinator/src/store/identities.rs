@@ -49,7 +49,7 @@ impl Store {
                 return if key.as_slice() == public_key.as_slice() {
                     Ok(Registered::Unchanged)
                 } else {
-                    Err(StoreError::Conflict(format!(
+                    Err(StoreError::conflict(super::ConflictKind::IdentityConflict, format!(
                         "client {client} has another identity registered; an admin must reset it first"
                     )))
                 };

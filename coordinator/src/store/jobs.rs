@@ -174,7 +174,7 @@ impl Store {
         max_attempts: i64,
     ) -> Result<Job, StoreError> {
         if max_attempts < 1 {
-            return Err(StoreError::Conflict(format!(
+            return Err(StoreError::conflict(super::ConflictKind::InvalidArgument, format!(
                 "a job needs at least one attempt, got {max_attempts}"
             )));
         }
@@ -246,7 +246,7 @@ impl Store {
             .rows_affected()
         });
         if renewed == 0 {
-            return Err(StoreError::Conflict(format!(
+            return Err(StoreError::conflict(super::ConflictKind::JobNotHeld, format!(
                 "job {id} is not held by {worker}"
             )));
         }
@@ -271,7 +271,7 @@ impl Store {
             .fetch_optional(&mut *tx)
             .await?;
             let Some((kind, experiment, round)) = done else {
-                return Err(StoreError::Conflict(format!("job {id} is not held by {worker}")));
+                return Err(StoreError::conflict(super::ConflictKind::JobNotHeld, format!("job {id} is not held by {worker}")));
             };
             audit!(tx, now, worker, "job.done", experiment.as_str(), format!("job {id}: {kind} of round {round}"));
             tx.commit().await?;
@@ -306,7 +306,7 @@ impl Store {
             .bind(worker)
             .fetch_optional(p)
             .await?;
-            row.ok_or_else(|| StoreError::Conflict(format!("job {id} is not held by {worker}")))
+            row.ok_or_else(|| StoreError::conflict(super::ConflictKind::JobNotHeld, format!("job {id} is not held by {worker}")))
                 .and_then(Job::from_row)
         })
     }

@@ -67,9 +67,9 @@ pub enum StoreError {
     /// The row asked for does not exist.
     #[error("{0} not found")]
     NotFound(String),
-    /// The change conflicts with the row's current state.
+    /// The change conflicts with the row's current state; the kind says how.
     #[error("{0}")]
-    Conflict(String),
+    Conflict(Conflict),
     /// A stored value could not be read back (a bug or a hand-edited database).
     #[error("corrupt stored value: {0}")]
     Corrupt(String),
@@ -79,6 +79,77 @@ pub enum StoreError {
     /// Applying migrations failed.
     #[error("migration failed: {0}")]
     Migration(#[from] sqlx::migrate::MigrateError),
+}
+
+/// A change the store refused because of the row's current state: what kind of clash it
+/// is (for the API to give each its own code) and a message naming the rows.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct Conflict {
+    /// What kind of clash.
+    pub kind: ConflictKind,
+    /// What clashed, for people.
+    pub message: String,
+}
+
+impl std::ops::Deref for Conflict {
+    type Target = str;
+
+    /// The message: a conflict reads as what it says.
+    fn deref(&self) -> &str {
+        &self.message
+    }
+}
+
+/// The kinds of [`Conflict`]. Those a request can meet reach the API, each as its own
+/// error code; the rest only the driver meets (a race it lost, which it skips).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConflictKind {
+    /// The experiment's state does not allow the change (start a finished experiment,
+    /// resume one that is not paused).
+    InvalidTransition,
+    /// Another change to the same experiment won the race; the caller may retry.
+    ConcurrentChange,
+    /// The experiment is not running, so it takes no rounds or updates.
+    ExperimentNotRunning,
+    /// FedBuff: no buffer is open (the last server step was taken, or none yet).
+    NoBufferOpen,
+    /// A round or buffer is already in progress (the driver lost a race to open one).
+    RoundInProgress,
+    /// The round moved on from the stage the change was for (the driver lost a race).
+    StageMoved,
+    /// A secure aggregation message for a round that does not run it.
+    NotSecure,
+    /// A secure aggregation message for a stage the round is not in.
+    WrongStage,
+    /// A secure aggregation message after its stage's deadline.
+    StageDeadlinePassed,
+    /// A secure aggregation message from a client not selected for the round.
+    NotSelected,
+    /// A client's second message of one stage.
+    AlreadySent,
+    /// A message from a client the round went on without (it missed a stage).
+    NotAtStage,
+    /// An enrolment token already used or revoked.
+    TokenSpent,
+    /// A client already revoked.
+    AlreadyRevoked,
+    /// A client that has another identity registered.
+    IdentityConflict,
+    /// A job this worker does not hold (its lease ran out and another took it).
+    JobNotHeld,
+    /// An argument no caller should pass (a job with no attempts).
+    InvalidArgument,
+}
+
+impl StoreError {
+    /// A [`StoreError::Conflict`] of `kind`.
+    pub fn conflict(kind: ConflictKind, message: impl Into<String>) -> Self {
+        StoreError::Conflict(Conflict {
+            kind,
+            message: message.into(),
+        })
+    }
 }
 
 /// Which database engine a store runs on.
@@ -484,7 +555,7 @@ impl Store {
                 .ok_or_else(|| StoreError::NotFound(format!("experiment {id}")))?;
             let from = ExperimentState::parse(&state)?;
             if !to.allowed_from().contains(&from) {
-                return Err(StoreError::Conflict(format!(
+                return Err(StoreError::conflict(ConflictKind::InvalidTransition, format!(
                     "experiment {id} is {} and cannot become {}",
                     from.as_str(),
                     to.as_str()
@@ -502,7 +573,7 @@ impl Store {
             .execute(&mut *tx)
             .await?;
             if done.rows_affected() != 1 {
-                return Err(StoreError::Conflict(format!(
+                return Err(StoreError::conflict(ConflictKind::ConcurrentChange, format!(
                     "experiment {id} changed state concurrently"
                 )));
             }

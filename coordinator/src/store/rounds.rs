@@ -410,7 +410,7 @@ impl Store {
             let mut tx = p.begin_write().await?;
             let state = experiment_state_for_update!(tx, lock, &exp, experiment_id);
             if state != "running" {
-                return Err(StoreError::Conflict(format!(
+                return Err(StoreError::conflict(super::ConflictKind::ExperimentNotRunning, format!(
                     "experiment {experiment_id} is {state}, not running"
                 )));
             }
@@ -422,7 +422,7 @@ impl Store {
             .fetch_one(&mut *tx)
             .await?;
             if busy > 0 {
-                return Err(StoreError::Conflict(format!(
+                return Err(StoreError::conflict(super::ConflictKind::RoundInProgress, format!(
                     "experiment {experiment_id} already has a round in progress"
                 )));
             }
@@ -754,7 +754,7 @@ impl Store {
         now: i64,
     ) -> Result<Round, StoreError> {
         if job_attempts < 1 {
-            return Err(StoreError::Conflict(format!(
+            return Err(StoreError::conflict(super::ConflictKind::InvalidArgument, format!(
                 "a job needs at least one attempt, got {job_attempts}"
             )));
         }
@@ -774,7 +774,7 @@ impl Store {
             let (stage, reported) =
                 row.ok_or_else(|| StoreError::NotFound(format!("round {round} attempt {attempt}")))?;
             if stage != "collecting" {
-                return Err(StoreError::Conflict(format!(
+                return Err(StoreError::conflict(super::ConflictKind::StageMoved, format!(
                     "round {round} attempt {attempt} is {stage}, not collecting"
                 )));
             }
@@ -993,7 +993,7 @@ impl Store {
                 .execute(&mut *tx)
                 .await?;
                 if moved.rows_affected() != 1 {
-                    return Err(StoreError::Conflict(format!(
+                    return Err(StoreError::conflict(super::ConflictKind::StageMoved, format!(
                         "round {round} attempt {attempt} is not aggregating"
                     )));
                 }

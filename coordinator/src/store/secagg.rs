@@ -140,18 +140,18 @@ impl Store {
             let (stage, deadline, secagg) =
                 row.ok_or_else(|| StoreError::NotFound(format!("round {round} attempt {attempt}")))?;
             if secagg.is_none() {
-                return Err(StoreError::Conflict(format!(
+                return Err(StoreError::conflict(super::ConflictKind::NotSecure, format!(
                     "round {round} attempt {attempt} does not use secure aggregation"
                 )));
             }
             let wanted = kind.round_stage().as_str();
             if stage != wanted {
-                return Err(StoreError::Conflict(format!(
+                return Err(StoreError::conflict(super::ConflictKind::WrongStage, format!(
                     "round {round} attempt {attempt} is {stage}, not {wanted}"
                 )));
             }
             if deadline.is_some_and(|d| now > d) {
-                return Err(StoreError::Conflict(format!(
+                return Err(StoreError::conflict(super::ConflictKind::StageDeadlinePassed, format!(
                     "round {round} attempt {attempt} stopped {wanted} at its deadline"
                 )));
             }
@@ -166,18 +166,18 @@ impl Store {
             .fetch_optional(&mut *tx)
             .await?;
             let Some((state, progress)) = part else {
-                return Err(StoreError::Conflict(format!(
+                return Err(StoreError::conflict(super::ConflictKind::NotSelected, format!(
                     "client {client} is not selected for round {round}"
                 )));
             };
             if progress.as_deref() == Some(after) {
-                return Err(StoreError::Conflict(format!(
+                return Err(StoreError::conflict(super::ConflictKind::AlreadySent, format!(
                     "client {client} already sent its {} message in round {round}",
                     kind.as_str()
                 )));
             }
             if !before.contains(&progress.as_deref()) || state == "dropped" {
-                return Err(StoreError::Conflict(format!(
+                return Err(StoreError::conflict(super::ConflictKind::NotAtStage, format!(
                     "client {client} is not at the {} stage of round {round}",
                     kind.as_str()
                 )));
@@ -264,7 +264,7 @@ impl Store {
         if let SecureNext::Aggregate { job_attempts } = next
             && *job_attempts < 1
         {
-            return Err(StoreError::Conflict(format!(
+            return Err(StoreError::conflict(super::ConflictKind::InvalidArgument, format!(
                 "a job needs at least one attempt, got {job_attempts}"
             )));
         }
@@ -285,7 +285,7 @@ impl Store {
                 ("1 = 0", "", false)
             }
             other => {
-                return Err(StoreError::Conflict(format!(
+                return Err(StoreError::conflict(super::ConflictKind::StageMoved, format!(
                     "a secure round cannot advance from {}",
                     other.as_str()
                 )));
@@ -307,7 +307,7 @@ impl Store {
             let (stage, secagg) =
                 row.ok_or_else(|| StoreError::NotFound(format!("round {round} attempt {attempt}")))?;
             if secagg.is_none() || stage != from.as_str() {
-                return Err(StoreError::Conflict(format!(
+                return Err(StoreError::conflict(super::ConflictKind::StageMoved, format!(
                     "round {round} attempt {attempt} is {stage}, not a secure round {}",
                     from.as_str()
                 )));

@@ -157,7 +157,7 @@ impl Store {
                         .await?;
                 return Err(match exists {
                     None => StoreError::NotFound(format!("enrolment token {id}")),
-                    Some(_) => StoreError::Conflict(format!(
+                    Some(_) => StoreError::conflict(super::ConflictKind::TokenSpent, format!(
                         "enrolment token {id} is already used or revoked"
                     )),
                 });
@@ -297,7 +297,7 @@ impl Store {
                     .await?;
                 return Err(match exists {
                     None => StoreError::NotFound(format!("client {id}")),
-                    Some(_) => StoreError::Conflict(format!("client {id} is already revoked")),
+                    Some(_) => StoreError::conflict(super::ConflictKind::AlreadyRevoked, format!("client {id} is already revoked")),
                 });
             }
             // Out of the plain rounds it is in: the round stops waiting for an upload

@@ -131,7 +131,7 @@ impl From<crate::store::StoreError> for PageError {
         use crate::store::StoreError;
         match e {
             StoreError::NotFound(what) => PageError::NotFound(what),
-            StoreError::Conflict(why) => PageError::Conflict(why),
+            StoreError::Conflict(why) => PageError::Conflict(why.message),
             StoreError::TokenRefused(why) => PageError::Conflict(why.to_string()),
             other => PageError::internal(other),
         }

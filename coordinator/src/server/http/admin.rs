@@ -15,17 +15,24 @@ use uuid::Uuid;
 use super::extract::{current_model, octets, parse_id};
 use crate::server::AppState;
 use crate::server::auth::{generate_secret, hash_secret};
-use crate::server::error::{ApiError, ErrorBody, Json};
+use crate::server::error::{ApiError, ErrorBody, ErrorCode, Json};
 use crate::store::{
-    Client, EnrolmentToken, Experiment, ExperimentState, Job, Round, StoreError, now_millis,
+    Client, ConflictKind, EnrolmentToken, Experiment, ExperimentState, Job, Round, StoreError,
+    now_millis,
 };
 
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {
             StoreError::NotFound(what) => ApiError::NotFound(what),
-            StoreError::Conflict(message) => ApiError::conflict("conflict", message),
-            StoreError::Refused(refusal) => ApiError::conflict(refusal.code(), refusal.to_string()),
+            StoreError::Conflict(conflict) => match conflict_code(conflict.kind) {
+                Some(code) => ApiError::conflict(code, conflict.message),
+                // A race only the driver can meet reached a request: a fault here.
+                None => ApiError::internal(conflict.message),
+            },
+            StoreError::Refused(refusal) => {
+                ApiError::conflict(ErrorCode::from(&refusal), refusal.to_string())
+            }
             StoreError::TokenRefused(why) => ApiError::Unauthorized(why.to_string()),
             StoreError::Database(e) if database_unreachable(&e) => ApiError::Unavailable {
                 detail: e.to_string(),
@@ -34,6 +41,30 @@ impl From<StoreError> for ApiError {
             other => ApiError::internal(other),
         }
     }
+}
+
+/// The API's code for a store conflict a request can meet; `None` for those only the
+/// driver meets.
+fn conflict_code(kind: ConflictKind) -> Option<ErrorCode> {
+    Some(match kind {
+        ConflictKind::InvalidTransition => ErrorCode::InvalidTransition,
+        ConflictKind::ConcurrentChange => ErrorCode::ConcurrentChange,
+        ConflictKind::ExperimentNotRunning => ErrorCode::ExperimentNotRunning,
+        ConflictKind::NoBufferOpen => ErrorCode::NoBufferOpen,
+        ConflictKind::NotSecure => ErrorCode::NotSecure,
+        ConflictKind::WrongStage => ErrorCode::WrongStage,
+        ConflictKind::StageDeadlinePassed => ErrorCode::DeadlinePassed,
+        ConflictKind::NotSelected => ErrorCode::NotSelected,
+        ConflictKind::AlreadySent => ErrorCode::AlreadySent,
+        ConflictKind::NotAtStage => ErrorCode::NotInRound,
+        ConflictKind::TokenSpent => ErrorCode::TokenSpent,
+        ConflictKind::AlreadyRevoked => ErrorCode::AlreadyRevoked,
+        ConflictKind::IdentityConflict => ErrorCode::IdentityConflict,
+        ConflictKind::RoundInProgress
+        | ConflictKind::StageMoved
+        | ConflictKind::JobNotHeld
+        | ConflictKind::InvalidArgument => return None,
+    })
 }
 
 /// What a caller is told to wait while the database is unreachable: the pool
@@ -64,7 +95,7 @@ use cohort_core::{ExperimentSpec, InvalidSpec, TrainSettings};
 impl From<InvalidSpec> for ApiError {
     /// A spec that does not validate is a 422 naming the first problem's field.
     fn from(e: InvalidSpec) -> Self {
-        ApiError::unprocessable("invalid_experiment", e.to_string())
+        ApiError::unprocessable(ErrorCode::InvalidExperiment, e.to_string())
     }
 }
 
@@ -128,7 +159,7 @@ pub(crate) async fn resolve_initial_model(
         Ok(file) => file,
         Err(StoreError::NotFound(_)) => {
             return Err(ApiError::unprocessable(
-                "invalid_experiment",
+                ErrorCode::InvalidExperiment,
                 format!("initial_model: no uploaded model file {id}"),
             ));
         }
@@ -142,7 +173,7 @@ pub(crate) async fn resolve_initial_model(
             .map_err(ApiError::internal)?;
         if let Err(e) = crate::server::driver::model::reorder(&vector, built_in.layout()) {
             return Err(ApiError::unprocessable(
-                "invalid_experiment",
+                ErrorCode::InvalidExperiment,
                 format!("initial_model: not a {} model: {e}", spec.model),
             ));
         }
@@ -201,7 +232,7 @@ async fn start_experiment(
     let current = state.store.experiment(id_parsed).await?;
     if current.state != ExperimentState::Created {
         return Err(ApiError::conflict(
-            "conflict",
+            ErrorCode::InvalidTransition,
             format!(
                 "experiment {id} is {}; only a created experiment starts (use resume)",
                 current.state.as_str()
@@ -236,7 +267,7 @@ async fn resume_experiment(
     let current = state.store.experiment(id_parsed).await?;
     if current.state != ExperimentState::Paused {
         return Err(ApiError::conflict(
-            "conflict",
+            ErrorCode::InvalidTransition,
             format!("experiment {id} is {}, not paused", current.state.as_str()),
         ));
     }
@@ -606,14 +637,14 @@ async fn create_token(
 ) -> Result<(StatusCode, Json<IssuedEnrolmentToken>), ApiError> {
     if req.label.trim().is_empty() || req.label.len() > 200 {
         return Err(ApiError::unprocessable(
-            "invalid_token_request",
+            ErrorCode::InvalidTokenRequest,
             "label must be 1 to 200 characters",
         ));
     }
     let expires_at = match req.expires_in_seconds {
         Some(s) if s == 0 || s > MAX_TOKEN_LIFETIME_SECONDS => {
             return Err(ApiError::unprocessable(
-                "invalid_token_request",
+                ErrorCode::InvalidTokenRequest,
                 "expires_in_seconds must be between 1 and ten years",
             ));
         }

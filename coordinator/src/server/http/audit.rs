@@ -10,7 +10,7 @@ use axum::{Json, Router};
 use serde::Deserialize;
 
 use crate::server::AppState;
-use crate::server::error::{ApiError, ErrorBody};
+use crate::server::error::{ApiError, ErrorBody, ErrorCode};
 use crate::store::AuditEntry;
 
 /// Entries per page when `limit` is not given.
@@ -41,7 +41,7 @@ async fn list_audit(
     let limit = query.limit.unwrap_or(DEFAULT_AUDIT_PAGE);
     if !(1..=MAX_AUDIT_PAGE).contains(&limit) {
         return Err(ApiError::unprocessable(
-            "invalid_limit",
+            ErrorCode::InvalidLimit,
             format!("limit {limit}: must be between 1 and {MAX_AUDIT_PAGE}"),
         ));
     }

@@ -15,7 +15,7 @@ use cohort_edge::protocol::{CheckInReply, SecureTask, Task, TaskKind};
 use super::extract::{AuthenticatedClient, require_participant};
 use crate::server::AppState;
 use crate::server::auth::{generate_secret, hash_secret};
-use crate::server::error::{ApiError, ErrorBody, Json};
+use crate::server::error::{ApiError, ErrorBody, ErrorCode, Json};
 use crate::store::{StoreError, now_millis};
 
 /// Name of the client-credential security scheme in the OpenAPI document.
@@ -58,7 +58,7 @@ fn parse_identity(text: &str) -> Result<[u8; crate::store::IDENTITY_BYTES], ApiE
         .and_then(|b| b.try_into().ok())
         .ok_or_else(|| {
             ApiError::unprocessable(
-                "invalid_identity",
+                ErrorCode::InvalidIdentity,
                 "identity must be a 32-byte Ed25519 public key in unpadded base64url",
             )
         })
@@ -189,7 +189,7 @@ async fn register_identity(
     {
         Ok(r) => r,
         Err(StoreError::Conflict(m)) => {
-            return Err(ApiError::conflict("identity_conflict", m));
+            return Err(ApiError::conflict(ErrorCode::IdentityConflict, m.message));
         }
         Err(e) => return Err(e.into()),
     };
@@ -303,7 +303,7 @@ async fn checkin(
 ) -> Result<Json<CheckInReply>, ApiError> {
     if req.wait_seconds > MAX_CHECKIN_WAIT_SECONDS {
         return Err(ApiError::unprocessable(
-            "invalid_checkin",
+            ErrorCode::InvalidCheckin,
             format!("wait_seconds must be at most {MAX_CHECKIN_WAIT_SECONDS}"),
         ));
     }
@@ -389,7 +389,7 @@ async fn upload(
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
     state.limits.upload(client.id, peer)?;
     let axum::extract::Query(query) =
-        query.map_err(|e| ApiError::unprocessable("invalid_query", e.body_text()))?;
+        query.map_err(|e| ApiError::unprocessable(ErrorCode::InvalidQuery, e.body_text()))?;
     check_upload_request(&headers, &query)?;
     let id = crate::server::http::extract::parse_id(&id, "experiment")?;
     // A retry of an upload that was stored: the same answer, nothing counted again,
@@ -498,13 +498,13 @@ fn check_upload_request(
     }
     if query.num_samples.is_some_and(|n| n < 1) {
         return Err(ApiError::unprocessable(
-            "invalid_query",
+            ErrorCode::InvalidQuery,
             "num_samples must be at least 1",
         ));
     }
     if query.train_loss.is_some_and(|l| !l.is_finite()) {
         return Err(ApiError::unprocessable(
-            "invalid_query",
+            ErrorCode::InvalidQuery,
             "train_loss must be finite",
         ));
     }
@@ -517,7 +517,7 @@ fn expected_body(secure: bool, query: &UploadQuery, params: usize) -> Result<Bod
     Ok(if secure {
         if query.num_samples.is_some() || query.train_loss.is_some() {
             return Err(ApiError::unprocessable(
-                "invalid_query",
+                ErrorCode::InvalidQuery,
                 "a secure round's upload is the masked vector alone: its weight and loss \
                  travel masked inside it, so num_samples and train_loss must not be sent",
             ));
@@ -526,7 +526,7 @@ fn expected_body(secure: bool, query: &UploadQuery, params: usize) -> Result<Bod
     } else {
         if query.num_samples.is_none() {
             return Err(ApiError::unprocessable(
-                "invalid_query",
+                ErrorCode::InvalidQuery,
                 "num_samples is required: the number of samples behind the update",
             ));
         }
@@ -653,7 +653,7 @@ async fn receive_update(
     let mut body = body;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| {
-            ApiError::bad_request("unreadable_body", format!("reading the body failed: {e}"))
+            ApiError::bad_request(ErrorCode::UnreadableBody, format!("reading the body failed: {e}"))
         })?;
         let Ok(chunk) = frame.into_data() else {
             continue; // trailers carry nothing we use
@@ -693,7 +693,7 @@ async fn receive_update(
     }
     check
         .finish()
-        .map_err(|e| ApiError::unprocessable("invalid_update", e))?;
+        .map_err(|e| ApiError::unprocessable(ErrorCode::InvalidUpdate, e))?;
     tokio::task::spawn_blocking(move || {
         writer.write(&pending)?;
         writer.commit()

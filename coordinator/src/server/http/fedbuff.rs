@@ -12,7 +12,7 @@ use uuid::Uuid;
 use crate::server::AppState;
 use crate::server::driver;
 use crate::server::driver::fedbuff::buffer_rules;
-use crate::server::error::{ApiError, ErrorBody, Json};
+use crate::server::error::{ApiError, ErrorBody, ErrorCode, Json};
 use crate::store::{
     Buffered, Experiment, ExperimentState, FedBuffDrops, NewUpload, StepStats, Upload, now_millis,
 };
@@ -94,7 +94,7 @@ pub(super) async fn record_upload(
             staleness,
             max_staleness,
         } => Err(ApiError::conflict(
-            "too_stale",
+            ErrorCode::TooStale,
             format!(
                 "the update is {staleness} server steps stale, more than max_staleness \
                  ({max_staleness}); it was dropped"

@@ -24,7 +24,7 @@ use utoipa::{Modify, OpenApi, ToSchema};
 
 use crate::server::AppState;
 use crate::server::auth::parse_bearer;
-use crate::server::error::{ApiError, ErrorBody, ErrorDetail, Json};
+use crate::server::error::{ApiError, ErrorBody, ErrorCode, ErrorDetail, Json};
 
 /// Where the admin API is mounted; every path below it needs the admin token.
 pub const ADMIN_PREFIX: &str = "/api/v1/admin";
@@ -68,7 +68,39 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
         SecurityScheme::Http(scheme),
     );
     document_framework_answers(&mut doc);
+    document_error_codes(&mut doc);
     doc
+}
+
+/// Enumerates `ErrorBody.error.code` from [`ErrorCode::ALL`], each with its status and
+/// meaning, so that a generated client knows every code it can meet.
+fn document_error_codes(doc: &mut utoipa::openapi::OpenApi) {
+    use utoipa::openapi::RefOr;
+    use utoipa::openapi::schema::Schema;
+    let Some(RefOr::T(Schema::Object(detail))) = doc
+        .components
+        .as_mut()
+        .and_then(|c| c.schemas.get_mut("ErrorDetail"))
+    else {
+        return;
+    };
+    let Some(RefOr::T(Schema::Object(code))) = detail.properties.get_mut("code") else {
+        return;
+    };
+    code.enum_values = Some(
+        ErrorCode::ALL
+            .iter()
+            .map(|c| serde_json::Value::from(c.as_str()))
+            .collect(),
+    );
+    let table: Vec<String> = ErrorCode::ALL
+        .iter()
+        .map(|c| format!("- `{c}` ({}): {}", c.status().as_u16(), c.meaning()))
+        .collect();
+    code.description = Some(format!(
+        "Stable, machine-readable code: one per kind of refusal, with its HTTP status.\n\n{}",
+        table.join("\n")
+    ));
 }
 
 /// Documents, on every operation, the answers given before its handler runs or by the

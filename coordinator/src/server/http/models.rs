@@ -19,7 +19,7 @@ use uuid::Uuid;
 
 use crate::server::AppState;
 use crate::server::driver::model::model_file_blob;
-use crate::server::error::{ApiError, ErrorBody, Json};
+use crate::server::error::{ApiError, ErrorBody, ErrorCode, Json};
 use crate::server::http::extract::AuthenticatedClient;
 use crate::server::http::extract::parse_id;
 use crate::store::{ClientEvaluation, ModelFile, TaskFailure, now_millis};
@@ -49,7 +49,7 @@ async fn upload_model(
     body: axum::body::Body,
 ) -> Result<(StatusCode, Json<ModelFile>), ApiError> {
     let Query(query) =
-        query.map_err(|e| ApiError::unprocessable("invalid_query", e.body_text()))?;
+        query.map_err(|e| ApiError::unprocessable(ErrorCode::InvalidQuery, e.body_text()))?;
     // A model file may be as large as the server takes (--max-body-bytes); the JSON
     // routes' smaller default limit does not apply to it.
     let limit = state.settings.max_body_bytes;
@@ -83,7 +83,7 @@ pub(crate) async fn store_model_file(
 ) -> Result<ModelFile, ApiError> {
     if name.trim().is_empty() || name.len() > 200 {
         return Err(ApiError::unprocessable(
-            "invalid_model",
+            ErrorCode::InvalidModel,
             "name must be 1 to 200 characters",
         ));
     }
@@ -96,10 +96,10 @@ pub(crate) async fn store_model_file(
     })
     .await
     .map_err(ApiError::internal)?
-    .map_err(|e| ApiError::unprocessable("invalid_model", format!("model file: {e}")))?;
+    .map_err(|e| ApiError::unprocessable(ErrorCode::InvalidModel, format!("model file: {e}")))?;
     if vector.len() > cohort_edge::model::MAX_PARAMETERS {
         return Err(ApiError::unprocessable(
-            "invalid_model",
+            ErrorCode::InvalidModel,
             format!(
                 "model file: {} parameters, more than the {} supported",
                 vector.len(),
@@ -270,21 +270,21 @@ async fn report_evaluation(
         (Some(_), None) if report.metrics.is_empty() => 0,
         (Some(_), _) => {
             return Err(ApiError::unprocessable(
-                "invalid_evaluation",
+                ErrorCode::InvalidEvaluation,
                 "a report that withholds its metrics carries none: no num_examples, no metrics",
             ));
         }
         (None, Some(n)) if n >= 1 => n,
         (None, _) => {
             return Err(ApiError::unprocessable(
-                "invalid_evaluation",
+                ErrorCode::InvalidEvaluation,
                 "num_examples must be at least 1",
             ));
         }
     };
     if report.metrics.len() > MAX_METRICS {
         return Err(ApiError::unprocessable(
-            "invalid_evaluation",
+            ErrorCode::InvalidEvaluation,
             format!("at most {MAX_METRICS} metrics"),
         ));
     }
@@ -294,7 +294,7 @@ async fn report_evaluation(
         .find(|(n, v)| !valid_metric_name(n) || !v.is_finite())
     {
         return Err(ApiError::unprocessable(
-            "invalid_evaluation",
+            ErrorCode::InvalidEvaluation,
             format!(
                 "metric `{}` = {value}: names are 1 to 64 letters, digits, `_`, `.` or `-`, values finite",
                 name.chars().take(80).collect::<String>()
@@ -304,12 +304,12 @@ async fn report_evaluation(
     let exp = state.store.experiment(id).await?;
     let spec = crate::server::driver::experiment_spec(&exp).map_err(ApiError::internal)?;
     if let Some(why) = spec.evaluation_refusal() {
-        return Err(ApiError::conflict("evaluations_not_taken", why));
+        return Err(ApiError::conflict(ErrorCode::EvaluationsNotTaken, why));
     }
     let current = state.store.latest_model(id).await?.map_or(-1, |m| m.round);
     if report.model_version < 0 || report.model_version > current {
         return Err(ApiError::unprocessable(
-            "invalid_evaluation",
+            ErrorCode::InvalidEvaluation,
             format!(
                 "model_version must be a published version, 0 to {current}, got {}",
                 report.model_version
@@ -364,7 +364,7 @@ async fn report_failure(
     let id = parse_id(&id, "experiment")?;
     if report.reason.trim().is_empty() {
         return Err(ApiError::unprocessable(
-            "invalid_failure",
+            ErrorCode::InvalidFailure,
             "reason must not be empty",
         ));
     }

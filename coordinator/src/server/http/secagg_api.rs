@@ -31,7 +31,7 @@ use uuid::Uuid;
 
 use crate::server::AppState;
 use crate::server::driver::secure_rounds::{SecureRoundError, round_config};
-use crate::server::error::{ApiError, ErrorBody, Json};
+use crate::server::error::{ApiError, ErrorBody, ErrorCode, Json};
 use crate::server::http::client_api::MAX_CHECKIN_WAIT_SECONDS;
 use crate::server::http::extract::AuthenticatedClient;
 use crate::server::secagg_snapshots::POLL_INTERVAL;
@@ -146,8 +146,8 @@ fn protocol_error(e: SecAggError) -> ApiError {
         | SecAggError::NotInRound(_)
         | SecAggError::Duplicate(_)
         | SecAggError::RoundFailed(_)
-        | SecAggError::Excluded(_) => ApiError::conflict("secagg_conflict", e.to_string()),
-        other => ApiError::unprocessable("invalid_message", other.to_string()),
+        | SecAggError::Excluded(_) => ApiError::conflict(ErrorCode::SecaggConflict, e.to_string()),
+        other => ApiError::unprocessable(ErrorCode::InvalidMessage, other.to_string()),
     }
 }
 
@@ -162,7 +162,7 @@ async fn view(
     let r = state.store.round(experiment, round, attempt).await?;
     let config = round_config(&r).map_err(round_error)?.ok_or_else(|| {
         ApiError::conflict(
-            "not_secure",
+            ErrorCode::NotSecure,
             format!("round {round} attempt {attempt} does not use secure aggregation"),
         )
     })?;
@@ -172,7 +172,7 @@ async fn view(
         .await?
         .ok_or_else(|| {
             ApiError::conflict(
-                "conflict",
+                ErrorCode::NotSelected,
                 format!("client {client} is not selected for round {round}"),
             )
         })?;
@@ -192,7 +192,7 @@ async fn view(
 fn check_wait(q: &WaitQuery) -> Result<Duration, ApiError> {
     if q.wait_seconds > MAX_CHECKIN_WAIT_SECONDS {
         return Err(ApiError::unprocessable(
-            "invalid_query",
+            ErrorCode::InvalidQuery,
             format!("wait_seconds must be at most {MAX_CHECKIN_WAIT_SECONDS}"),
         ));
     }
@@ -201,7 +201,7 @@ fn check_wait(q: &WaitQuery) -> Result<Duration, ApiError> {
 
 fn failed(round: &Round) -> ApiError {
     ApiError::conflict(
-        "round_failed",
+        ErrorCode::RoundFailed,
         format!(
             "round {} attempt {} failed: {}",
             round.round,
@@ -213,7 +213,7 @@ fn failed(round: &Round) -> ApiError {
 
 fn not_in_round(round: &Round, what: &str) -> ApiError {
     ApiError::conflict(
-        "not_in_round",
+        ErrorCode::NotInRound,
         format!(
             "round {} attempt {} went on without this client: it {what}",
             round.round, round.attempt
@@ -258,7 +258,7 @@ where
     F: FnOnce(ClientView) -> Fut,
     Fut: std::future::Future<Output = Result<T, ApiError>>,
 {
-    let Query(q) = query.map_err(|e| ApiError::unprocessable("invalid_query", e.body_text()))?;
+    let Query(q) = query.map_err(|e| ApiError::unprocessable(ErrorCode::InvalidQuery, e.body_text()))?;
     let wait = check_wait(&q)?;
     let until = tokio::time::Instant::now() + wait;
     let mut v = view(state, client.0.id, id, round, attempt).await?;
@@ -353,7 +353,7 @@ async fn take<M: Serialize>(
 fn require_stage(v: &ClientView, stage: RoundStage) -> Result<(), ApiError> {
     if v.me.secagg_stage.as_deref() == Some("excluded") {
         return Err(ApiError::conflict(
-            "excluded",
+            ErrorCode::Excluded,
             format!(
                 "this client was excluded from round {} attempt {} for revealing a forged share",
                 v.round.round, v.round.attempt
@@ -377,7 +377,7 @@ fn require_stage(v: &ClientView, stage: RoundStage) -> Result<(), ApiError> {
     };
     if done {
         return Err(ApiError::conflict(
-            "already_sent",
+            ErrorCode::AlreadySent,
             format!(
                 "this client already sent its {} message in round {} attempt {}",
                 stage.as_str(),
@@ -391,7 +391,7 @@ fn require_stage(v: &ClientView, stage: RoundStage) -> Result<(), ApiError> {
     }
     if v.round.stage != stage {
         return Err(ApiError::conflict(
-            "conflict",
+            ErrorCode::WrongStage,
             format!(
                 "round {} attempt {} is {}, not {}",
                 v.round.round,
@@ -427,7 +427,7 @@ async fn advertise(
         .await?
         .ok_or_else(|| {
             ApiError::conflict(
-                "no_identity",
+                ErrorCode::NoIdentity,
                 "this client has no registered identity to sign its keys with: register \
                  one (PUT /api/v1/clients/me/identity) before joining a secure round",
             )
@@ -755,7 +755,7 @@ async fn unmask(
             record(&state, &v, &client, SecAggMessageKind::Forged, body).await?;
             tracing::warn!(client = %client.0.id, round, attempt, error = %forged,
                 "client excluded from unmasking");
-            Err(ApiError::unprocessable("forged_share", forged.to_string()))
+            Err(ApiError::unprocessable(ErrorCode::ForgedShare, forged.to_string()))
         }
         Err(e) => Err(protocol_error(e)),
     }
