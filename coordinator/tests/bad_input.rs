@@ -153,6 +153,12 @@ struct State {
 struct Harness {
     base: String,
     client: reqwest::Client,
+    /// The dev CA's certificate (PEM), for a hand-made TLS connection.
+    ca: Vec<u8>,
+    /// The server's own state: its store, to take the database away from it.
+    server: cohort_coordinator::server::AppState,
+    /// Every error code a refused request got, for [`Harness::produced`].
+    seen: std::sync::Mutex<std::collections::BTreeSet<String>>,
     token: String,
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<Result<(), ServeError>>,
@@ -227,6 +233,7 @@ impl Harness {
             .build()
             .unwrap();
         let base = prepared.base_url();
+        let server = prepared.state().clone();
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             prepared
@@ -248,6 +255,9 @@ impl Harness {
         Some(Self {
             base,
             client,
+            ca,
+            server,
+            seen: Default::default(),
             token,
             stop: Some(stop),
             task,
@@ -288,11 +298,28 @@ impl Harness {
             .unwrap_or_else(|e| panic!("not the error shape ({e}): {text}"));
         assert_eq!(body.error.code, code, "{}", body.error.message);
         assert!(!body.error.message.is_empty());
+        self.saw(code);
         let after = self.state().await;
         assert!(
             before == after,
             "the refused request changed the database or the blobs:\nbefore {before:#?}\nafter {after:#?}"
         );
+    }
+
+    /// Notes that a case got `code`.
+    fn saw(&self, code: &str) {
+        self.seen.lock().unwrap().insert(code.to_string());
+    }
+
+    /// Checks that the case got every code it is listed with.
+    fn produced(&self, codes: &[&str]) {
+        let seen = self.seen.lock().unwrap();
+        for code in codes {
+            assert!(
+                seen.contains(*code),
+                "the case never got `{code}`: {seen:?}"
+            );
+        }
     }
 
     fn admin(&self, method: Method, path: &str) -> reqwest::RequestBuilder {
@@ -469,15 +496,21 @@ fn floats(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
-/// Writes each case once and runs it on both backends.
+/// Writes each case once and runs it on both backends; each case is listed with the
+/// error codes it must get, and [`every_documented_error_code_is_produced_by_a_case`]
+/// checks that together they get every code the API documents.
 macro_rules! on_both_backends {
-    ($($name:ident),* $(,)?) => {
+    ($($name:ident => [$($code:literal),* $(,)?]),* $(,)?) => {
+        /// Each case, with the codes it gets.
+        const CASES: &[(&str, &[&str])] = &[$((stringify!($name), &[$($code),*])),*];
+
         mod sqlite_backend {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
                     let h = super::Harness::start(super::Backend::Sqlite).await.unwrap();
                     super::$name(&h).await;
+                    h.produced(&[$($code),*]);
                     h.finish().await;
                 }
             )*
@@ -490,6 +523,7 @@ macro_rules! on_both_backends {
                         return;
                     };
                     super::$name(&h).await;
+                    h.produced(&[$($code),*]);
                     h.finish().await;
                 }
             )*
@@ -498,33 +532,88 @@ macro_rules! on_both_backends {
 }
 
 on_both_backends!(
-    malformed_json_is_400_and_enrols_nobody,
-    unknown_field_is_422_and_creates_no_experiment,
-    update_of_the_wrong_dimension_is_422,
-    non_finite_update_is_422,
-    update_not_sent_as_octets_is_415,
-    body_over_the_limit_is_413,
-    chunked_body_over_the_limit_is_413,
-    chunked_update_with_a_non_finite_value_is_422,
-    upload_from_a_client_not_selected_is_409,
-    upload_for_a_round_that_does_not_exist_is_404,
-    upload_after_collection_closed_is_409,
-    replayed_upload_is_409,
-    a_retried_upload_with_its_upload_id_is_recognised_not_counted_again,
-    missing_credential_is_401,
-    wrong_credential_is_401,
-    revoked_client_is_403,
-    used_enrolment_token_is_401,
-    secure_keys_that_are_not_valid_x25519_keys_are_422,
-    secure_message_for_another_stage_is_409,
-    secure_replayed_message_is_409_already_sent,
-    secure_message_from_a_client_not_selected_is_409,
-    secure_shares_for_the_wrong_neighbours_are_422,
-    secure_masked_input_of_the_wrong_length_or_with_a_weight_is_422,
-    secure_masked_input_from_a_client_that_did_not_share_is_409,
-    secure_unmask_with_shares_it_does_not_hold_is_422,
-    secure_unmask_with_a_forged_share_is_422_and_excludes_its_sender,
+    malformed_json_is_400_and_enrols_nobody => ["malformed_json"],
+    unknown_field_is_422_and_creates_no_experiment => ["invalid_body"],
+    update_of_the_wrong_dimension_is_422 => ["invalid_update"],
+    non_finite_update_is_422 => ["invalid_update"],
+    update_not_sent_as_octets_is_415 => ["unsupported_media_type"],
+    body_over_the_limit_is_413 => ["payload_too_large"],
+    chunked_body_over_the_limit_is_413 => ["payload_too_large"],
+    chunked_update_with_a_non_finite_value_is_422 => ["invalid_update"],
+    upload_from_a_client_not_selected_is_409 => ["not_selected"],
+    upload_for_a_round_that_does_not_exist_is_404 => ["not_found"],
+    upload_after_collection_closed_is_409 => ["round_not_collecting"],
+    upload_after_the_deadline_is_409_deadline_passed => ["deadline_passed"],
+    replayed_upload_is_409 => ["already_uploaded"],
+    a_retried_upload_with_its_upload_id_is_recognised_not_counted_again => ["already_uploaded"],
+    missing_credential_is_401 => ["unauthorized"],
+    wrong_credential_is_401 => ["unauthorized"],
+    revoked_client_is_403 => ["forbidden"],
+    used_enrolment_token_is_401 => ["unauthorized"],
+    requests_that_do_not_parse_are_400_or_405 => ["bad_request", "method_not_allowed"],
+    a_body_cut_short_is_400_unreadable_body => ["unreadable_body"],
+    admin_requests_out_of_range_are_422 => [
+        "invalid_experiment", "invalid_token_request", "invalid_limit", "invalid_model"
+    ],
+    admin_changes_the_state_does_not_allow_are_409 => [
+        "invalid_transition", "token_spent", "already_revoked"
+    ],
+    client_reports_out_of_range_are_422_or_409 => [
+        "invalid_checkin", "invalid_failure", "invalid_evaluation", "evaluations_not_taken",
+        "invalid_identity", "identity_conflict", "not_secure"
+    ],
+    fedbuff_uploads_the_buffer_cannot_take_are_409 => [
+        "too_stale", "dropped_from_round", "no_buffer_open", "experiment_not_running"
+    ],
+    a_fedbuff_upload_after_its_task_deadline_is_409_task_expired => ["task_expired"],
+    too_many_failed_authentications_are_429 => ["rate_limited"],
+    a_corrupt_stored_value_is_500_without_its_detail => ["internal"],
+    a_database_out_of_reach_is_503 => ["unavailable"],
+    secure_keys_that_are_not_valid_x25519_keys_are_422 => ["invalid_body", "invalid_message"],
+    secure_message_for_another_stage_is_409 => ["wrong_stage", "round_not_collecting"],
+    secure_replayed_message_is_409_already_sent => ["already_sent"],
+    secure_message_from_a_client_not_selected_is_409 => ["not_selected"],
+    secure_keys_without_a_registered_identity_are_409 => ["no_identity"],
+    secure_client_the_round_went_on_without_is_409 => ["not_in_round"],
+    secure_message_to_a_failed_round_is_409 => ["round_failed"],
+    secure_shares_for_the_wrong_neighbours_are_422 => ["invalid_message"],
+    secure_masked_input_of_the_wrong_length_or_with_a_weight_is_422 => [
+        "invalid_query", "invalid_update"
+    ],
+    secure_masked_input_from_a_client_that_did_not_share_is_409 => [
+        "not_selected", "round_not_collecting"
+    ],
+    secure_unmask_with_shares_it_does_not_hold_is_422 => ["invalid_message"],
+    secure_unmask_with_a_forged_share_is_422_and_excludes_its_sender => [
+        "forged_share", "excluded"
+    ],
 );
+
+/// Every code the OpenAPI document lists for `ErrorBody.error.code` is produced by at
+/// least one case above (each case checks it got its codes), and no case claims a code
+/// the document does not list.
+#[test]
+fn every_documented_error_code_is_produced_by_a_case() {
+    let doc = serde_json::to_value(cohort_coordinator::server::http::openapi()).unwrap();
+    let documented: std::collections::BTreeSet<String> =
+        doc["components"]["schemas"]["ErrorDetail"]["properties"]["code"]["enum"]
+            .as_array()
+            .expect("the document enumerates the error codes")
+            .iter()
+            .map(|c| c.as_str().unwrap().to_string())
+            .collect();
+    let produced: std::collections::BTreeSet<String> = CASES
+        .iter()
+        .flat_map(|(_, codes)| codes.iter().map(|c| c.to_string()))
+        .collect();
+    let missing: Vec<&String> = documented.difference(&produced).collect();
+    let unknown: Vec<&String> = produced.difference(&documented).collect();
+    assert!(
+        missing.is_empty(),
+        "documented, produced by no case: {missing:?}"
+    );
+    assert!(unknown.is_empty(), "produced, not documented: {unknown:?}");
+}
 
 /// A running secure experiment (SecAgg+, 3 clients, full graph, threshold 2) with all
 /// three clients selected, each with its protocol session, plus an outsider.
@@ -538,21 +627,27 @@ struct SecureRound {
 
 impl Harness {
     async fn secure_round(&self) -> SecureRound {
+        self.secure_round_with(60, 3).await
+    }
+
+    /// [`secure_round`](Self::secure_round) of `clients` clients whose advertising and
+    /// sharing stages close `stage_seconds` after they open.
+    async fn secure_round_with(&self, stage_seconds: u64, clients: usize) -> SecureRound {
         use cohort_aggregation::secagg::{ClientSession, RoundConfig};
-        let credentials = [
-            self.enrolled().await,
-            self.enrolled().await,
-            self.enrolled().await,
-        ];
+        let mut credentials = Vec::new();
+        for _ in 0..clients {
+            credentials.push(self.enrolled().await);
+        }
         let outsider = self.enrolled().await;
         for c in &credentials {
             self.checkin(c, 0).await;
         }
         let spec = serde_json::json!({
             "name": "secure", "features": 4, "classes": 2, "model": "logreg", "rounds": 1,
-            "clients_per_round": 3, "min_participants": 2, "collect_deadline_seconds": 60,
-            "secure_aggregation": {"threshold": 2, "neighbours": 2, "advertise_seconds": 60,
-                                   "share_seconds": 60, "unmask_seconds": 60}
+            "clients_per_round": clients, "min_participants": 2, "collect_deadline_seconds": 60,
+            "secure_aggregation": {"threshold": 2, "neighbours": 2,
+                                   "advertise_seconds": stage_seconds,
+                                   "share_seconds": stage_seconds, "unmask_seconds": 60}
         });
         let r = self
             .admin(Method::POST, "/experiments")
@@ -821,14 +916,14 @@ async fn secure_message_for_another_stage_is_409(h: &Harness) {
     h.refused(
         h.secagg(c, &round.task, "shares").json(&shares),
         StatusCode::CONFLICT,
-        "conflict",
+        "wrong_stage",
     )
     .await;
     let unmask = serde_json::json!({"seed_shares": [], "key_shares": []});
     h.refused(
         h.secagg(c, &round.task, "unmask").json(&unmask),
         StatusCode::CONFLICT,
-        "conflict",
+        "wrong_stage",
     )
     .await;
     // A masked input before collection.
@@ -888,7 +983,7 @@ async fn secure_message_from_a_client_not_selected_is_409(h: &Harness) {
     h.refused(
         h.secagg(&round.outsider, &round.task, "keys").json(&keys),
         StatusCode::CONFLICT,
-        "conflict",
+        "not_selected",
     )
     .await;
     let r = h
@@ -898,7 +993,7 @@ async fn secure_message_from_a_client_not_selected_is_409(h: &Harness) {
             round.task.experiment, round.task.round, round.task.attempt
         )))
         .bearer_auth(&round.outsider);
-    h.refused(r, StatusCode::CONFLICT, "conflict").await;
+    h.refused(r, StatusCode::CONFLICT, "not_selected").await;
 }
 
 async fn secure_shares_for_the_wrong_neighbours_are_422(h: &Harness) {
@@ -1042,6 +1137,7 @@ async fn secure_unmask_with_a_forged_share_is_422_and_excludes_its_sender(h: &Ha
     assert_eq!(r.status(), StatusCode::UNPROCESSABLE_ENTITY);
     let body: serde_json::Value = r.json().await.unwrap();
     assert_eq!(body["error"]["code"], "forged_share", "{body}");
+    h.saw("forged_share");
     let message = body["error"]["message"].as_str().unwrap();
     assert!(
         message.contains(&format!("of client {owner}'s secret")),
@@ -1429,6 +1525,590 @@ async fn used_enrolment_token_is_401(h: &Harness) {
         h.enrol(&serde_json::json!({"token": token})),
         StatusCode::UNAUTHORIZED,
         "unauthorized",
+    )
+    .await;
+}
+
+async fn upload_after_the_deadline_is_409_deadline_passed(h: &Harness) {
+    // A paused experiment's round is not closed by the driver, so it is still collecting
+    // after its deadline: an upload then is refused as late.
+    let round = h.collecting(2, 2).await;
+    let r = h
+        .admin(
+            Method::POST,
+            &format!("/experiments/{}/pause", round.task.experiment),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    h.refused(
+        h.upload(Some(&round.a), &round.task, floats(&[1.0; 10])),
+        StatusCode::CONFLICT,
+        "deadline_passed",
+    )
+    .await;
+}
+
+async fn requests_that_do_not_parse_are_400_or_405(h: &Harness) {
+    let credential = h.enrolled().await;
+    // A round number that is not a number.
+    h.refused(
+        h.client
+            .post(h.url(&format!(
+                "/api/v1/clients/experiments/{}/rounds/first/attempts/1/update",
+                uuid::Uuid::new_v4()
+            )))
+            .bearer_auth(&credential)
+            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+            .body(floats(&[1.0; 10])),
+        StatusCode::BAD_REQUEST,
+        "bad_request",
+    )
+    .await;
+    h.refused(
+        h.client.delete(h.url("/api/v1/health")),
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+    )
+    .await;
+}
+
+/// A body that ends before its declared length (the client's connection broke
+/// mid-upload): spoken by hand over TLS, since an HTTP client will not send one.
+async fn a_body_cut_short_is_400_unreadable_body(h: &Harness) {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, ServerName};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let _ = h.issue_token().await;
+    let before = h.state().await;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(&h.ca) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let config = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let address = h.base.trim_start_matches("https://").to_string();
+    let tcp = tokio::net::TcpStream::connect(&address).await.unwrap();
+    let host = address.rsplit_once(':').unwrap().0.to_string();
+    let mut tls = connector
+        .connect(ServerName::try_from(host).unwrap(), tcp)
+        .await
+        .unwrap();
+    let head = "POST /api/v1/clients/enrol HTTP/1.1\r\nHost: cohort\r\n\
+                Content-Type: application/json\r\nContent-Length: 200\r\n\r\n{\"token\": \"";
+    tls.write_all(head.as_bytes()).await.unwrap();
+    tls.flush().await.unwrap();
+    // No more bytes will come: the server reads the end of the stream mid-body.
+    tls.shutdown().await.unwrap();
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), tls.read_to_end(&mut answer)).await;
+    let answer = String::from_utf8_lossy(&answer).to_string();
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    let body = answer
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b)
+        .unwrap_or_default();
+    let body: ErrorBody = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {answer}"));
+    assert_eq!(body.error.code, "unreadable_body", "{answer}");
+    h.saw("unreadable_body");
+    assert!(
+        before == h.state().await,
+        "a body cut short changed nothing"
+    );
+}
+
+async fn admin_requests_out_of_range_are_422(h: &Harness) {
+    h.refused(
+        h.admin(Method::POST, "/experiments")
+            .json(&serde_json::json!({
+                "name": "no rounds", "features": 4, "classes": 2, "model": "logreg",
+                "rounds": 0, "clients_per_round": 2, "min_participants": 1
+            })),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_experiment",
+    )
+    .await;
+    h.refused(
+        h.admin(Method::POST, "/enrolment-tokens")
+            .json(&serde_json::json!({"label": " "})),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_token_request",
+    )
+    .await;
+    h.refused(
+        h.admin(Method::GET, "/audit?limit=0"),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_limit",
+    )
+    .await;
+    h.refused(
+        h.admin(Method::POST, "/models?name=weights")
+            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+            .body(b"not a safetensors file".to_vec()),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_model",
+    )
+    .await;
+}
+
+async fn admin_changes_the_state_does_not_allow_are_409(h: &Harness) {
+    let r = h
+        .admin(Method::POST, "/experiments")
+        .json(&serde_json::json!({
+            "name": "idle", "features": 4, "classes": 2, "model": "logreg", "rounds": 1,
+            "clients_per_round": 2, "min_participants": 1
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    let exp: serde_json::Value = r.json().await.unwrap();
+    h.refused(
+        h.admin(
+            Method::POST,
+            &format!("/experiments/{}/resume", exp["id"].as_str().unwrap()),
+        ),
+        StatusCode::CONFLICT,
+        "invalid_transition",
+    )
+    .await;
+    // A token that was used cannot be revoked.
+    let r = h
+        .admin(Method::POST, "/enrolment-tokens")
+        .json(&serde_json::json!({"label": "site"}))
+        .send()
+        .await
+        .unwrap();
+    let issued: serde_json::Value = r.json().await.unwrap();
+    let r = h
+        .enrol(&serde_json::json!({"token": issued["token"]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    let enrolled: serde_json::Value = r.json().await.unwrap();
+    h.refused(
+        h.admin(
+            Method::POST,
+            &format!(
+                "/enrolment-tokens/{}/revoke",
+                issued["id"].as_str().unwrap()
+            ),
+        ),
+        StatusCode::CONFLICT,
+        "token_spent",
+    )
+    .await;
+    let client = enrolled["client_id"].as_str().unwrap();
+    let r = h
+        .admin(Method::POST, &format!("/clients/{client}/revoke"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::NO_CONTENT);
+    h.refused(
+        h.admin(Method::POST, &format!("/clients/{client}/revoke")),
+        StatusCode::CONFLICT,
+        "already_revoked",
+    )
+    .await;
+}
+
+async fn client_reports_out_of_range_are_422_or_409(h: &Harness) {
+    let round = h.collecting(2, 30).await;
+    let t = &round.task;
+    h.refused(
+        h.client
+            .post(h.url("/api/v1/clients/checkin"))
+            .bearer_auth(&round.a)
+            .json(&serde_json::json!({"wait_seconds": 1_000_000})),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_checkin",
+    )
+    .await;
+    h.refused(
+        h.client
+            .post(h.url(&format!(
+                "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/failure",
+                t.experiment, t.round, t.attempt
+            )))
+            .bearer_auth(&round.a)
+            .json(&serde_json::json!({"reason": "  "})),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_failure",
+    )
+    .await;
+    let evaluation = |body: serde_json::Value| {
+        h.client
+            .post(h.url(&format!(
+                "/api/v1/clients/experiments/{}/evaluations",
+                t.experiment
+            )))
+            .bearer_auth(&round.a)
+            .json(&body)
+    };
+    h.refused(
+        evaluation(serde_json::json!({"model_version": 0})),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_evaluation",
+    )
+    .await;
+    // A built-in model is evaluated by the coordinator, not by its clients.
+    h.refused(
+        evaluation(serde_json::json!({"model_version": 0, "num_examples": 5})),
+        StatusCode::CONFLICT,
+        "evaluations_not_taken",
+    )
+    .await;
+    let identity = |body: serde_json::Value| {
+        h.client
+            .put(h.url("/api/v1/clients/me/identity"))
+            .bearer_auth(&round.a)
+            .json(&body)
+    };
+    h.refused(
+        identity(serde_json::json!({"identity": "c2hvcnQ"})),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_identity",
+    )
+    .await;
+    h.register_identity(
+        &round.a,
+        &cohort_aggregation::secagg::Identity::generate().unwrap(),
+    )
+    .await;
+    let other = cohort_aggregation::secagg::Identity::generate().unwrap();
+    let other = {
+        use base64::Engine;
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(other.public())
+    };
+    h.refused(
+        identity(serde_json::json!({"identity": other})),
+        StatusCode::CONFLICT,
+        "identity_conflict",
+    )
+    .await;
+    // A secure aggregation message for a plain round.
+    h.refused(
+        h.client
+            .get(h.url(&format!(
+                "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/secagg/roster",
+                t.experiment, t.round, t.attempt
+            )))
+            .bearer_auth(&round.a),
+        StatusCode::CONFLICT,
+        "not_secure",
+    )
+    .await;
+}
+
+/// A FedBuff experiment of one-update buffers, started, with `clients` enrolled and
+/// holding a task each: returns the experiment id and each client's task.
+async fn fedbuff_tasks(
+    h: &Harness,
+    rounds: u32,
+    deadline_seconds: u64,
+    max_staleness: Option<u32>,
+    clients: usize,
+) -> (String, Vec<(String, Task)>) {
+    let mut credentials = Vec::new();
+    for _ in 0..clients {
+        credentials.push(h.enrolled().await);
+    }
+    let mut spec = serde_json::json!({
+        "name": "buffered", "features": 4, "classes": 2, "model": "logreg",
+        "rounds": rounds, "clients_per_round": 1, "min_participants": 1,
+        "collect_deadline_seconds": deadline_seconds,
+        "mode": "fedbuff", "buffer_size": 1, "concurrency": clients
+    });
+    if let Some(max) = max_staleness {
+        spec["max_staleness"] = max.into();
+    }
+    let r = h
+        .admin(Method::POST, "/experiments")
+        .json(&spec)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.status(),
+        StatusCode::CREATED,
+        "{}",
+        r.text().await.unwrap()
+    );
+    let exp: serde_json::Value = r.json().await.unwrap();
+    let id = exp["id"].as_str().unwrap().to_string();
+    let r = h
+        .admin(Method::POST, &format!("/experiments/{id}/start"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let mut tasks = Vec::new();
+    for c in credentials {
+        let task = h.task_of(&c).await;
+        tasks.push((c, task));
+    }
+    (id, tasks)
+}
+
+async fn admin_action(h: &Harness, experiment: &str, action: &str) {
+    let r = h
+        .admin(Method::POST, &format!("/experiments/{experiment}/{action}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK, "{action}");
+}
+
+async fn fedbuff_uploads_the_buffer_cannot_take_are_409(h: &Harness) {
+    // Three steps, staleness 0 allowed: a, b and c train on version 0.
+    let (id, tasks) = fedbuff_tasks(h, 3, 60, Some(0), 3).await;
+    let [(a, ta), (b, tb), (c, tc)] = <[_; 3]>::try_from(tasks).unwrap();
+    // c reports that its trainer failed: its task is dropped, its update refused.
+    let r = h
+        .client
+        .post(h.url(&format!(
+            "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/failure",
+            tc.experiment, tc.round, tc.attempt
+        )))
+        .bearer_auth(&c)
+        .json(&serde_json::json!({"reason": "out of memory"}))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+    h.refused(
+        h.upload(Some(&c), &tc, floats(&[1.0; 10])),
+        StatusCode::CONFLICT,
+        "dropped_from_round",
+    )
+    .await;
+    // a fills buffer 1; b's update, on version 0, is now one step stale. (Its task is
+    // dropped and counted, so this refusal changes the database.)
+    h.upload_ok(&a, &ta).await;
+    let r = h
+        .upload(Some(&b), &tb, floats(&[1.0; 10]))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::CONFLICT);
+    let body: ErrorBody = r.json().await.unwrap();
+    assert_eq!(body.error.code, "too_stale", "{}", body.error.message);
+    h.saw("too_stale");
+    admin_action(h, &id, "stop").await;
+    // One step: a paused experiment still takes its tasks' updates, and stops stepping.
+    let (id, tasks) = fedbuff_tasks(h, 1, 60, None, 3).await;
+    let [(d, td), (e, te), (f, tf)] = <[_; 3]>::try_from(tasks).unwrap();
+    admin_action(h, &id, "pause").await;
+    // d fills the last buffer: no buffer is open for e's update.
+    h.upload_ok(&d, &td).await;
+    h.refused(
+        h.upload(Some(&e), &te, floats(&[1.0; 10])),
+        StatusCode::CONFLICT,
+        "no_buffer_open",
+    )
+    .await;
+    // A stopped experiment takes nothing more.
+    admin_action(h, &id, "stop").await;
+    h.refused(
+        h.upload(Some(&f), &tf, floats(&[1.0; 10])),
+        StatusCode::CONFLICT,
+        "experiment_not_running",
+    )
+    .await;
+}
+
+async fn a_fedbuff_upload_after_its_task_deadline_is_409_task_expired(h: &Harness) {
+    let (id, tasks) = fedbuff_tasks(h, 2, 1, None, 1).await;
+    // Paused, the driver does not sweep the late task away while the upload is checked.
+    admin_action(h, &id, "pause").await;
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let (a, ta) = &tasks[0];
+    h.refused(
+        h.upload(Some(a), ta, floats(&[1.0; 10])),
+        StatusCode::CONFLICT,
+        "task_expired",
+    )
+    .await;
+}
+
+async fn too_many_failed_authentications_are_429(h: &Harness) {
+    let wrong = || {
+        h.client
+            .get(h.url("/api/v1/clients/me"))
+            .bearer_auth("00000000-0000-0000-0000-000000000000.wrong")
+    };
+    let mut limited = false;
+    for _ in 0..1_000 {
+        if wrong().send().await.unwrap().status() == StatusCode::TOO_MANY_REQUESTS {
+            limited = true;
+            break;
+        }
+    }
+    assert!(limited, "failed authentications are limited");
+    h.refused(wrong(), StatusCode::TOO_MANY_REQUESTS, "rate_limited")
+        .await;
+}
+
+async fn a_corrupt_stored_value_is_500_without_its_detail(h: &Harness) {
+    let r = h
+        .admin(Method::POST, "/experiments")
+        .json(&serde_json::json!({
+            "name": "to corrupt", "features": 4, "classes": 2, "model": "logreg",
+            "rounds": 1, "clients_per_round": 2, "min_participants": 1
+        }))
+        .send()
+        .await
+        .unwrap();
+    let exp: serde_json::Value = r.json().await.unwrap();
+    let id = exp["id"].as_str().unwrap().to_string();
+    // A hand edit of the database: a state no version of Cohort writes.
+    let sql = "UPDATE experiments SET state = 'melted' WHERE id = $1";
+    match h.db.as_ref().unwrap() {
+        Db::Sqlite(_) => {
+            let options = SqliteConnectOptions::new().filename(h.dir.path().join("cohort.db"));
+            let pool = sqlx::SqlitePool::connect_with(options).await.unwrap();
+            sqlx::query(sql).bind(&id).execute(&pool).await.unwrap();
+            pool.close().await;
+        }
+        Db::Postgres { pool, .. } => {
+            sqlx::query(sql).bind(&id).execute(pool).await.unwrap();
+        }
+    }
+    let request = || h.admin(Method::GET, &format!("/experiments/{id}"));
+    h.refused(request(), StatusCode::INTERNAL_SERVER_ERROR, "internal")
+        .await;
+    let text = request().send().await.unwrap().text().await.unwrap();
+    assert!(
+        !text.contains("melted"),
+        "the detail stays in the log: {text}"
+    );
+}
+
+async fn a_database_out_of_reach_is_503(h: &Harness) {
+    // The server's own connections are closed under it, as when the database goes away.
+    h.server.store.close().await;
+    let r = h.admin(Method::GET, "/experiments").send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(r.headers().contains_key(reqwest::header::RETRY_AFTER));
+    h.refused(
+        h.admin(Method::GET, "/experiments"),
+        StatusCode::SERVICE_UNAVAILABLE,
+        "unavailable",
+    )
+    .await;
+}
+
+async fn secure_keys_without_a_registered_identity_are_409(h: &Harness) {
+    use cohort_aggregation::secagg::ClientSession;
+    let round = h.secure_round().await;
+    let (c, session) = &round.clients[0];
+    let id = c.split_once('.').unwrap().0;
+    let r = h
+        .admin(Method::DELETE, &format!("/clients/{id}/identity"))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+    let (_, keys) = ClientSession::new(
+        session.config().clone(),
+        session.index(),
+        &round.identities[0],
+        &mut rand::rng(),
+    )
+    .unwrap();
+    h.refused(
+        h.secagg(c, &round.task, "keys").json(&keys),
+        StatusCode::CONFLICT,
+        "no_identity",
+    )
+    .await;
+}
+
+/// Waits until the secure round's advertising stage has closed, as the first client
+/// sees it.
+async fn advertising_closed(h: &Harness, round: &SecureRound) -> serde_json::Value {
+    let r = h
+        .client
+        .get(h.url(&format!(
+            "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/secagg/roster?wait_seconds=10",
+            round.task.experiment, round.task.round, round.task.attempt
+        )))
+        .bearer_auth(&round.clients[0].0)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status();
+    let body: serde_json::Value = r.json().await.unwrap();
+    serde_json::json!({"status": status.as_u16(), "body": body})
+}
+
+async fn secure_client_the_round_went_on_without_is_409(h: &Harness) {
+    use cohort_aggregation::secagg::ClientSession;
+    let round = h.secure_round_with(2, 4).await;
+    // Three of the four advertise (enough to go on); the fourth misses the stage.
+    for ((c, session), identity) in round.clients.iter().zip(&round.identities).take(3) {
+        let (_, keys) = ClientSession::new(
+            session.config().clone(),
+            session.index(),
+            identity,
+            &mut rand::rng(),
+        )
+        .unwrap();
+        h.accepted(h.secagg(c, &round.task, "keys").json(&keys))
+            .await;
+    }
+    let closed = advertising_closed(h, &round).await;
+    assert_eq!(
+        closed["status"], 200,
+        "the round goes on with three: {closed}"
+    );
+    h.refused(
+        h.client
+            .get(h.url(&format!(
+                "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/secagg/roster",
+                round.task.experiment, round.task.round, round.task.attempt
+            )))
+            .bearer_auth(&round.clients[3].0),
+        StatusCode::CONFLICT,
+        "not_in_round",
+    )
+    .await;
+}
+
+async fn secure_message_to_a_failed_round_is_409(h: &Harness) {
+    use cohort_aggregation::secagg::ClientSession;
+    let round = h.secure_round_with(1, 3).await;
+    // Only one client advertises: too few for the threshold, the attempt fails.
+    let (c, session) = &round.clients[0];
+    let (_, keys) = ClientSession::new(
+        session.config().clone(),
+        session.index(),
+        &round.identities[0],
+        &mut rand::rng(),
+    )
+    .unwrap();
+    h.accepted(h.secagg(c, &round.task, "keys").json(&keys))
+        .await;
+    let closed = advertising_closed(h, &round).await;
+    assert_eq!(closed["status"], 409, "{closed}");
+    assert_eq!(closed["body"]["error"]["code"], "round_failed", "{closed}");
+    // The driver opens the next attempt; a message for the failed one is refused.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    h.refused(
+        h.client
+            .get(h.url(&format!(
+                "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/secagg/roster",
+                round.task.experiment, round.task.round, round.task.attempt
+            )))
+            .bearer_auth(c),
+        StatusCode::CONFLICT,
+        "round_failed",
     )
     .await;
 }

@@ -1228,7 +1228,7 @@ async fn admin_creates_lists_and_steers_an_experiment() {
                 let body: serde_json::Value = r.json().await.unwrap();
                 assert_eq!(body["state"], state, "{action}");
             }
-            None => assert_eq!(error_body(r).await.error.code, "conflict"),
+            None => assert_eq!(error_body(r).await.error.code, "invalid_transition"),
         }
     }
     for path in ["rounds", "jobs"] {

@@ -265,7 +265,10 @@ pub enum UploadRefusal {
         round: i64,
     },
     /// Secure rounds: the sender's key shares did not go out, so its masks could never
-    /// be removed.
+    /// be removed. The API reports it as `dropped_from_round`: closing the sharing stage
+    /// drops every client that did not share, in the transaction that opens collection,
+    /// so a request can only meet this rule's other half; it stays as the rule's own
+    /// check, not trusting the stage change to have done it.
     #[error("the client did not share keys in round {round}")]
     KeysNotShared {
         /// Round.
@@ -281,13 +284,12 @@ pub enum UploadRefusal {
 
 impl UploadRefusal {
     /// Every code an upload refusal can carry, as the API documents them.
-    pub const CODES: [&'static str; 7] = [
+    pub const CODES: [&'static str; 6] = [
         "round_not_collecting",
         "deadline_passed",
         "not_selected",
         "already_uploaded",
         "dropped_from_round",
-        "keys_not_shared",
         "task_expired",
     ];
 
@@ -299,7 +301,7 @@ impl UploadRefusal {
             UploadRefusal::NotSelected { .. } => "not_selected",
             UploadRefusal::AlreadyUploaded { .. } => "already_uploaded",
             UploadRefusal::Dropped { .. } => "dropped_from_round",
-            UploadRefusal::KeysNotShared { .. } => "keys_not_shared",
+            UploadRefusal::KeysNotShared { .. } => "dropped_from_round",
             UploadRefusal::TaskExpired { .. } => "task_expired",
         }
     }
@@ -689,8 +691,11 @@ mod tests {
             UploadRefusal::KeysNotShared { round: 1 },
             UploadRefusal::TaskExpired { round: 1 },
         ];
-        let codes: Vec<&str> = all.iter().map(UploadRefusal::code).collect();
-        assert_eq!(codes, UploadRefusal::CODES);
+        let codes: std::collections::BTreeSet<&str> = all.iter().map(UploadRefusal::code).collect();
+        let listed: std::collections::BTreeSet<&str> = UploadRefusal::CODES.into_iter().collect();
+        assert_eq!(codes, listed);
+        // One code per refusal, but for the one the API reports as a drop.
+        assert_eq!(codes.len(), all.len() - 1);
     }
 
     fn stage() -> impl Strategy<Value = RoundStage> {
@@ -740,7 +745,7 @@ mod tests {
                         None => "not_selected",
                         Some(ParticipationState::Uploaded) => "already_uploaded",
                         Some(ParticipationState::Dropped) => "dropped_from_round",
-                        Some(ParticipationState::Selected) => "keys_not_shared",
+                        Some(ParticipationState::Selected) => "dropped_from_round",
                     }
                 };
                 prop_assert_eq!(refusal.code(), expected);

@@ -44,8 +44,9 @@ TERMINAL_STATES = frozenset({"finished", "stopped", "failed"})
 
 _ADMIN = "/api/v1/admin"
 
-#: The code the coordinator gives each status when its body is not the usual JSON error
-#: (a proxy's page, say): the same as the coordinator's own (``error.rs``).
+#: The code given to each status when its body is not the coordinator's JSON error (a
+#: proxy's page, say): the coordinator's own where it has one code for the status
+#: (``error_code.rs``); a 409 from Cohort always says which conflict it is.
 _STATUS_CODES = {
     400: "bad_request",
     401: "unauthorized",

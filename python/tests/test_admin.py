@@ -77,7 +77,7 @@ def test_experiment_lifecycle(admin, serve):
     assert admin.start(exp_id)["state"] == "running"
     with pytest.raises(cohort.ApiError) as e:
         admin.start(exp_id)
-    assert (e.value.status, e.value.code) == (409, "conflict")
+    assert (e.value.status, e.value.code) == (409, "invalid_transition")
     assert "resume" in e.value.message
     assert_no_token(e.value, serve.token)
 
@@ -88,7 +88,7 @@ def test_experiment_lifecycle(admin, serve):
     assert admin.resume(exp_id)["state"] == "running"
     with pytest.raises(cohort.ApiError) as e:
         admin.resume(exp_id)
-    assert (e.value.status, e.value.code) == (409, "conflict")
+    assert (e.value.status, e.value.code) == (409, "invalid_transition")
 
     assert admin.stop(exp_id)["state"] == "stopped"
     assert admin.experiment(exp_id)["state"] == "stopped"
@@ -413,7 +413,7 @@ def test_a_run_watched_to_the_end_then_downloaded(admin, serve, tmp_path):
     assert revoked["revoked_at"] is not None
     with pytest.raises(cohort.ApiError) as e:
         admin.revoke_client(mine[0]["id"])
-    assert (e.value.status, e.value.code) == (409, "conflict")
+    assert (e.value.status, e.value.code) == (409, "already_revoked")
 
     # The audit log saw it all.
     assert admin.audit(limit=5)

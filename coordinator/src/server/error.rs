@@ -223,7 +223,9 @@ impl ApiError {
             StatusCode::CONFLICT => ApiError::Internal(message),
             StatusCode::PAYLOAD_TOO_LARGE => ApiError::PayloadTooLarge(message),
             StatusCode::UNSUPPORTED_MEDIA_TYPE => ApiError::UnsupportedMediaType(message),
-            StatusCode::UNPROCESSABLE_ENTITY => ApiError::unprocessable(ErrorCode::InvalidBody, message),
+            StatusCode::UNPROCESSABLE_ENTITY => {
+                ApiError::unprocessable(ErrorCode::InvalidBody, message)
+            }
             s if s.is_server_error() => ApiError::Internal(message),
             _ => ApiError::bad_request(ErrorCode::BadRequest, message),
         }

@@ -62,8 +62,6 @@ error_codes! {
         "The route exists, not with this method.";
     InvalidTransition = "invalid_transition", CONFLICT,
         "The experiment's state does not allow this change (start a running experiment, resume one that is not paused).";
-    ConcurrentChange = "concurrent_change", CONFLICT,
-        "Another change to the experiment won the race; read it again and retry.";
     ExperimentNotRunning = "experiment_not_running", CONFLICT,
         "The experiment is not running, so it takes no updates.";
     NoBufferOpen = "no_buffer_open", CONFLICT,
@@ -77,9 +75,7 @@ error_codes! {
     AlreadyUploaded = "already_uploaded", CONFLICT,
         "The client's update for this attempt is already stored.";
     DroppedFromRound = "dropped_from_round", CONFLICT,
-        "The client was dropped from the attempt (it missed a deadline or was revoked).";
-    KeysNotShared = "keys_not_shared", CONFLICT,
-        "Secure rounds: the client's key shares did not go out, so its masks could not be removed.";
+        "The client was dropped from the attempt: it missed a deadline or a secure stage (its key shares did not go out), reported a failed task, or was revoked.";
     TaskExpired = "task_expired", CONFLICT,
         "FedBuff: the client's task outlived its deadline.";
     TooStale = "too_stale", CONFLICT,
@@ -96,8 +92,6 @@ error_codes! {
         "The client was excluded from the secure round for revealing a forged share.";
     RoundFailed = "round_failed", CONFLICT,
         "The round attempt failed; the next attempt will be another round to join.";
-    SecaggConflict = "secagg_conflict", CONFLICT,
-        "The secure aggregation protocol refused the message in this state of the round.";
     NoIdentity = "no_identity", CONFLICT,
         "Secure rounds: the client registered no identity key to sign with.";
     IdentityConflict = "identity_conflict", CONFLICT,
@@ -154,7 +148,7 @@ impl From<&UploadRefusal> for ErrorCode {
             UploadRefusal::NotSelected { .. } => ErrorCode::NotSelected,
             UploadRefusal::AlreadyUploaded { .. } => ErrorCode::AlreadyUploaded,
             UploadRefusal::Dropped { .. } => ErrorCode::DroppedFromRound,
-            UploadRefusal::KeysNotShared { .. } => ErrorCode::KeysNotShared,
+            UploadRefusal::KeysNotShared { .. } => ErrorCode::DroppedFromRound,
             UploadRefusal::TaskExpired { .. } => ErrorCode::TaskExpired,
         }
     }
@@ -191,6 +185,26 @@ mod tests {
 
     #[test]
     fn every_upload_refusal_has_the_code_the_core_names() {
+        use cohort_core::round::RoundStage;
+        let all = [
+            UploadRefusal::NotCollecting {
+                round: 1,
+                attempt: 1,
+                stage: RoundStage::Sharing,
+            },
+            UploadRefusal::DeadlinePassed {
+                round: 1,
+                attempt: 1,
+            },
+            UploadRefusal::NotSelected { round: 1 },
+            UploadRefusal::AlreadyUploaded { round: 1 },
+            UploadRefusal::Dropped { round: 1 },
+            UploadRefusal::KeysNotShared { round: 1 },
+            UploadRefusal::TaskExpired { round: 1 },
+        ];
+        for refusal in &all {
+            assert_eq!(ErrorCode::from(refusal).as_str(), refusal.code());
+        }
         for code in UploadRefusal::CODES {
             assert!(
                 ErrorCode::ALL.iter().any(|c| c.as_str() == code),

@@ -523,10 +523,13 @@ impl Store {
         now: i64,
     ) -> Result<Buffered, StoreError> {
         if rules.buffer_size < 1 || rules.job_attempts < 1 {
-            return Err(StoreError::conflict(super::ConflictKind::InvalidArgument, format!(
-                "a buffer needs at least one update and a job one attempt, got {} and {}",
-                rules.buffer_size, rules.job_attempts
-            )));
+            return Err(StoreError::conflict(
+                super::ConflictKind::InvalidArgument,
+                format!(
+                    "a buffer needs at least one update and a job one attempt, got {} and {}",
+                    rules.buffer_size, rules.job_attempts
+                ),
+            ));
         }
         let exp = experiment_id.to_string();
         let client = upload.client_id.to_string();

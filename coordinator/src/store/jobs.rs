@@ -174,9 +174,10 @@ impl Store {
         max_attempts: i64,
     ) -> Result<Job, StoreError> {
         if max_attempts < 1 {
-            return Err(StoreError::conflict(super::ConflictKind::InvalidArgument, format!(
-                "a job needs at least one attempt, got {max_attempts}"
-            )));
+            return Err(StoreError::conflict(
+                super::ConflictKind::InvalidArgument,
+                format!("a job needs at least one attempt, got {max_attempts}"),
+            ));
         }
         let now = now_millis();
         with_pool!(self, p => {
@@ -246,9 +247,10 @@ impl Store {
             .rows_affected()
         });
         if renewed == 0 {
-            return Err(StoreError::conflict(super::ConflictKind::JobNotHeld, format!(
-                "job {id} is not held by {worker}"
-            )));
+            return Err(StoreError::conflict(
+                super::ConflictKind::JobNotHeld,
+                format!("job {id} is not held by {worker}"),
+            ));
         }
         Ok(())
     }

@@ -108,7 +108,8 @@ pub enum ConflictKind {
     /// The experiment's state does not allow the change (start a finished experiment,
     /// resume one that is not paused).
     InvalidTransition,
-    /// Another change to the same experiment won the race; the caller may retry.
+    /// Another change to the same experiment got in between (which the row lock rules
+    /// out; kept so that such a change is refused, never lost).
     ConcurrentChange,
     /// The experiment is not running, so it takes no rounds or updates.
     ExperimentNotRunning,
@@ -546,9 +547,15 @@ impl Store {
         detail: &str,
     ) -> Result<Experiment, StoreError> {
         let now = now_millis();
+        // The row is locked while it is read, so that a concurrent change waits and then
+        // sees this one's state: two admins pressing pause at once get one `paused` and
+        // one `invalid_transition`, never a lost update.
+        let lock = self.for_update();
         with_pool!(self, p => {
             let mut tx = p.begin_write().await?;
-            let (state,): (String,) = sqlx::query_as("SELECT state FROM experiments WHERE id = $1")
+            let (state,): (String,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT state FROM experiments WHERE id = $1{lock}"
+            )))
                 .bind(id.to_string())
                 .fetch_optional(&mut *tx)
                 .await?
@@ -561,8 +568,8 @@ impl Store {
                     to.as_str()
                 )));
             }
-            // The state is re-checked in the update, so a concurrent change by another
-            // coordinator cannot be overwritten.
+            // The state is re-checked in the update as well: with the row locked above this
+            // cannot miss, and if it ever did, the change is refused, never lost.
             let done = sqlx::query(
                 "UPDATE experiments SET state = $1, updated_at = $2 WHERE id = $3 AND state = $4",
             )

@@ -754,9 +754,10 @@ impl Store {
         now: i64,
     ) -> Result<Round, StoreError> {
         if job_attempts < 1 {
-            return Err(StoreError::conflict(super::ConflictKind::InvalidArgument, format!(
-                "a job needs at least one attempt, got {job_attempts}"
-            )));
+            return Err(StoreError::conflict(
+                super::ConflictKind::InvalidArgument,
+                format!("a job needs at least one attempt, got {job_attempts}"),
+            ));
         }
         let exp = experiment_id.to_string();
         let lock = self.for_update();

@@ -264,9 +264,10 @@ impl Store {
         if let SecureNext::Aggregate { job_attempts } = next
             && *job_attempts < 1
         {
-            return Err(StoreError::conflict(super::ConflictKind::InvalidArgument, format!(
-                "a job needs at least one attempt, got {job_attempts}"
-            )));
+            return Err(StoreError::conflict(
+                super::ConflictKind::InvalidArgument,
+                format!("a job needs at least one attempt, got {job_attempts}"),
+            ));
         }
         let (laggards, dropped_stage, drop_them) = match from {
             RoundStage::Advertising => ("secagg_stage IS NULL", "advertise", true),
@@ -285,10 +286,10 @@ impl Store {
                 ("1 = 0", "", false)
             }
             other => {
-                return Err(StoreError::conflict(super::ConflictKind::StageMoved, format!(
-                    "a secure round cannot advance from {}",
-                    other.as_str()
-                )));
+                return Err(StoreError::conflict(
+                    super::ConflictKind::StageMoved,
+                    format!("a secure round cannot advance from {}", other.as_str()),
+                ));
             }
         };
         let exp = experiment_id.to_string();

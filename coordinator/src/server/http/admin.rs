@@ -48,7 +48,6 @@ impl From<StoreError> for ApiError {
 fn conflict_code(kind: ConflictKind) -> Option<ErrorCode> {
     Some(match kind {
         ConflictKind::InvalidTransition => ErrorCode::InvalidTransition,
-        ConflictKind::ConcurrentChange => ErrorCode::ConcurrentChange,
         ConflictKind::ExperimentNotRunning => ErrorCode::ExperimentNotRunning,
         ConflictKind::NoBufferOpen => ErrorCode::NoBufferOpen,
         ConflictKind::NotSecure => ErrorCode::NotSecure,
@@ -60,7 +59,8 @@ fn conflict_code(kind: ConflictKind) -> Option<ErrorCode> {
         ConflictKind::TokenSpent => ErrorCode::TokenSpent,
         ConflictKind::AlreadyRevoked => ErrorCode::AlreadyRevoked,
         ConflictKind::IdentityConflict => ErrorCode::IdentityConflict,
-        ConflictKind::RoundInProgress
+        ConflictKind::ConcurrentChange
+        | ConflictKind::RoundInProgress
         | ConflictKind::StageMoved
         | ConflictKind::JobNotHeld
         | ConflictKind::InvalidArgument => return None,

@@ -374,7 +374,7 @@ pub struct UploadQuery {
     responses((status = 201, description = "Stored"),
               (status = 200, description = "A retry (same upload_id) of an upload already stored: nothing counted again"),
               (status = 401, body = ErrorBody),
-              (status = 404, body = ErrorBody), (status = 409, description = "Refused by the round's rules, with nothing changed; the code says which: `round_not_collecting` (the attempt is in another stage), `deadline_passed`, `not_selected`, `already_uploaded` (a second upload, or a replay without its upload_id), `dropped_from_round`, `keys_not_shared` (secure rounds: the caller's key shares did not go out), `task_expired` (FedBuff: the task outlived its deadline), `too_stale` (FedBuff: the update is staler than max_staleness)", body = ErrorBody),
+              (status = 404, body = ErrorBody), (status = 409, description = "Refused by the round's rules, with nothing changed; the code says which: `round_not_collecting` (the attempt is in another stage), `deadline_passed`, `not_selected`, `already_uploaded` (a second upload, or a replay without its upload_id), `dropped_from_round` (also a secure round's client whose key shares did not go out), `task_expired` (FedBuff: the task outlived its deadline), `too_stale` (FedBuff: the update is staler than max_staleness)", body = ErrorBody),
               (status = 413, body = ErrorBody), (status = 415, body = ErrorBody),
               (status = 422, description = "Wrong dimension or non-finite value", body = ErrorBody),
               (status = 429, description = "Too many uploads from this client or address", body = ErrorBody)))]
@@ -653,7 +653,10 @@ async fn receive_update(
     let mut body = body;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| {
-            ApiError::bad_request(ErrorCode::UnreadableBody, format!("reading the body failed: {e}"))
+            ApiError::bad_request(
+                ErrorCode::UnreadableBody,
+                format!("reading the body failed: {e}"),
+            )
         })?;
         let Ok(chunk) = frame.into_data() else {
             continue; // trailers carry nothing we use

@@ -142,11 +142,11 @@ fn round_error(e: SecureRoundError) -> ApiError {
 /// client no longer in the round is a conflict; a malformed one is unprocessable.
 fn protocol_error(e: SecAggError) -> ApiError {
     match e {
-        SecAggError::WrongStage { .. }
-        | SecAggError::NotInRound(_)
-        | SecAggError::Duplicate(_)
-        | SecAggError::RoundFailed(_)
-        | SecAggError::Excluded(_) => ApiError::conflict(ErrorCode::SecaggConflict, e.to_string()),
+        SecAggError::WrongStage { .. } => ApiError::conflict(ErrorCode::WrongStage, e.to_string()),
+        SecAggError::NotInRound(_) => ApiError::conflict(ErrorCode::NotInRound, e.to_string()),
+        SecAggError::Duplicate(_) => ApiError::conflict(ErrorCode::AlreadySent, e.to_string()),
+        SecAggError::RoundFailed(_) => ApiError::conflict(ErrorCode::RoundFailed, e.to_string()),
+        SecAggError::Excluded(_) => ApiError::conflict(ErrorCode::Excluded, e.to_string()),
         other => ApiError::unprocessable(ErrorCode::InvalidMessage, other.to_string()),
     }
 }
@@ -258,7 +258,8 @@ where
     F: FnOnce(ClientView) -> Fut,
     Fut: std::future::Future<Output = Result<T, ApiError>>,
 {
-    let Query(q) = query.map_err(|e| ApiError::unprocessable(ErrorCode::InvalidQuery, e.body_text()))?;
+    let Query(q) =
+        query.map_err(|e| ApiError::unprocessable(ErrorCode::InvalidQuery, e.body_text()))?;
     let wait = check_wait(&q)?;
     let until = tokio::time::Instant::now() + wait;
     let mut v = view(state, client.0.id, id, round, attempt).await?;
@@ -755,7 +756,10 @@ async fn unmask(
             record(&state, &v, &client, SecAggMessageKind::Forged, body).await?;
             tracing::warn!(client = %client.0.id, round, attempt, error = %forged,
                 "client excluded from unmasking");
-            Err(ApiError::unprocessable(ErrorCode::ForgedShare, forged.to_string()))
+            Err(ApiError::unprocessable(
+                ErrorCode::ForgedShare,
+                forged.to_string(),
+            ))
         }
         Err(e) => Err(protocol_error(e)),
     }
