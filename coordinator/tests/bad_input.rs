@@ -391,6 +391,36 @@ impl Harness {
         panic!("no task was handed out");
     }
 
+    /// Creates an experiment of `spec`; returns its id.
+    async fn created(&self, spec: &serde_json::Value) -> String {
+        let r = self
+            .admin(Method::POST, "/experiments")
+            .json(spec)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            r.status(),
+            StatusCode::CREATED,
+            "{}",
+            r.text().await.unwrap()
+        );
+        let exp: serde_json::Value = r.json().await.unwrap();
+        exp["id"].as_str().unwrap().to_string()
+    }
+
+    /// Creates and starts an experiment of `spec`; returns its id.
+    async fn started(&self, spec: &serde_json::Value) -> String {
+        let id = self.created(spec).await;
+        let r = self
+            .admin(Method::POST, &format!("/experiments/{id}/start"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        id
+    }
+
     /// A running one-round experiment of a 10-parameter model with clients `a` and `b`
     /// selected, and `outsider` enrolled but never available (so never selected).
     async fn collecting(&self, quorum: usize, deadline_seconds: u64) -> Round {
@@ -404,21 +434,7 @@ impl Harness {
             "clients_per_round": 2, "min_participants": quorum,
             "collect_deadline_seconds": deadline_seconds
         });
-        let r = self
-            .admin(Method::POST, "/experiments")
-            .json(&spec)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), StatusCode::CREATED);
-        let exp: serde_json::Value = r.json().await.unwrap();
-        let id = exp["id"].as_str().unwrap();
-        let r = self
-            .admin(Method::POST, &format!("/experiments/{id}/start"))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), StatusCode::OK);
+        self.started(&spec).await;
         let task = self.task_of(&a).await;
         assert_eq!(self.task_of(&b).await, task);
         Round {
@@ -649,26 +665,7 @@ impl Harness {
                                    "advertise_seconds": stage_seconds,
                                    "share_seconds": stage_seconds, "unmask_seconds": 60}
         });
-        let r = self
-            .admin(Method::POST, "/experiments")
-            .json(&spec)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(
-            r.status(),
-            StatusCode::CREATED,
-            "{}",
-            r.text().await.unwrap()
-        );
-        let exp: serde_json::Value = r.json().await.unwrap();
-        let id = exp["id"].as_str().unwrap().to_string();
-        let r = self
-            .admin(Method::POST, &format!("/experiments/{id}/start"))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), StatusCode::OK);
+        self.started(&spec).await;
         let mut clients = Vec::new();
         let mut identities = Vec::new();
         let mut task = None;
@@ -1656,22 +1653,14 @@ async fn admin_requests_out_of_range_are_422(h: &Harness) {
 }
 
 async fn admin_changes_the_state_does_not_allow_are_409(h: &Harness) {
-    let r = h
-        .admin(Method::POST, "/experiments")
-        .json(&serde_json::json!({
+    let id = h
+        .created(&serde_json::json!({
             "name": "idle", "features": 4, "classes": 2, "model": "logreg", "rounds": 1,
             "clients_per_round": 2, "min_participants": 1
         }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), StatusCode::CREATED);
-    let exp: serde_json::Value = r.json().await.unwrap();
+        .await;
     h.refused(
-        h.admin(
-            Method::POST,
-            &format!("/experiments/{}/resume", exp["id"].as_str().unwrap()),
-        ),
+        h.admin(Method::POST, &format!("/experiments/{id}/resume")),
         StatusCode::CONFLICT,
         "invalid_transition",
     )
@@ -1828,32 +1817,35 @@ async fn fedbuff_tasks(
     if let Some(max) = max_staleness {
         spec["max_staleness"] = max.into();
     }
-    let r = h
-        .admin(Method::POST, "/experiments")
-        .json(&spec)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(
-        r.status(),
-        StatusCode::CREATED,
-        "{}",
-        r.text().await.unwrap()
-    );
-    let exp: serde_json::Value = r.json().await.unwrap();
-    let id = exp["id"].as_str().unwrap().to_string();
-    let r = h
-        .admin(Method::POST, &format!("/experiments/{id}/start"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), StatusCode::OK);
+    let id = h.started(&spec).await;
     let mut tasks = Vec::new();
     for c in credentials {
         let task = h.task_of(&c).await;
         tasks.push((c, task));
     }
     (id, tasks)
+}
+
+/// Waits until round (or FedBuff step) `round` of `experiment` is published.
+async fn published(h: &Harness, experiment: &str, round: i64) {
+    for _ in 0..200 {
+        let rounds: serde_json::Value = h
+            .admin(Method::GET, &format!("/experiments/{experiment}/rounds"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let done = rounds.as_array().unwrap().iter().any(|r| {
+            r["round"].as_i64() == Some(round) && r["stage"].as_str() == Some("published")
+        });
+        if done {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("round {round} of {experiment} was not published");
 }
 
 async fn admin_action(h: &Harness, experiment: &str, action: &str) {
@@ -1905,8 +1897,10 @@ async fn fedbuff_uploads_the_buffer_cannot_take_are_409(h: &Harness) {
     let (id, tasks) = fedbuff_tasks(h, 1, 60, None, 3).await;
     let [(d, td), (e, te), (f, tf)] = <[_; 3]>::try_from(tasks).unwrap();
     admin_action(h, &id, "pause").await;
-    // d fills the last buffer: no buffer is open for e's update.
+    // d fills the last buffer: no buffer is open for e's update. (Once its step is
+    // published, so that the refusal is all that happens while it is checked.)
     h.upload_ok(&d, &td).await;
+    published(h, &id, 1).await;
     h.refused(
         h.upload(Some(&e), &te, floats(&[1.0; 10])),
         StatusCode::CONFLICT,
@@ -1956,17 +1950,12 @@ async fn too_many_failed_authentications_are_429(h: &Harness) {
 }
 
 async fn a_corrupt_stored_value_is_500_without_its_detail(h: &Harness) {
-    let r = h
-        .admin(Method::POST, "/experiments")
-        .json(&serde_json::json!({
+    let id = h
+        .created(&serde_json::json!({
             "name": "to corrupt", "features": 4, "classes": 2, "model": "logreg",
             "rounds": 1, "clients_per_round": 2, "min_participants": 1
         }))
-        .send()
-        .await
-        .unwrap();
-    let exp: serde_json::Value = r.json().await.unwrap();
-    let id = exp["id"].as_str().unwrap().to_string();
+        .await;
     // A hand edit of the database: a state no version of Cohort writes.
     let sql = "UPDATE experiments SET state = 'melted' WHERE id = $1";
     match h.db.as_ref().unwrap() {

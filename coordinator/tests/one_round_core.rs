@@ -551,6 +551,16 @@ async fn upload(
         .map(|_| ())
 }
 
+/// Runs `case` through `serve`'s driver on a runtime of its own.
+fn serve_case(case: &Case) -> (Run, ModelVector, cohort_core::round::FailedAttemptPolicy) {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(served(case))
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
@@ -558,12 +568,7 @@ proptest! {
     /// same end and the same model bytes.
     #[test]
     fn serve_and_the_in_memory_driver_reach_the_same_rounds_and_model(case in case()) {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let (served, initial, policy) = runtime.block_on(served(&case));
+        let (served, initial, policy) = serve_case(&case);
         let simulated = in_memory(&case, initial, policy);
         prop_assert_eq!(&served.attempts, &simulated.attempts);
         prop_assert_eq!(served.end, simulated.end);
@@ -586,12 +591,7 @@ fn a_case_where_everyone_uploads_publishes_every_round_on_both_sides() {
         acts: vec![Act::Upload(20), Act::Upload(30), Act::Silent],
         crashes: vec![None, Some(0), None, None, Some(2_000)],
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let (served, initial, policy) = runtime.block_on(served(&case));
+    let (served, initial, policy) = serve_case(&case);
     let simulated = in_memory(&case, initial.clone(), policy);
     assert_eq!(served.end, End::Finished);
     assert_eq!(served.attempts.len(), 3);

@@ -6,6 +6,11 @@ use cohort_aggregation::privacy::clip::AdaptiveClip;
 use cohort_aggregation::privacy::distributed::{DistributedNoise, SkellamScale};
 use serde::{Deserialize, Serialize};
 
+/// Why no epsilon holds against the coordinator under central noise: the reason the API
+/// and `cohort simulate`'s summary give with their `null`.
+pub const CENTRAL_NOISE_UNBOUNDED: &str = "central noise: the coordinator clips and noises \
+     the updates itself and sees each one in the clear, so no epsilon holds against it";
+
 /// An experiment's differential privacy settings (`"privacy": {...}`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

@@ -293,6 +293,27 @@ impl UploadRefusal {
         "task_expired",
     ];
 
+    /// One refusal of each kind (of round 1, attempt 1): for checks that must cover
+    /// them all, such as the API's mapping to its error codes.
+    pub fn one_of_each() -> [UploadRefusal; 7] {
+        [
+            UploadRefusal::NotCollecting {
+                round: 1,
+                attempt: 1,
+                stage: RoundStage::Sharing,
+            },
+            UploadRefusal::DeadlinePassed {
+                round: 1,
+                attempt: 1,
+            },
+            UploadRefusal::NotSelected { round: 1 },
+            UploadRefusal::AlreadyUploaded { round: 1 },
+            UploadRefusal::Dropped { round: 1 },
+            UploadRefusal::KeysNotShared { round: 1 },
+            UploadRefusal::TaskExpired { round: 1 },
+        ]
+    }
+
     /// The stable code the API sends.
     pub fn code(&self) -> &'static str {
         match self {
@@ -675,22 +696,7 @@ mod tests {
 
     #[test]
     fn each_refusal_has_its_own_code_and_every_code_is_listed() {
-        let all = [
-            UploadRefusal::NotCollecting {
-                round: 1,
-                attempt: 1,
-                stage: RoundStage::Sharing,
-            },
-            UploadRefusal::DeadlinePassed {
-                round: 1,
-                attempt: 1,
-            },
-            UploadRefusal::NotSelected { round: 1 },
-            UploadRefusal::AlreadyUploaded { round: 1 },
-            UploadRefusal::Dropped { round: 1 },
-            UploadRefusal::KeysNotShared { round: 1 },
-            UploadRefusal::TaskExpired { round: 1 },
-        ];
+        let all = UploadRefusal::one_of_each();
         let codes: std::collections::BTreeSet<&str> = all.iter().map(UploadRefusal::code).collect();
         let listed: std::collections::BTreeSet<&str> = UploadRefusal::CODES.into_iter().collect();
         assert_eq!(codes, listed);

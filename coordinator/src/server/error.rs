@@ -13,11 +13,12 @@ use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequest, Request};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use serde::Serialize;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
-use utoipa::ToSchema;
 
 pub use super::error_code::ErrorCode;
+/// The error body, shared with the edge client.
+pub use cohort_edge::protocol::messages::{ErrorBody, ErrorDetail};
 
 /// An error the API reports to its caller. The code is a stable `snake_case` string for
 /// programs; the message is for people.
@@ -85,24 +86,6 @@ pub enum ApiError {
         /// Seconds to wait before retrying.
         retry_after_seconds: u64,
     },
-}
-
-/// The body of every error response.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-pub struct ErrorBody {
-    /// The error.
-    pub error: ErrorDetail,
-}
-
-/// What went wrong.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-pub struct ErrorDetail {
-    /// Stable, machine-readable `snake_case` code, e.g. `unauthorized`, `malformed_json`.
-    #[schema(example = "unauthorized")]
-    pub code: String,
-    /// Human-readable explanation.
-    #[schema(example = "missing bearer token: send `Authorization: Bearer <token>`")]
-    pub message: String,
 }
 
 /// What a client sees instead of the detail of an internal error.
@@ -371,6 +354,7 @@ mod tests {
     use axum::Router;
     use axum::extract::DefaultBodyLimit;
     use axum::routing::post;
+    use serde::Deserialize;
     use tower::ServiceExt;
 
     #[derive(Debug, Deserialize, Serialize)]

@@ -185,24 +185,7 @@ mod tests {
 
     #[test]
     fn every_upload_refusal_has_the_code_the_core_names() {
-        use cohort_core::round::RoundStage;
-        let all = [
-            UploadRefusal::NotCollecting {
-                round: 1,
-                attempt: 1,
-                stage: RoundStage::Sharing,
-            },
-            UploadRefusal::DeadlinePassed {
-                round: 1,
-                attempt: 1,
-            },
-            UploadRefusal::NotSelected { round: 1 },
-            UploadRefusal::AlreadyUploaded { round: 1 },
-            UploadRefusal::Dropped { round: 1 },
-            UploadRefusal::KeysNotShared { round: 1 },
-            UploadRefusal::TaskExpired { round: 1 },
-        ];
-        for refusal in &all {
+        for refusal in &UploadRefusal::one_of_each() {
             assert_eq!(ErrorCode::from(refusal).as_str(), refusal.code());
         }
         for code in UploadRefusal::CODES {

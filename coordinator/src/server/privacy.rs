@@ -70,10 +70,7 @@ pub fn current_clip(spec: &PrivacySpec, rounds: &[Round]) -> f64 {
         .unwrap_or(spec.clip)
 }
 
-/// Why no epsilon holds against the coordinator under central noise: the reason the API
-/// gives with its `null`.
-pub const CENTRAL_NOISE_UNBOUNDED: &str = "central noise: the coordinator clips and noises \
-     the updates itself and sees each one in the clear, so no epsilon holds against it";
+pub use cohort_core::privacy::CENTRAL_NOISE_UNBOUNDED;
 
 /// Epsilon against the coordinator, which knows who took part in every round.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -280,7 +280,7 @@ impl Summary {
                         "a round without noise (noise multiplier 0) released its sum exactly"
                             .to_string()
                     } else {
-                        crate::server::privacy::CENTRAL_NOISE_UNBOUNDED.to_string()
+                        cohort_core::privacy::CENTRAL_NOISE_UNBOUNDED.to_string()
                     }
                 }),
             stopped: result.stopped.clone(),

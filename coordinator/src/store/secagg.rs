@@ -269,29 +269,7 @@ impl Store {
                 format!("a job needs at least one attempt, got {job_attempts}"),
             ));
         }
-        let (laggards, dropped_stage, drop_them) = match from {
-            RoundStage::Advertising => ("secagg_stage IS NULL", "advertise", true),
-            RoundStage::Revealing => ("secagg_stage = 'advertised'", "reveal", true),
-            RoundStage::Sharing => ("secagg_stage = 'revealed'", "share", true),
-            RoundStage::Collecting => ("secagg_stage = 'shared'", "masked", true),
-            // A survivor that does not sign or reveal keeps its input in the sum.
-            RoundStage::Confirming => ("secagg_stage = 'masked'", "confirm", false),
-            RoundStage::Unmasking => (
-                "secagg_stage IN ('masked', 'confirmed') AND dropped_stage IS NULL",
-                "unmask",
-                false,
-            ),
-            // A sum that could not be unmasked: nobody is behind.
-            RoundStage::Aggregating if matches!(next, SecureNext::Fail { .. }) => {
-                ("1 = 0", "", false)
-            }
-            other => {
-                return Err(StoreError::conflict(
-                    super::ConflictKind::StageMoved,
-                    format!("a secure round cannot advance from {}", other.as_str()),
-                ));
-            }
-        };
+        let (laggards, dropped_stage, drop_them) = stage_laggards(from, next)?;
         let exp = experiment_id.to_string();
         let lock = self.for_update();
         with_pool!(self, p => {
@@ -373,4 +351,34 @@ impl Store {
         });
         self.round(experiment_id, round, attempt).await
     }
+}
+
+/// Who is behind when stage `from` of a secure round ends: the SQL condition that picks
+/// them, the stage they are recorded as dropped at, and whether they leave the round
+/// (a survivor that does not sign or reveal keeps its input in the sum).
+fn stage_laggards(
+    from: RoundStage,
+    next: &SecureNext,
+) -> Result<(&'static str, &'static str, bool), StoreError> {
+    Ok(match from {
+        RoundStage::Advertising => ("secagg_stage IS NULL", "advertise", true),
+        RoundStage::Revealing => ("secagg_stage = 'advertised'", "reveal", true),
+        RoundStage::Sharing => ("secagg_stage = 'revealed'", "share", true),
+        RoundStage::Collecting => ("secagg_stage = 'shared'", "masked", true),
+        // A survivor that does not sign or reveal keeps its input in the sum.
+        RoundStage::Confirming => ("secagg_stage = 'masked'", "confirm", false),
+        RoundStage::Unmasking => (
+            "secagg_stage IN ('masked', 'confirmed') AND dropped_stage IS NULL",
+            "unmask",
+            false,
+        ),
+        // A sum that could not be unmasked: nobody is behind.
+        RoundStage::Aggregating if matches!(next, SecureNext::Fail { .. }) => ("1 = 0", "", false),
+        other => {
+            return Err(StoreError::conflict(
+                super::ConflictKind::StageMoved,
+                format!("a secure round cannot advance from {}", other.as_str()),
+            ));
+        }
+    })
 }

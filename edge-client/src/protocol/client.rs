@@ -8,45 +8,19 @@ use cohort_aggregation::secagg::{
     UnmaskRequest, UnmaskShares,
 };
 use cohort_aggregation::{ModelVector, wire};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use uuid::Uuid;
 
+use super::messages::{
+    CheckIn, DirectoryReply, EnrolRequest, ErrorBody, EvaluationReport, FailureReport,
+    IdentityRegistered, IdentityRequest, RosterReply, SharesReply, SurvivorsReply, WithheldReason,
+};
+use super::routes;
 use super::{CheckInReply, Credential, Task};
 
 fn b64(bytes: &[u8]) -> String {
     use base64::Engine;
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
-}
-
-#[derive(Deserialize)]
-struct DirectoryReply {
-    directory: Option<KeyDirectory>,
-}
-
-#[derive(Deserialize)]
-struct RosterReply {
-    roster: Option<Roster>,
-}
-
-#[derive(Deserialize)]
-struct SharesReply {
-    shares: Option<ForwardedShares>,
-}
-
-#[derive(Deserialize)]
-struct SurvivorsReply {
-    request: Option<UnmaskRequest>,
-}
-
-#[derive(Deserialize)]
-struct ErrorEnvelope {
-    error: ErrorDetail,
-}
-
-#[derive(Deserialize)]
-struct ErrorDetail {
-    code: String,
-    message: String,
 }
 
 /// Why a request failed.
@@ -180,7 +154,7 @@ async fn checked(response: reqwest::Response) -> Result<reqwest::Response, Proto
         return Ok(response);
     }
     let text = response.text().await.unwrap_or_default();
-    let (code, message) = match serde_json::from_str::<ErrorEnvelope>(&text) {
+    let (code, message) = match serde_json::from_str::<ErrorBody>(&text) {
         Ok(e) => (e.error.code, e.error.message),
         Err(_) => ("unknown".into(), text.chars().take(200).collect()),
     };
@@ -258,8 +232,11 @@ impl CoordinatorClient {
     ) -> Result<Credential, ProtocolError> {
         let r = self
             .http
-            .post(self.url("/api/v1/clients/enrol"))
-            .json(&serde_json::json!({ "token": token, "identity": b64(identity) }))
+            .post(self.url(routes::ENROL))
+            .json(&EnrolRequest {
+                token: token.to_string(),
+                identity: Some(b64(identity)),
+            })
             .send()
             .await?;
         Ok(checked(r).await?.json().await?)
@@ -274,16 +251,15 @@ impl CoordinatorClient {
     ) -> Result<String, ProtocolError> {
         let r = self
             .http
-            .put(self.url("/api/v1/clients/me/identity"))
+            .put(self.url(routes::IDENTITY))
             .bearer_auth(cred.bearer())
-            .json(&serde_json::json!({ "identity": b64(identity) }))
+            .json(&IdentityRequest {
+                identity: b64(identity),
+            })
             .send()
             .await?;
-        let reply: serde_json::Value = checked(r).await?.json().await?;
-        Ok(reply["fingerprint"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string())
+        let reply: IdentityRegistered = checked(r).await?.json().await?;
+        Ok(reply.fingerprint)
     }
 
     /// Checks in and waits up to `wait_seconds` for a task.
@@ -294,9 +270,9 @@ impl CoordinatorClient {
     ) -> Result<Option<Task>, ProtocolError> {
         let r = self
             .http
-            .post(self.url("/api/v1/clients/checkin"))
+            .post(self.url(routes::CHECKIN))
             .bearer_auth(cred.bearer())
-            .json(&serde_json::json!({ "wait_seconds": wait_seconds }))
+            .json(&CheckIn { wait_seconds })
             .send()
             .await?;
         let reply: CheckInReply = checked(r).await?.json().await?;
@@ -323,7 +299,7 @@ impl CoordinatorClient {
     ) -> Result<(ModelVector, i64), ProtocolError> {
         let r = self
             .http
-            .get(self.url(&format!("/api/v1/clients/experiments/{experiment}/model")))
+            .get(self.url(&routes::for_experiment(routes::MODEL, experiment)))
             .bearer_auth(cred.bearer())
             .send()
             .await?;
@@ -348,14 +324,15 @@ impl CoordinatorClient {
         version: i64,
         evaluation: &crate::trainer::ReportedEvaluation,
     ) -> Result<(), ProtocolError> {
-        let body = serde_json::json!({
-            "model_version": version,
-            "num_examples": evaluation.num_examples,
-            "metrics": evaluation.metrics,
-        });
+        let body = EvaluationReport {
+            model_version: version,
+            num_examples: Some(i64::try_from(evaluation.num_examples).unwrap_or(i64::MAX)),
+            metrics: evaluation.metrics.clone(),
+            withheld: None,
+        };
         self.post_json(
             cred,
-            &format!("/api/v1/clients/experiments/{experiment}/evaluations"),
+            &routes::for_experiment(routes::EVALUATIONS, experiment),
             &body,
         )
         .await
@@ -370,13 +347,15 @@ impl CoordinatorClient {
         experiment: Uuid,
         version: i64,
     ) -> Result<(), ProtocolError> {
-        let body = serde_json::json!({
-            "model_version": version,
-            "withheld": "local_differential_privacy",
-        });
+        let body = EvaluationReport {
+            model_version: version,
+            num_examples: None,
+            metrics: Default::default(),
+            withheld: Some(WithheldReason::LocalDifferentialPrivacy),
+        };
         self.post_json(
             cred,
-            &format!("/api/v1/clients/experiments/{experiment}/evaluations"),
+            &routes::for_experiment(routes::EVALUATIONS, experiment),
             &body,
         )
         .await
@@ -389,19 +368,22 @@ impl CoordinatorClient {
         task: &Task,
         reason: &str,
     ) -> Result<(), ProtocolError> {
-        let url = format!(
-            "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/failure",
-            task.experiment_id, task.round, task.attempt
+        let url = routes::for_attempt(
+            routes::FAILURE,
+            task.experiment_id,
+            task.round,
+            task.attempt,
         );
         let reason: String = reason.chars().take(2000).collect();
-        self.post_json(cred, &url, &serde_json::json!({ "reason": reason }))
-            .await
+        self.post_json(cred, &url, &FailureReport { reason }).await
     }
 
     fn secagg_url(task: &Task, what: &str) -> String {
-        format!(
-            "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/secagg/{what}",
-            task.experiment_id, task.round, task.attempt
+        routes::for_attempt(
+            &routes::secagg_template(what),
+            task.experiment_id,
+            task.round,
+            task.attempt,
         )
     }
 
@@ -524,8 +506,8 @@ impl CoordinatorClient {
         upload_id: Uuid,
     ) -> Result<(), ProtocolError> {
         let url = format!(
-            "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/update?upload_id={upload_id}",
-            task.experiment_id, task.round, task.attempt
+            "{}?upload_id={upload_id}",
+            routes::for_attempt(routes::UPDATE, task.experiment_id, task.round, task.attempt)
         );
         let r = self
             .http
@@ -601,8 +583,8 @@ impl CoordinatorClient {
         upload_id: Uuid,
     ) -> Result<(), ProtocolError> {
         let mut url = format!(
-            "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/update?num_samples={num_samples}&upload_id={upload_id}",
-            task.experiment_id, task.round, task.attempt
+            "{}?num_samples={num_samples}&upload_id={upload_id}",
+            routes::for_attempt(routes::UPDATE, task.experiment_id, task.round, task.attempt)
         );
         if train_loss.is_finite() {
             url.push_str(&format!("&train_loss={train_loss}"));

@@ -1,9 +1,10 @@
-//! The coordinator's REST API as the edge client speaks it: the types a task and its
-//! replies carry (always built, so that crates without an HTTP client, such as the
-//! coordinator's core, share them), and the HTTP client itself ([`CoordinatorClient`],
-//! with the `agent` feature). Bodies match the coordinator's `/api/v1/clients/...`
-//! routes; the cross-crate tests run this client against the real server, so the two
-//! cannot drift.
+//! The coordinator's REST API as the edge client speaks it: the types a task carries,
+//! every request and reply body ([`messages`]) and every client route's path
+//! ([`routes`]) — always built, so that the coordinator's handlers take and answer the
+//! very same types and register the very same paths — and the HTTP client itself
+//! ([`CoordinatorClient`], with the `agent` feature). The coordinator's tests check that
+//! each path here is an operation of its OpenAPI document, and the cross-crate tests run
+//! this client against the real server.
 
 use cohort_aggregation::secagg::RoundConfig;
 use serde::{Deserialize, Serialize};
@@ -15,6 +16,8 @@ use crate::train::TrainConfig;
 mod client;
 #[cfg(feature = "agent")]
 pub use client::*;
+pub mod messages;
+pub mod routes;
 
 /// A client's credential: its id and secret, kept in the state directory.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -10,6 +10,8 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
+use cohort_edge::protocol::messages::{CheckIn, EnrolRequest, IdentityRegistered, IdentityRequest};
+use cohort_edge::protocol::routes;
 use cohort_edge::protocol::{CheckInReply, SecureTask, Task, TaskKind};
 
 use super::extract::{AuthenticatedClient, require_participant};
@@ -20,34 +22,6 @@ use crate::store::{StoreError, now_millis};
 
 /// Name of the client-credential security scheme in the OpenAPI document.
 pub const CLIENT_SECURITY_SCHEME: &str = "client_credential";
-
-/// An enrolment request.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct EnrolRequest {
-    /// The one-time token an admin issued.
-    pub token: String,
-    /// The client's identity: its long-term Ed25519 public key, unpadded base64url (32
-    /// bytes). Registered with the credential; a client enrolled without one registers
-    /// it later with `PUT /api/v1/clients/me/identity`.
-    #[serde(default)]
-    pub identity: Option<String>,
-}
-
-/// A client's identity to register.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct IdentityRequest {
-    /// The long-term Ed25519 public key, unpadded base64url (32 bytes).
-    pub identity: String,
-}
-
-/// A registered identity, as people compare it out of band.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-pub struct IdentityRegistered {
-    /// The key's fingerprint: the first 16 bytes of its SHA-256, hex, in groups of four.
-    pub fingerprint: String,
-}
 
 /// Parses an identity as clients send it.
 fn parse_identity(text: &str) -> Result<[u8; crate::store::IDENTITY_BYTES], ApiError> {
@@ -209,18 +183,12 @@ async fn register_identity(
 /// The client routes, with absolute paths.
 pub(crate) fn routes() -> Router<AppState> {
     Router::new()
-        .route("/api/v1/clients/enrol", post(enrol))
-        .route("/api/v1/clients/me", get(me))
-        .route(
-            "/api/v1/clients/me/identity",
-            axum::routing::put(register_identity),
-        )
-        .route("/api/v1/clients/checkin", post(checkin))
-        .route("/api/v1/clients/experiments/{id}/model", get(model))
-        .route(
-            "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/update",
-            post(upload),
-        )
+        .route(routes::ENROL, post(enrol))
+        .route(routes::ME, get(me))
+        .route(routes::IDENTITY, axum::routing::put(register_identity))
+        .route(routes::CHECKIN, post(checkin))
+        .route(routes::MODEL, get(model))
+        .route(routes::UPDATE, post(upload))
 }
 
 /// The handlers above, for the OpenAPI document.
@@ -234,15 +202,6 @@ pub(crate) struct ClientDoc;
 
 /// How long a check-in may wait for a task at most.
 pub const MAX_CHECKIN_WAIT_SECONDS: u64 = 30;
-
-/// A check-in: the client is available and waits up to `wait_seconds` for a task.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct CheckIn {
-    /// Seconds to wait for a task (long poll), at most 30.
-    #[serde(default)]
-    pub wait_seconds: u64,
-}
 
 async fn task_for(state: &AppState, client: Uuid) -> Result<Option<Task>, ApiError> {
     if let Some(task) = crate::server::http::fedbuff::task_for(state, client).await? {

@@ -406,6 +406,34 @@ mod tests {
         }
     }
 
+    /// The edge client fills in the same path templates the server registers: each is
+    /// an operation of the document, so a route renamed on one side fails here.
+    #[test]
+    fn the_edge_clients_routes_are_the_documented_ones() {
+        use cohort_edge::protocol::routes;
+        let doc = serde_json::to_value(openapi()).unwrap();
+        let paths = doc["paths"].as_object().unwrap();
+        let templates = routes::ALL
+            .iter()
+            .map(|t| t.to_string())
+            .chain(routes::SECAGG.iter().map(|s| routes::secagg_template(s)));
+        for template in templates {
+            assert!(
+                paths.contains_key(&template),
+                "{template} is not documented"
+            );
+        }
+        let documented_client_routes = paths
+            .keys()
+            .filter(|p| p.starts_with("/api/v1/clients/"))
+            .count();
+        assert_eq!(
+            documented_client_routes,
+            routes::ALL.len() + routes::SECAGG.len(),
+            "a client route the edge does not know"
+        );
+    }
+
     #[test]
     fn document_has_the_error_schema_and_the_security_scheme() {
         let doc = serde_json::to_value(openapi()).unwrap();

@@ -7,6 +7,7 @@
 //! trainers. Its metrics are the clients' evaluation reports, weighted by their sample
 //! counts.
 
+use cohort_edge::protocol::messages::{EvaluationReport, FailureReport, WithheldReason};
 use std::collections::BTreeMap;
 
 use axum::Router;
@@ -200,44 +201,6 @@ pub const MAX_REASON_CHARS: usize = 2000;
 /// Most metrics one evaluation report may carry.
 pub const MAX_METRICS: usize = 32;
 
-/// A client's evaluation of a model version it received, or its word that it keeps its
-/// metrics to itself.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct EvaluationReport {
-    /// The published round whose model was evaluated (0: the initial model).
-    pub model_version: i64,
-    /// Examples the metrics are over, at least 1; absent when `withheld`.
-    #[serde(default)]
-    pub num_examples: Option<i64>,
-    /// Metric name (letters, digits, `_`, `.`, `-`; up to 64) to a finite value; at most
-    /// 32; none when `withheld`.
-    #[serde(default)]
-    pub metrics: BTreeMap<String, f64>,
-    /// Set when the client answers without metrics, and why: it is then not asked
-    /// again, and the summaries count it apart.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub withheld: Option<WithheldReason>,
-}
-
-/// Why a client answered an evaluation without its metrics.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum WithheldReason {
-    /// The client runs under local differential privacy, whose guarantee covers only
-    /// what it noises: its updates. Metrics of its data stay on the machine.
-    LocalDifferentialPrivacy,
-}
-
-impl WithheldReason {
-    /// The reason as the API and the store spell it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            WithheldReason::LocalDifferentialPrivacy => "local_differential_privacy",
-        }
-    }
-}
-
 /// Checks a metric name: the names end up as JSON keys and dashboard labels.
 pub fn valid_metric_name(name: &str) -> bool {
     !name.is_empty()
@@ -337,14 +300,6 @@ async fn report_evaluation(
     })
 }
 
-/// Why a client could not complete a task.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct FailureReport {
-    /// What went wrong, for the admin (cut to 2000 characters).
-    pub reason: String,
-}
-
 /// Reports that this client could not complete its task for a round attempt (its
 /// trainer failed or its output was refused); nothing is uploaded for it. Attempt 0 of
 /// the final round: the evaluation task of a finished experiment. The round goes
@@ -413,13 +368,10 @@ async fn report_failure(
 pub(crate) fn client_routes() -> Router<AppState> {
     Router::new()
         .route(
-            "/api/v1/clients/experiments/{id}/evaluations",
+            cohort_edge::protocol::routes::EVALUATIONS,
             post(report_evaluation),
         )
-        .route(
-            "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/failure",
-            post(report_failure),
-        )
+        .route(cohort_edge::protocol::routes::FAILURE, post(report_failure))
 }
 
 /// The clients' evaluations of one model version: sample-weighted means.

@@ -15,6 +15,7 @@
 //! it is recorded; the store re-checks the stage in the transaction that records it. A `GET` answers `{"stage": ..., "<message>": null}` until the stage it waits for
 //! has closed, and a 409 when the round failed or went on without the caller.
 
+use cohort_edge::protocol::messages::{DirectoryReply, RosterReply, SharesReply, SurvivorsReply};
 use std::time::Duration;
 
 use axum::Router;
@@ -22,8 +23,8 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::routing::post;
 use cohort_aggregation::secagg::{
-    AdvertiseKeys, Confirmation, DirectoryEntry, ForwardedShares, GraphReveal, KeyDirectory,
-    Roster, RoundConfig, SecAggError, ServerSession, ShareKeys, UnmaskRequest, UnmaskShares,
+    AdvertiseKeys, Confirmation, DirectoryEntry, GraphReveal, RoundConfig, SecAggError,
+    ServerSession, ShareKeys, UnmaskShares,
 };
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -38,7 +39,7 @@ use crate::server::secagg_snapshots::POLL_INTERVAL;
 use crate::store::RoundKey;
 use crate::store::{Participation, Round, RoundStage, SecAggMessageKind, now_millis};
 
-const BASE: &str = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg";
+const BASE: &str = cohort_edge::protocol::routes::SECAGG_BASE;
 
 /// The client routes of secure rounds, with absolute paths.
 pub(crate) fn routes() -> Router<AppState> {
@@ -75,51 +76,6 @@ pub struct WaitQuery {
 pub struct Accepted {
     /// The stage the message belongs to.
     pub stage: String,
-}
-
-/// The roster (`U1` with every member's graph commitment), once advertising has closed.
-#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
-pub struct RosterReply {
-    /// The round's stage now.
-    #[schema(value_type = String)]
-    pub stage: RoundStage,
-    /// The roster, `null` until advertising has closed.
-    #[schema(value_type = Option<Object>)]
-    pub roster: Option<Roster>,
-}
-
-/// The key directory (`U1`, the graph nonces, the caller's neighbourhood's signed keys),
-/// once revealing has closed.
-#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
-pub struct DirectoryReply {
-    /// The round's stage now.
-    #[schema(value_type = String)]
-    pub stage: RoundStage,
-    /// The directory, `null` until revealing has closed.
-    #[schema(value_type = Option<Object>)]
-    pub directory: Option<KeyDirectory>,
-}
-
-/// The shares the caller's neighbours encrypted for it, once sharing has closed.
-#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
-pub struct SharesReply {
-    /// The round's stage now.
-    #[schema(value_type = String)]
-    pub stage: RoundStage,
-    /// The shares, `null` until sharing has closed.
-    #[schema(value_type = Option<Object>)]
-    pub shares: Option<ForwardedShares>,
-}
-
-/// The clients whose masked inputs are in the sum (`U3`), once collection has closed.
-#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
-pub struct SurvivorsReply {
-    /// The round's stage now.
-    #[schema(value_type = String)]
-    pub stage: RoundStage,
-    /// The survivors, `null` until collection has closed.
-    #[schema(value_type = Option<Object>)]
-    pub request: Option<UnmaskRequest>,
 }
 
 /// A secure round as one of its clients sees it.
@@ -480,7 +436,10 @@ async fn roster(
         },
     )
     .await?;
-    Ok(Json(RosterReply { stage, roster }))
+    Ok(Json(RosterReply {
+        stage: stage.to_string(),
+        roster,
+    }))
 }
 
 /// Revealing: the nonce behind the caller's graph commitment.
@@ -541,7 +500,10 @@ async fn directory(
         },
     )
     .await?;
-    Ok(Json(DirectoryReply { stage, directory }))
+    Ok(Json(DirectoryReply {
+        stage: stage.to_string(),
+        directory,
+    }))
 }
 
 async fn client_seen(state: &AppState, client: &AuthenticatedClient) {
@@ -610,7 +572,10 @@ async fn shares(
         },
     )
     .await?;
-    Ok(Json(SharesReply { stage, shares }))
+    Ok(Json(SharesReply {
+        stage: stage.to_string(),
+        shares,
+    }))
 }
 
 /// The survivors (`U3`), once masked input collection has closed.
@@ -648,7 +613,10 @@ async fn survivors(
         },
     )
     .await?;
-    Ok(Json(SurvivorsReply { stage, request }))
+    Ok(Json(SurvivorsReply {
+        stage: stage.to_string(),
+        request,
+    }))
 }
 
 /// Confirming (consistency check): the caller's signature over the survivor list it was
@@ -724,7 +692,10 @@ async fn unmask_request(
         },
     )
     .await?;
-    Ok(Json(SurvivorsReply { stage, request }))
+    Ok(Json(SurvivorsReply {
+        stage: stage.to_string(),
+        request,
+    }))
 }
 
 /// Unmasking: the caller's shares of its neighbours' secrets: seeds of survivors, mask
