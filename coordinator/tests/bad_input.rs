@@ -641,6 +641,24 @@ struct SecureRound {
     task: Task,
 }
 
+/// A fresh session of the same client and round, with new key pairs, and the keys it
+/// advertises.
+fn fresh_session(
+    session: &cohort_aggregation::secagg::ClientSession,
+    identity: &cohort_aggregation::secagg::Identity,
+) -> (
+    cohort_aggregation::secagg::ClientSession,
+    cohort_aggregation::secagg::AdvertiseKeys,
+) {
+    cohort_aggregation::secagg::ClientSession::new(
+        session.config().clone(),
+        session.index(),
+        identity,
+        &mut rand::rng(),
+    )
+    .unwrap()
+}
+
 impl Harness {
     async fn secure_round(&self) -> SecureRound {
         self.secure_round_with(60, 3).await
@@ -760,15 +778,8 @@ impl Harness {
         &self,
         round: &mut SecureRound,
     ) -> cohort_aggregation::secagg::KeyDirectory {
-        use cohort_aggregation::secagg::ClientSession;
         for ((c, session), identity) in round.clients.iter_mut().zip(&round.identities) {
-            let (fresh, keys) = ClientSession::new(
-                session.config().clone(),
-                session.index(),
-                identity,
-                &mut rand::rng(),
-            )
-            .unwrap();
+            let (fresh, keys) = fresh_session(session, identity);
             *session = fresh;
             self.accepted(self.secagg(c, &round.task, "keys").json(&keys))
                 .await;
@@ -933,30 +944,13 @@ async fn secure_message_for_another_stage_is_409(h: &Harness) {
 }
 
 async fn secure_replayed_message_is_409_already_sent(h: &Harness) {
-    use cohort_aggregation::secagg::ClientSession;
     let round = h.secure_round().await;
     let (c, session) = &round.clients[0];
     let identity = &round.identities[0];
-    let (_, keys) = ClientSession::new(
-        session.config().clone(),
-        session.index(),
-        identity,
-        &mut rand::rng(),
-    )
-    .unwrap();
+    let (_, keys) = fresh_session(session, identity);
     h.accepted(h.secagg(c, &round.task, "keys").json(&keys))
         .await;
-    for replay in [
-        keys.clone(),
-        ClientSession::new(
-            session.config().clone(),
-            session.index(),
-            identity,
-            &mut rand::rng(),
-        )
-        .unwrap()
-        .1,
-    ] {
+    for replay in [keys.clone(), fresh_session(session, identity).1] {
         h.refused(
             h.secagg(c, &round.task, "keys").json(&replay),
             StatusCode::CONFLICT,
@@ -967,16 +961,9 @@ async fn secure_replayed_message_is_409_already_sent(h: &Harness) {
 }
 
 async fn secure_message_from_a_client_not_selected_is_409(h: &Harness) {
-    use cohort_aggregation::secagg::ClientSession;
     let round = h.secure_round().await;
     let (_, session) = &round.clients[0];
-    let (_, keys) = ClientSession::new(
-        session.config().clone(),
-        session.index(),
-        &round.identities[0],
-        &mut rand::rng(),
-    )
-    .unwrap();
+    let (_, keys) = fresh_session(session, &round.identities[0]);
     h.refused(
         h.secagg(&round.outsider, &round.task, "keys").json(&keys),
         StatusCode::CONFLICT,
@@ -1530,15 +1517,7 @@ async fn upload_after_the_deadline_is_409_deadline_passed(h: &Harness) {
     // A paused experiment's round is not closed by the driver, so it is still collecting
     // after its deadline: an upload then is refused as late.
     let round = h.collecting(2, 2).await;
-    let r = h
-        .admin(
-            Method::POST,
-            &format!("/experiments/{}/pause", round.task.experiment),
-        )
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), StatusCode::OK);
+    admin_action(h, &round.task.experiment, "pause").await;
     tokio::time::sleep(Duration::from_millis(2_500)).await;
     h.refused(
         h.upload(Some(&round.a), &round.task, floats(&[1.0; 10])),
@@ -1994,7 +1973,6 @@ async fn a_database_out_of_reach_is_503(h: &Harness) {
 }
 
 async fn secure_keys_without_a_registered_identity_are_409(h: &Harness) {
-    use cohort_aggregation::secagg::ClientSession;
     let round = h.secure_round().await;
     let (c, session) = &round.clients[0];
     let id = c.split_once('.').unwrap().0;
@@ -2004,13 +1982,7 @@ async fn secure_keys_without_a_registered_identity_are_409(h: &Harness) {
         .await
         .unwrap();
     assert!(r.status().is_success(), "{}", r.text().await.unwrap());
-    let (_, keys) = ClientSession::new(
-        session.config().clone(),
-        session.index(),
-        &round.identities[0],
-        &mut rand::rng(),
-    )
-    .unwrap();
+    let (_, keys) = fresh_session(session, &round.identities[0]);
     h.refused(
         h.secagg(c, &round.task, "keys").json(&keys),
         StatusCode::CONFLICT,
@@ -2038,17 +2010,10 @@ async fn advertising_closed(h: &Harness, round: &SecureRound) -> serde_json::Val
 }
 
 async fn secure_client_the_round_went_on_without_is_409(h: &Harness) {
-    use cohort_aggregation::secagg::ClientSession;
     let round = h.secure_round_with(2, 4).await;
     // Three of the four advertise (enough to go on); the fourth misses the stage.
     for ((c, session), identity) in round.clients.iter().zip(&round.identities).take(3) {
-        let (_, keys) = ClientSession::new(
-            session.config().clone(),
-            session.index(),
-            identity,
-            &mut rand::rng(),
-        )
-        .unwrap();
+        let (_, keys) = fresh_session(session, identity);
         h.accepted(h.secagg(c, &round.task, "keys").json(&keys))
             .await;
     }
@@ -2071,17 +2036,10 @@ async fn secure_client_the_round_went_on_without_is_409(h: &Harness) {
 }
 
 async fn secure_message_to_a_failed_round_is_409(h: &Harness) {
-    use cohort_aggregation::secagg::ClientSession;
     let round = h.secure_round_with(1, 3).await;
     // Only one client advertises: too few for the threshold, the attempt fails.
     let (c, session) = &round.clients[0];
-    let (_, keys) = ClientSession::new(
-        session.config().clone(),
-        session.index(),
-        &round.identities[0],
-        &mut rand::rng(),
-    )
-    .unwrap();
+    let (_, keys) = fresh_session(session, &round.identities[0]);
     h.accepted(h.secagg(c, &round.task, "keys").json(&keys))
         .await;
     let closed = advertising_closed(h, &round).await;
