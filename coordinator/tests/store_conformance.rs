@@ -114,6 +114,8 @@ conformance!(
     a_capped_upload_is_stored_with_the_cap_and_its_claim_is_audited,
     only_a_selected_client_takes_part_in_an_experiment,
     round_without_quorum_fails_and_runs_again_as_next_attempt,
+    a_round_below_quorum_says_why_it_failed,
+    a_failure_report_after_the_upload_is_refused,
     selections_list_who_was_selected_for_every_attempt,
     uploads_outside_collection_are_refused_and_change_nothing,
     a_round_opens_only_while_running_and_idle,
@@ -729,6 +731,29 @@ async fn round_without_quorum_fails_and_runs_again_as_next_attempt(store: &Store
         attempts,
         vec![(1, RoundStage::Failed, 1), (2, RoundStage::Collecting, 1)]
     );
+}
+
+/// Issue 23: an attempt that missed its quorum had `failure: null`, unlike every other
+/// failed attempt; an admin reading the rounds could not tell why it failed.
+async fn a_round_below_quorum_says_why_it_failed(store: &Store) {
+    let (e, c) = running_with_clients(store, 3).await;
+    let t0 = now_millis();
+    store
+        .open_round(e.id, 1, 1, &c, t0 + 1_000, t0)
+        .await
+        .unwrap();
+    store
+        .record_upload(e.id, 1, 1, &upload(c[0], 5), t0)
+        .await
+        .unwrap();
+    let failed = store
+        .close_collection(e.id, 1, 1, 2, 3, t0 + 1_001)
+        .await
+        .unwrap();
+    assert_eq!(failed.stage, RoundStage::Failed);
+    let why = failed.failure.expect("a failed attempt says why");
+    assert!(why.contains("quorum of 2"), "{why}");
+    assert!(why.starts_with("1 upload"), "{why}");
 }
 
 /// Who was selected for each attempt, failed ones included, in round and attempt order:
@@ -1977,6 +2002,35 @@ async fn a_withheld_evaluation_is_kept_with_its_reason_and_no_figures(store: &St
     let mut stored = store.client_evaluations(e.id).await.unwrap();
     stored.sort_by_key(|s| s.at);
     assert_eq!(stored, [reported, withheld]);
+}
+
+/// Issue 23: a client could report its task failed after its upload was counted, and
+/// the admin saw both; the report is refused as `already_uploaded` and changes nothing.
+async fn a_failure_report_after_the_upload_is_refused(store: &Store) {
+    let (e, c) = running_with_clients_named(store, "uploaded then failed", 2).await;
+    let t0 = now_millis();
+    store
+        .open_round(e.id, 1, 1, &c, t0 + 60_000, t0)
+        .await
+        .unwrap();
+    store
+        .record_upload(e.id, 1, 1, &upload(c[0], 10), t0 + 1)
+        .await
+        .unwrap();
+    let refused = store
+        .record_task_failure(e.id, &failure(1, c[0], "the trainer crashed"))
+        .await;
+    assert!(
+        matches!(
+            refused,
+            Err(StoreError::Refused(UploadRefusal::AlreadyUploaded {
+                round: 1
+            }))
+        ),
+        "{refused:?}"
+    );
+    assert!(store.task_failures(e.id).await.unwrap().is_empty());
+    assert_eq!(store.task_failure_count(e.id, 1, 1).await.unwrap(), 0);
 }
 
 async fn a_failed_task_is_not_handed_out_again_and_frees_a_fedbuff_slot(store: &Store) {

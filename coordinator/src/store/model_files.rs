@@ -242,8 +242,26 @@ impl Store {
     ) -> Result<(), StoreError> {
         let exp = experiment.to_string();
         let client = failure.client_id.to_string();
+        let lock = self.for_update();
         with_pool!(self, p => {
             let mut tx = p.begin_write().await?;
+            // A task whose update is counted did not fail: its report would only make
+            // the admin's view contradict the round's.
+            let state: Option<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT state FROM participations WHERE experiment_id = $1 AND round = $2 \
+                 AND attempt = $3 AND client_id = $4{lock}"
+            )))
+            .bind(&exp)
+            .bind(failure.round)
+            .bind(failure.attempt)
+            .bind(&client)
+            .fetch_optional(&mut *tx)
+            .await?;
+            if state.is_some_and(|(state,)| state == "uploaded") {
+                return Err(StoreError::Refused(
+                    cohort_core::round::UploadRefusal::AlreadyUploaded { round: failure.round },
+                ));
+            }
             sqlx::query(
                 "INSERT INTO task_failures (experiment_id, round, attempt, client_id, reason, at) \
                  VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",

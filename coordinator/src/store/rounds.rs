@@ -796,9 +796,14 @@ impl Store {
                 cohort_core::round::CloseOutcome::Aggregate => "aggregating",
                 cohort_core::round::CloseOutcome::BelowQuorum => "failed",
             };
+            // A failed attempt says why, as every other failure does.
+            let failure = (next == "failed").then(|| {
+                format!("{reported} uploads by the close, below the quorum of {quorum}")
+            });
             sqlx::query(
                 "UPDATE rounds SET stage = $1, dropped = dropped + $2, \
-                 finished_at = CASE WHEN $1 = 'failed' THEN $3 ELSE NULL END \
+                 finished_at = CASE WHEN $1 = 'failed' THEN $3 ELSE NULL END, \
+                 failure = COALESCE($7, failure) \
                  WHERE experiment_id = $4 AND round = $5 AND attempt = $6",
             )
             .bind(next)
@@ -807,6 +812,7 @@ impl Store {
             .bind(&exp)
             .bind(round)
             .bind(attempt)
+            .bind(failure)
             .execute(&mut *tx)
             .await?;
             if next == "aggregating" {

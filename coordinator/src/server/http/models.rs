@@ -309,7 +309,9 @@ async fn report_evaluation(
     params(("id" = String, Path, description = "Experiment id"), ("round" = i64, Path), ("attempt" = i64, Path)),
     request_body = FailureReport,
     responses((status = 201, description = "Recorded"), (status = 401, body = ErrorBody),
-              (status = 404, body = ErrorBody), (status = 422, body = ErrorBody)))]
+              (status = 404, body = ErrorBody),
+              (status = 409, description = "`already_uploaded`: the client's update for this task is already counted", body = ErrorBody),
+              (status = 422, body = ErrorBody)))]
 async fn report_failure(
     State(state): State<AppState>,
     AuthenticatedClient(client): AuthenticatedClient,
