@@ -116,6 +116,7 @@ conformance!(
     round_without_quorum_fails_and_runs_again_as_next_attempt,
     a_round_below_quorum_says_why_it_failed,
     a_failure_report_after_the_upload_is_refused,
+    stopping_an_experiment_fails_its_collecting_round,
     selections_list_who_was_selected_for_every_attempt,
     uploads_outside_collection_are_refused_and_change_nothing,
     a_round_opens_only_while_running_and_idle,
@@ -2031,6 +2032,36 @@ async fn a_failure_report_after_the_upload_is_refused(store: &Store) {
     );
     assert!(store.task_failures(e.id).await.unwrap().is_empty());
     assert_eq!(store.task_failure_count(e.id, 1, 1).await.unwrap(), 0);
+}
+
+/// Issue 23: a stopped experiment's round stayed `collecting` for ever, so a dashboard
+/// or an integrator listing rounds saw a round running in an experiment that was not.
+async fn stopping_an_experiment_fails_its_collecting_round(store: &Store) {
+    let (e, c) = running_with_clients_named(store, "stopped mid-round", 2).await;
+    let t0 = now_millis();
+    store
+        .open_round(e.id, 1, 1, &c, t0 + 60_000, t0)
+        .await
+        .unwrap();
+    store
+        .set_experiment_state(e.id, ExperimentState::Stopped, "admin")
+        .await
+        .unwrap();
+    let round = store.round(e.id, 1, 1).await.unwrap();
+    assert_eq!(round.stage, RoundStage::Failed);
+    assert_eq!(round.failure.as_deref(), Some("the experiment was stopped"));
+    assert!(round.finished_at.is_some());
+    // Nothing is taken for it any more.
+    let refused = store
+        .record_upload(e.id, 1, 1, &upload(c[0], 5), t0 + 1)
+        .await;
+    assert!(
+        matches!(
+            refused,
+            Err(StoreError::Refused(UploadRefusal::NotCollecting { .. }))
+        ),
+        "{refused:?}"
+    );
 }
 
 async fn a_failed_task_is_not_handed_out_again_and_frees_a_fedbuff_slot(store: &Store) {

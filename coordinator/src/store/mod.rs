@@ -584,6 +584,21 @@ impl Store {
                     "experiment {id} changed state concurrently"
                 )));
             }
+            if to == ExperimentState::Stopped {
+                // A stopped experiment takes nothing more: the attempt still collecting
+                // (or in a secure stage) fails with it, so that no round of it reads as
+                // running. One already aggregating holds only uploads taken before the
+                // stop and may still publish.
+                sqlx::query(
+                    "UPDATE rounds SET stage = 'failed', finished_at = $1, \
+                     failure = 'the experiment was stopped' \
+                     WHERE experiment_id = $2 AND stage NOT IN ('published', 'failed', 'aggregating')",
+                )
+                .bind(now)
+                .bind(id.to_string())
+                .execute(&mut *tx)
+                .await?;
+            }
             audit!(tx, now, actor, "experiment.state", id.to_string(), detail);
             tx.commit().await?;
         });
