@@ -571,6 +571,9 @@ on_both_backends!(
     admin_requests_out_of_range_are_422 => [
         "invalid_experiment", "invalid_token_request", "invalid_limit", "invalid_model"
     ],
+    names_with_control_characters_are_422_on_both_backends => [
+        "invalid_experiment", "invalid_token_request", "invalid_model"
+    ],
     admin_changes_the_state_does_not_allow_are_409 => [
         "invalid_transition", "token_spent", "already_revoked"
     ],
@@ -2056,6 +2059,37 @@ async fn secure_message_to_a_failed_round_is_409(h: &Harness) {
             .bearer_auth(c),
         StatusCode::CONFLICT,
         "round_failed",
+    )
+    .await;
+}
+
+/// Issue 23: a NUL in an experiment's name or a token's label was stored on SQLite and
+/// answered 500 on PostgreSQL (its text type cannot hold NUL). One rule for names and
+/// labels now refuses control characters on both.
+async fn names_with_control_characters_are_422_on_both_backends(h: &Harness) {
+    h.refused(
+        h.admin(Method::POST, "/experiments")
+            .json(&serde_json::json!({
+                "name": "nul\u{0}name", "features": 4, "classes": 2, "model": "logreg",
+                "rounds": 1, "clients_per_round": 2, "min_participants": 1
+            })),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_experiment",
+    )
+    .await;
+    h.refused(
+        h.admin(Method::POST, "/enrolment-tokens")
+            .json(&serde_json::json!({"label": "ward\u{0}7"})),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_token_request",
+    )
+    .await;
+    h.refused(
+        h.admin(Method::POST, "/models?name=weights%00v2")
+            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+            .body(b"not a safetensors file".to_vec()),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_model",
     )
     .await;
 }

@@ -13,6 +13,7 @@
 //! - [`privacy`]: differential privacy settings ([`PrivacySpec`]).
 //! - [`round`]: the rules of a synchronous round: its stages, a client's part in it, and
 //!   whether an upload is taken ([`check_upload`]).
+//! - [`text`]: the one rule for names and labels ([`text::check_label`]).
 //! - [`secure`]: secure aggregation settings ([`SecureAggregationSpec`]) and the round
 //!   configuration sized from them.
 
@@ -23,6 +24,7 @@ pub mod round;
 pub mod secure;
 pub mod spec;
 pub mod task;
+pub mod text;
 
 pub use mode::{ExperimentMode, FedBuffSettings, UnknownMode};
 pub use model::SpecModel;

@@ -219,8 +219,8 @@ impl ExperimentSpec {
         let mut problems = Vec::new();
         let mut bad =
             |field: &'static str, message: String| problems.push(SpecProblem { field, message });
-        if self.name.trim().is_empty() || self.name.len() > 200 {
-            bad("name", "name must be 1 to 200 characters".into());
+        if let Err(why) = crate::text::check_label("name", &self.name) {
+            bad("name", why);
         }
         let params = self.model_problems(&mut bad);
         self.round_problems(&mut bad);

@@ -1426,11 +1426,9 @@ pub async fn create_token(
     let fields = form_fields(&body)?;
     let label = field(&fields, "label").unwrap_or("").trim().to_string();
     let hours = field(&fields, "expires_in_hours").unwrap_or("").trim();
-    let error = if label.is_empty() || label.len() > 200 {
-        Some("The label must be 1 to 200 characters.".to_string())
-    } else {
-        None
-    };
+    let error = cohort_core::text::check_label("The label", &label)
+        .err()
+        .map(|why| format!("{why}."));
     let expires_at = match hours {
         "" => Ok(None),
         h => match h.parse::<u64>() {

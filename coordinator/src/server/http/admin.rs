@@ -103,8 +103,8 @@ impl From<InvalidSpec> for ApiError {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewEnrolmentToken {
-    /// Who it is for, e.g. the hospital it is handed to: 1 to 200 bytes, not only
-    /// spaces.
+    /// Who it is for, e.g. the hospital it is handed to: 1 to 200 characters, not only
+    /// spaces, no control characters.
     #[schema(min_length = 1, max_length = 200, pattern = r"\S")]
     pub label: String,
     /// Seconds until it stops working, 1 to ten years; none means it never expires.
@@ -635,11 +635,8 @@ async fn create_token(
     State(state): State<AppState>,
     Json(req): Json<NewEnrolmentToken>,
 ) -> Result<(StatusCode, Json<IssuedEnrolmentToken>), ApiError> {
-    if req.label.trim().is_empty() || req.label.len() > 200 {
-        return Err(ApiError::unprocessable(
-            ErrorCode::InvalidTokenRequest,
-            "label must be 1 to 200 characters",
-        ));
+    if let Err(why) = cohort_core::text::check_label("label", &req.label) {
+        return Err(ApiError::unprocessable(ErrorCode::InvalidTokenRequest, why));
     }
     let expires_at = match req.expires_in_seconds {
         Some(s) if s == 0 || s > MAX_TOKEN_LIFETIME_SECONDS => {

@@ -29,7 +29,7 @@ use crate::store::{ClientEvaluation, ModelFile, TaskFailure, now_millis};
 #[derive(Debug, Clone, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
 pub struct UploadModelQuery {
-    /// A name for people (1 to 200 characters); default `model`.
+    /// A name for people (1 to 200 characters, no control characters); default `model`.
     #[serde(default)]
     pub name: Option<String>,
 }
@@ -73,7 +73,8 @@ async fn upload_model(
     Ok((StatusCode::CREATED, Json(file)))
 }
 
-/// Checks an uploaded model file and stores it: the name (1 to 200 characters), a
+/// Checks an uploaded model file and stores it: the name (1 to 200 characters, no
+/// control characters), a
 /// safetensors file of finite `F32` tensors, at most the parameters a model may have.
 /// Nothing is stored unless all of that holds. Shared by the API and the dashboard, so
 /// that both accept exactly the same files.
@@ -82,11 +83,8 @@ pub(crate) async fn store_model_file(
     name: String,
     body: axum::body::Bytes,
 ) -> Result<ModelFile, ApiError> {
-    if name.trim().is_empty() || name.len() > 200 {
-        return Err(ApiError::unprocessable(
-            ErrorCode::InvalidModel,
-            "name must be 1 to 200 characters",
-        ));
+    if let Err(why) = cohort_core::text::check_label("name", &name) {
+        return Err(ApiError::unprocessable(ErrorCode::InvalidModel, why));
     }
     let (vector, sha256) = tokio::task::spawn_blocking(move || {
         let vector = cohort_aggregation::model_file::decode(&body, usize::MAX)?;

@@ -1,0 +1,46 @@
+//! The one rule for the short texts people give things (an experiment's name, an
+//! enrolment token's label, a model file's name): UTF-8 (the API's JSON and query
+//! strings already are), not blank, at most a number of characters (not bytes), and no
+//! control characters. A control character has no place in a label, and NUL cannot even
+//! be stored by PostgreSQL's text type, so both backends refuse the same inputs.
+
+/// Most characters a name or label may have.
+pub const MAX_LABEL_CHARS: usize = 200;
+
+/// Checks a name or label; `Err` says what is wrong, naming `field`.
+pub fn check_label(field: &str, value: &str) -> Result<(), String> {
+    if value.trim().is_empty() {
+        return Err(format!("{field} must not be blank"));
+    }
+    let chars = value.chars().count();
+    if chars > MAX_LABEL_CHARS {
+        return Err(format!(
+            "{field} must be at most {MAX_LABEL_CHARS} characters, got {chars}"
+        ));
+    }
+    if let Some(c) = value.chars().find(|c| c.is_control()) {
+        return Err(format!(
+            "{field} must not hold control characters (found U+{:04X})",
+            u32::from(c)
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_are_counted_in_characters_and_hold_no_control_characters() {
+        assert!(check_label("name", "digits, round 1").is_ok());
+        // 200 characters of two bytes each: within the limit, which is in characters.
+        assert!(check_label("name", &"é".repeat(200)).is_ok());
+        assert!(check_label("name", &"é".repeat(201)).is_err());
+        assert!(check_label("name", "  ").is_err());
+        let nul = check_label("label", "a\0b").unwrap_err();
+        assert!(nul.contains("U+0000") && nul.starts_with("label"), "{nul}");
+        assert!(check_label("label", "tab\there").is_err());
+        assert!(check_label("label", "line\nbreak").is_err());
+    }
+}
