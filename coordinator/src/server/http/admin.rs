@@ -749,7 +749,8 @@ async fn revoke_client(
 /// The current global model as little-endian `f32` (round in `x-cohort-round`).
 #[utoipa::path(get, path = "/api/v1/admin/experiments/{id}/model", tag = "admin",
     security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
-    responses((status = 200, description = "The model", content_type = "application/octet-stream"),
+    responses((status = 200, description = "The model", content_type = "application/octet-stream",
+               headers(("x-cohort-round" = i64, description = "The round that published this model (0: the initial model)"))),
               (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)))]
 async fn download_model(
     State(state): State<AppState>,
@@ -762,7 +763,8 @@ async fn download_model(
 /// The current global model as a safetensors file (PyTorch state-dict names and shapes).
 #[utoipa::path(get, path = "/api/v1/admin/experiments/{id}/model.safetensors", tag = "admin",
     security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
-    responses((status = 200, description = "The model", content_type = "application/octet-stream"),
+    responses((status = 200, description = "The model", content_type = "application/octet-stream",
+               headers(("x-cohort-round" = i64, description = "The round that published this model (0: the initial model)"))),
               (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)))]
 async fn download_safetensors(
     State(state): State<AppState>,
@@ -844,7 +846,9 @@ pub(crate) fn routes() -> Router<AppState> {
         revoke_token,
         list_clients,
         revoke_client,
-        reset_client_identity
+        reset_client_identity,
+        download_model,
+        download_safetensors
     ),
     components(schemas(
         ExperimentSpec,

@@ -434,6 +434,21 @@ mod tests {
         );
     }
 
+    /// Issue 23: the admin model downloads worked but were missing from `paths`, so a
+    /// generated client had no way to fetch the model it trained.
+    #[test]
+    fn the_admin_model_downloads_are_documented_with_their_round_header() {
+        let doc = serde_json::to_value(openapi()).unwrap();
+        for path in [
+            "/api/v1/admin/experiments/{id}/model",
+            "/api/v1/admin/experiments/{id}/model.safetensors",
+        ] {
+            let ok = &doc["paths"][path]["get"]["responses"]["200"];
+            assert!(ok.is_object(), "{path} is not documented");
+            assert!(ok["headers"]["x-cohort-round"].is_object(), "{path}: {ok}");
+        }
+    }
+
     #[test]
     fn document_has_the_error_schema_and_the_security_scheme() {
         let doc = serde_json::to_value(openapi()).unwrap();
