@@ -508,6 +508,14 @@ struct Round {
     task: Task,
 }
 
+/// A one-round experiment of a built-in 10-parameter logreg, named `name`.
+fn logreg_spec(name: &str) -> serde_json::Value {
+    serde_json::json!({
+        "name": name, "features": 4, "classes": 2, "model": "logreg", "rounds": 1,
+        "clients_per_round": 2, "min_participants": 1
+    })
+}
+
 fn floats(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
@@ -1600,32 +1608,29 @@ async fn a_body_cut_short_is_400_unreadable_body(h: &Harness) {
     );
 }
 
-async fn admin_requests_out_of_range_are_422(h: &Harness) {
+/// Posts `spec` as an experiment, `label` as a token's label and a file that is no
+/// safetensors file as a model named `model_name` (URL-encoded), each refused as 422.
+async fn admin_creations_refused(
+    h: &Harness,
+    spec: &serde_json::Value,
+    label: &str,
+    model_name: &str,
+) {
     h.refused(
-        h.admin(Method::POST, "/experiments")
-            .json(&serde_json::json!({
-                "name": "no rounds", "features": 4, "classes": 2, "model": "logreg",
-                "rounds": 0, "clients_per_round": 2, "min_participants": 1
-            })),
+        h.admin(Method::POST, "/experiments").json(spec),
         StatusCode::UNPROCESSABLE_ENTITY,
         "invalid_experiment",
     )
     .await;
     h.refused(
         h.admin(Method::POST, "/enrolment-tokens")
-            .json(&serde_json::json!({"label": " "})),
+            .json(&serde_json::json!({ "label": label })),
         StatusCode::UNPROCESSABLE_ENTITY,
         "invalid_token_request",
     )
     .await;
     h.refused(
-        h.admin(Method::GET, "/audit?limit=0"),
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "invalid_limit",
-    )
-    .await;
-    h.refused(
-        h.admin(Method::POST, "/models?name=weights")
+        h.admin(Method::POST, &format!("/models?name={model_name}"))
             .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
             .body(b"not a safetensors file".to_vec()),
         StatusCode::UNPROCESSABLE_ENTITY,
@@ -1634,13 +1639,20 @@ async fn admin_requests_out_of_range_are_422(h: &Harness) {
     .await;
 }
 
+async fn admin_requests_out_of_range_are_422(h: &Harness) {
+    let mut no_rounds = logreg_spec("no rounds");
+    no_rounds["rounds"] = 0.into();
+    admin_creations_refused(h, &no_rounds, " ", "weights").await;
+    h.refused(
+        h.admin(Method::GET, "/audit?limit=0"),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_limit",
+    )
+    .await;
+}
+
 async fn admin_changes_the_state_does_not_allow_are_409(h: &Harness) {
-    let id = h
-        .created(&serde_json::json!({
-            "name": "idle", "features": 4, "classes": 2, "model": "logreg", "rounds": 1,
-            "clients_per_round": 2, "min_participants": 1
-        }))
-        .await;
+    let id = h.created(&logreg_spec("idle")).await;
     h.refused(
         h.admin(Method::POST, &format!("/experiments/{id}/resume")),
         StatusCode::CONFLICT,
@@ -1932,12 +1944,7 @@ async fn too_many_failed_authentications_are_429(h: &Harness) {
 }
 
 async fn a_corrupt_stored_value_is_500_without_its_detail(h: &Harness) {
-    let id = h
-        .created(&serde_json::json!({
-            "name": "to corrupt", "features": 4, "classes": 2, "model": "logreg",
-            "rounds": 1, "clients_per_round": 2, "min_participants": 1
-        }))
-        .await;
+    let id = h.created(&logreg_spec("to corrupt")).await;
     // A hand edit of the database: a state no version of Cohort writes.
     let sql = "UPDATE experiments SET state = 'melted' WHERE id = $1";
     match h.db.as_ref().unwrap() {
@@ -2067,29 +2074,11 @@ async fn secure_message_to_a_failed_round_is_409(h: &Harness) {
 /// answered 500 on PostgreSQL (its text type cannot hold NUL). One rule for names and
 /// labels now refuses control characters on both.
 async fn names_with_control_characters_are_422_on_both_backends(h: &Harness) {
-    h.refused(
-        h.admin(Method::POST, "/experiments")
-            .json(&serde_json::json!({
-                "name": "nul\u{0}name", "features": 4, "classes": 2, "model": "logreg",
-                "rounds": 1, "clients_per_round": 2, "min_participants": 1
-            })),
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "invalid_experiment",
-    )
-    .await;
-    h.refused(
-        h.admin(Method::POST, "/enrolment-tokens")
-            .json(&serde_json::json!({"label": "ward\u{0}7"})),
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "invalid_token_request",
-    )
-    .await;
-    h.refused(
-        h.admin(Method::POST, "/models?name=weights%00v2")
-            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
-            .body(b"not a safetensors file".to_vec()),
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "invalid_model",
+    admin_creations_refused(
+        h,
+        &logreg_spec("nul\u{0}name"),
+        "ward\u{0}7",
+        "weights%00v2",
     )
     .await;
 }

@@ -694,8 +694,14 @@ async fn round_records_uploads_and_drops_clients_that_miss_the_deadline(store: &
     ));
 }
 
-async fn round_without_quorum_fails_and_runs_again_as_next_attempt(store: &Store) {
-    let (e, c) = running_with_clients(store, 2).await;
+/// A running experiment of `clients` clients whose first attempt took one upload and
+/// closed below its quorum of 2; returns it, its clients, the time the attempt opened and
+/// the failed attempt.
+async fn attempt_below_quorum(
+    store: &Store,
+    clients: u8,
+) -> (Experiment, Vec<Uuid>, i64, cohort_coordinator::store::Round) {
+    let (e, c) = running_with_clients(store, clients).await;
     let t0 = now_millis();
     store
         .open_round(e.id, 1, 1, &c, t0 + 1_000, t0)
@@ -709,6 +715,11 @@ async fn round_without_quorum_fails_and_runs_again_as_next_attempt(store: &Store
         .close_collection(e.id, 1, 1, 2, 3, t0 + 1_001)
         .await
         .unwrap();
+    (e, c, t0, failed)
+}
+
+async fn round_without_quorum_fails_and_runs_again_as_next_attempt(store: &Store) {
+    let (e, c, t0, failed) = attempt_below_quorum(store, 2).await;
     assert_eq!(failed.stage, RoundStage::Failed);
     assert!(failed.finished_at.is_some());
     let retry = store
@@ -737,20 +748,7 @@ async fn round_without_quorum_fails_and_runs_again_as_next_attempt(store: &Store
 /// Issue 23: an attempt that missed its quorum had `failure: null`, unlike every other
 /// failed attempt; an admin reading the rounds could not tell why it failed.
 async fn a_round_below_quorum_says_why_it_failed(store: &Store) {
-    let (e, c) = running_with_clients(store, 3).await;
-    let t0 = now_millis();
-    store
-        .open_round(e.id, 1, 1, &c, t0 + 1_000, t0)
-        .await
-        .unwrap();
-    store
-        .record_upload(e.id, 1, 1, &upload(c[0], 5), t0)
-        .await
-        .unwrap();
-    let failed = store
-        .close_collection(e.id, 1, 1, 2, 3, t0 + 1_001)
-        .await
-        .unwrap();
+    let (_, _, _, failed) = attempt_below_quorum(store, 3).await;
     assert_eq!(failed.stage, RoundStage::Failed);
     let why = failed.failure.expect("a failed attempt says why");
     assert!(why.contains("quorum of 2"), "{why}");

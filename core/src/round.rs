@@ -488,11 +488,6 @@ impl Collection {
     pub fn closes(&self, due: bool) -> bool {
         due || self.reported + self.dropped + self.failed >= self.selected
     }
-
-    /// What the close leads to, given the experiment's quorum.
-    pub fn outcome(&self, quorum: usize) -> CloseOutcome {
-        close_outcome(self.reported, quorum)
-    }
 }
 
 /// What closing a collection with `reported` uploads leads to: aggregation with a
@@ -613,11 +608,10 @@ mod tests {
         assert!(!c.closes(false));
         assert!(c.closes(true));
         assert!(Collection { failed: 1, ..c }.closes(false));
-        assert_eq!(c.outcome(2), CloseOutcome::Aggregate);
-        assert_eq!(c.outcome(3), CloseOutcome::BelowQuorum);
+        assert_eq!(close_outcome(c.reported, 2), CloseOutcome::Aggregate);
+        assert_eq!(close_outcome(c.reported, 3), CloseOutcome::BelowQuorum);
         // A quorum of zero still needs one upload: there is nothing to average otherwise.
-        let none = Collection { reported: 0, ..c };
-        assert_eq!(none.outcome(0), CloseOutcome::BelowQuorum);
+        assert_eq!(close_outcome(0, 0), CloseOutcome::BelowQuorum);
     }
 
     #[test]

@@ -204,8 +204,8 @@ impl ExperimentSpec {
         crate::round::CohortSize { wanted, needed }
     }
 
-    /// What a synchronous round does after a failed attempt: runs again, up to
-    /// `max_round_attempts`.
+    /// What a synchronous round does after a failed attempt in `serve`: runs again, up to
+    /// `max_round_attempts` (for an in-memory driver that mirrors `serve`).
     pub fn failed_attempt_policy(&self) -> crate::round::FailedAttemptPolicy {
         crate::round::FailedAttemptPolicy::Retry {
             max_attempts: self.max_round_attempts,

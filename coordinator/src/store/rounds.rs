@@ -789,15 +789,13 @@ impl Store {
             .execute(&mut *tx)
             .await?
             .rows_affected() as i64;
-            let next = match cohort_core::round::close_outcome(
+            let aggregate = cohort_core::round::close_outcome(
                 usize::try_from(reported).unwrap_or(0),
                 usize::try_from(quorum).unwrap_or(usize::MAX),
-            ) {
-                cohort_core::round::CloseOutcome::Aggregate => "aggregating",
-                cohort_core::round::CloseOutcome::BelowQuorum => "failed",
-            };
+            ) == cohort_core::round::CloseOutcome::Aggregate;
+            let next = if aggregate { "aggregating" } else { "failed" };
             // A failed attempt says why, as every other failure does.
-            let failure = (next == "failed").then(|| {
+            let failure = (!aggregate).then(|| {
                 format!("{reported} uploads by the close, below the quorum of {quorum}")
             });
             sqlx::query(
@@ -815,7 +813,7 @@ impl Store {
             .bind(failure)
             .execute(&mut *tx)
             .await?;
-            if next == "aggregating" {
+            if aggregate {
                 sqlx::query(super::jobs::ENQUEUE_JOB_SQL)
                 .bind(super::JobKind::Aggregate.as_str())
                 .bind(&exp)

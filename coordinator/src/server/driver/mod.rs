@@ -20,7 +20,7 @@ use cohort_aggregation::{ModelVector, WeightedMean, wire};
 use cohort_edge::model::ModelSpec;
 
 use cohort_core::SpecModel;
-use cohort_core::round::{AfterFailure, Collection, after_failed_attempt};
+use cohort_core::round::Collection;
 use model::ExperimentModel;
 use uuid::Uuid;
 
@@ -386,17 +386,10 @@ async fn step_experiment(state: &AppState, exp: &Experiment, now: i64) -> Result
             }
         }
         RoundStage::Failed => {
-            match after_failed_attempt(round.attempt, spec.failed_attempt_policy()) {
-                AfterFailure::Retry(attempt) => {
-                    open(state, exp, &spec, round.round, attempt, now).await?
-                }
-                AfterFailure::NextRound if round.round >= i64::from(spec.rounds) => {
-                    set_state(state, exp.id, ExperimentState::Finished).await?
-                }
-                AfterFailure::NextRound => open(state, exp, &spec, round.round + 1, 1, now).await?,
-                AfterFailure::FailExperiment => {
-                    set_state(state, exp.id, ExperimentState::Failed).await?
-                }
+            // `serve` runs a failed round again (`FailedAttemptPolicy::Retry`).
+            match cohort_core::round::next_attempt(round.attempt, spec.max_round_attempts) {
+                Some(attempt) => open(state, exp, &spec, round.round, attempt, now).await?,
+                None => set_state(state, exp.id, ExperimentState::Failed).await?,
             }
         }
     }
