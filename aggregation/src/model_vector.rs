@@ -10,10 +10,13 @@ use serde::{Deserialize, Serialize};
 /// Names and row-major shapes follow PyTorch's state-dict convention, so a vector maps
 /// one to one onto a safetensors file or a `state_dict()`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct TensorSpec {
     /// Tensor name, unique within a layout.
+    #[cfg_attr(feature = "openapi", schema(example = "layers.0.weight"))]
     pub name: String,
     /// Dimensions, row-major.
+    #[cfg_attr(feature = "openapi", schema(example = json!([64, 10])))]
     pub shape: Vec<usize>,
 }
 

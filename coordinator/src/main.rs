@@ -39,6 +39,9 @@ enum Command {
     /// Measure Cohort on this machine; JSON lines on stdout.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Print the REST API's OpenAPI document (what `GET /api/v1/openapi.json` serves), to
+    /// generate a client without a running coordinator.
+    Openapi,
     /// Differential privacy accounting: epsilon of a run, or the noise for a budget.
     #[command(subcommand)]
     Privacy(cohort_coordinator::privacy_cli::PrivacyCommand),
@@ -324,6 +327,22 @@ fn main() -> ExitCode {
         Command::Serve(args) => run_serve(args),
         Command::Demo(args) => run_demo(&args),
         Command::Partition(args) => run_partition(&args),
+        Command::Openapi => {
+            // Through a JSON value, whose keys are sorted: the committed snapshot
+            // (`docs/openapi.json`) then diffs by content, not by declaration order.
+            let doc = serde_json::to_value(cohort_coordinator::server::http::openapi())
+                .and_then(|v| serde_json::to_string_pretty(&v));
+            match doc {
+                Ok(text) => {
+                    println!("{text}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Privacy(command) => match cohort_coordinator::privacy_cli::run(&command) {
             Ok(lines) => {
                 for line in lines {

@@ -200,6 +200,46 @@ async fn openapi_document_is_served_without_a_token() {
     server.shut_down().await.unwrap();
 }
 
+/// The committed `docs/openapi.json` is what the server serves: every change to the API's
+/// contract shows as a diff of that file in review. To accept a change, regenerate it
+/// with `cargo run --bin cohort -- openapi > docs/openapi.json` and commit it.
+#[tokio::test]
+async fn the_served_document_is_the_committed_snapshot() {
+    let server = start().await;
+    let served = server
+        .get("/api/v1/openapi.json", None)
+        .await
+        .text()
+        .await
+        .unwrap();
+    let served: serde_json::Value = serde_json::from_str(&served).unwrap();
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/openapi.json");
+    let committed =
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    // The file is `cohort openapi`'s output: the same document, pretty-printed.
+    let expected = format!("{}\n", serde_json::to_string_pretty(&served).unwrap());
+    if committed != expected {
+        let first = committed
+            .lines()
+            .zip(expected.lines())
+            .position(|(a, b)| a != b)
+            .unwrap_or_else(|| committed.lines().count().min(expected.lines().count()));
+        let around = |text: &str| -> String {
+            let lines: Vec<&str> = text.lines().collect();
+            lines[first.saturating_sub(3)..(first + 4).min(lines.len())].join("\n")
+        };
+        panic!(
+            "docs/openapi.json is not the served document (from line {}): regenerate it \
+             with `cargo run --bin cohort -- openapi > docs/openapi.json`, review the diff, \
+             commit it.\ncommitted:\n{}\nserved:\n{}",
+            first + 1,
+            around(&committed),
+            around(&expected)
+        );
+    }
+    server.shut_down().await.unwrap();
+}
+
 #[tokio::test]
 async fn admin_route_without_token_is_401_with_the_error_shape() {
     let server = start().await;
@@ -1305,8 +1345,13 @@ async fn invalid_experiments_are_refused_and_nothing_is_created() {
         .await
         .unwrap();
     assert!(list.is_empty());
+    // An id that is not a UUID is a malformed request, as the document says.
+    let r = server
+        .admin(Method::GET, "/experiments/not-a-uuid", None)
+        .await;
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(error_body(r).await.error.code, "invalid_id");
     for path in [
-        "/experiments/not-a-uuid".to_string(),
         format!("/experiments/{}", uuid::Uuid::new_v4()),
         format!("/experiments/{}/rounds", uuid::Uuid::new_v4()),
     ] {

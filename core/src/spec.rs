@@ -15,11 +15,14 @@ use crate::SpecModel;
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainSettings {
-    /// Local epochs per round.
+    /// Local epochs per round, 1 to 1000.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 1000))]
     pub local_epochs: u32,
-    /// Mini-batch size.
+    /// Mini-batch size, 1 to 2^20.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 1048576))]
     pub batch_size: usize,
-    /// SGD learning rate.
+    /// SGD learning rate, above 0.
+    #[cfg_attr(feature = "openapi", schema(exclusive_minimum = 0))]
     pub lr: f32,
     /// SGD momentum.
     pub momentum: f32,
@@ -45,12 +48,23 @@ impl Default for TrainSettings {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ExperimentSpec {
-    /// Human name.
+    /// Human name: 1 to 200 characters, not blank, no control characters.
+    #[cfg_attr(
+        feature = "openapi",
+        schema(
+            min_length = 1,
+            max_length = 200,
+            pattern = r"^[^\u0000-\u001F\u007F-\u009F]*[^\s\u0000-\u001F\u007F-\u009F][^\u0000-\u001F\u007F-\u009F]*$"
+        )
+    )]
     pub name: String,
-    /// Feature columns of the clients' data (built-in models).
+    /// Feature columns of the clients' data: required (at least 1) for a built-in
+    /// model, unused for `file`.
+    #[cfg_attr(feature = "openapi", schema(minimum = 0, maximum = 268435456))]
     #[serde(default)]
     pub features: usize,
-    /// Number of classes (built-in models).
+    /// Number of classes: required (at least 2) for a built-in model, unused for `file`.
+    #[cfg_attr(feature = "openapi", schema(minimum = 0, maximum = 268435456))]
     #[serde(default)]
     pub classes: usize,
     /// `logreg`, `mlp` or `mlp:H1,H2,...` (built in, trained by the edge client), or
@@ -86,22 +100,28 @@ pub struct ExperimentSpec {
         schema(exclusive_minimum = 0, maximum = 100, example = 0.01)
     )]
     pub server_lr: Option<f32>,
-    /// Rounds to run.
+    /// Rounds to run, 1 to 100000.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 100000))]
     pub rounds: u32,
-    /// Clients whose updates a round needs.
+    /// Clients whose updates a round needs, 1 to 100000.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 100000))]
     pub clients_per_round: usize,
-    /// Minimum uploads for a round to count (the quorum).
+    /// Minimum uploads for a round to count (the quorum): 1 to `clients_per_round`.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 100000))]
     pub min_participants: usize,
-    /// Clients selected per round, as a multiple of `clients_per_round` (>= 1), so that
-    /// dropouts still leave enough uploads.
+    /// Clients selected per round, as a multiple of `clients_per_round` (1 to 10), so
+    /// that dropouts still leave enough uploads.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 10))]
     #[serde(default = "default_over_selection")]
     pub over_selection: f64,
-    /// Seconds selected clients have to upload.
+    /// Seconds selected clients have to upload, 1 to 86400.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 86400))]
     #[serde(default = "default_collect_seconds")]
     pub collect_deadline_seconds: u64,
     /// Attempts a round gets before the experiment fails: a round without quorum, or
     /// whose aggregation failed every try, runs again as its next attempt until then.
     /// In mode `fedbuff`, the attempts a full buffer's aggregation gets.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 100))]
     #[serde(default = "default_round_retries")]
     pub max_round_attempts: u32,
     /// Local training settings.
@@ -129,6 +149,7 @@ pub struct ExperimentSpec {
     /// as this, and the audit log records the clamp. Absent: 1000, the default of
     /// `secure_aggregation.max_weight`, which secure rounds use instead; differentially
     /// private rounds weigh every client equally and take none.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_weight: Option<u32>,
     /// `sync` (the default): rounds with a selected cohort, a deadline and a quorum.
@@ -141,6 +162,7 @@ pub struct ExperimentSpec {
     #[cfg_attr(feature = "openapi", schema(value_type = String, example = "sync"))]
     pub mode: crate::mode::ExperimentMode,
     /// FedBuff: updates per server step (K), 1 to 10000; default `clients_per_round`.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 10000))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub buffer_size: Option<usize>,
     /// FedBuff: clients training at once (C); default `clients_per_round *
@@ -148,6 +170,7 @@ pub struct ExperimentSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub concurrency: Option<usize>,
     /// FedBuff: A in the staleness weight `1 / (1 + tau)^A`, 0 to 10; default 0.5.
+    #[cfg_attr(feature = "openapi", schema(minimum = 0, maximum = 10))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub staleness_exponent: Option<f64>,
     /// FedBuff: updates more than this many server steps stale are dropped (and counted);
@@ -155,6 +178,12 @@ pub struct ExperimentSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_staleness: Option<u32>,
 }
+
+/// The most clients a round may need: beyond this one coordinator's round is not the
+/// tool (and `clients_per_round * over_selection` stays far from overflowing).
+pub const MAX_CLIENTS_PER_ROUND: usize = 100_000;
+/// The most attempts a round may get before the experiment fails.
+pub const MAX_ROUND_ATTEMPTS: u32 = 100;
 
 fn default_strategy() -> Strategy {
     Strategy::FedAvg
@@ -294,10 +323,13 @@ impl ExperimentSpec {
                 format!("rounds must be between 1 and 100000, got {}", self.rounds),
             );
         }
-        if self.clients_per_round == 0 {
+        if self.clients_per_round == 0 || self.clients_per_round > MAX_CLIENTS_PER_ROUND {
             bad(
                 "clients_per_round",
-                "clients_per_round must be at least 1".into(),
+                format!(
+                    "clients_per_round must be between 1 and {MAX_CLIENTS_PER_ROUND}, got {}",
+                    self.clients_per_round
+                ),
             );
         }
         if self.min_participants == 0 || self.min_participants > self.clients_per_round {
@@ -324,10 +356,13 @@ impl ExperimentSpec {
                 "collect_deadline_seconds must be between 1 and 86400".into(),
             );
         }
-        if self.max_round_attempts == 0 {
+        if self.max_round_attempts == 0 || self.max_round_attempts > MAX_ROUND_ATTEMPTS {
             bad(
                 "max_round_attempts",
-                "max_round_attempts must be at least 1".into(),
+                format!(
+                    "max_round_attempts must be between 1 and {MAX_ROUND_ATTEMPTS}, got {}",
+                    self.max_round_attempts
+                ),
             );
         }
         // The strategy itself always has a valid optimizer (its defaults); only a

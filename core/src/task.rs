@@ -3,7 +3,8 @@
 //! FedBuff) and the final evaluation build their tasks here, so a client sees the same
 //! settings whichever handed it the task.
 
-use cohort_edge::protocol::{Task, TaskKind};
+use cohort_edge::model::ModelSpec;
+use cohort_edge::protocol::{Task, TaskKind, UploadForm};
 use cohort_edge::train::TrainConfig;
 use uuid::Uuid;
 
@@ -38,9 +39,22 @@ impl ExperimentSpec {
             },
             secure_aggregation: None,
             kind: TaskKind::Train,
-            tensors: self.tensors.clone(),
+            tensors: self.tensors.clone().or_else(|| self.built_in_tensors()),
+            upload: UploadForm::Weights,
             hyperparameters: self.hyperparameters.clone(),
             report_metrics: self.evaluation_refusal().is_none(),
+        }
+    }
+
+    /// A built-in model's tensors, in the order of its flat vector; `None` for a file
+    /// model (whose tensors the spec carries) or one that does not build (a spec that
+    /// failed validation never gets this far).
+    fn built_in_tensors(&self) -> Option<Vec<cohort_aggregation::TensorSpec>> {
+        match &self.model {
+            SpecModel::BuiltIn(kind) => ModelSpec::new(kind, self.features, self.classes)
+                .ok()
+                .map(|m| m.layout().tensors().to_vec()),
+            SpecModel::File => None,
         }
     }
 

@@ -7,9 +7,15 @@
 /// Most characters a name or label may have.
 pub const MAX_LABEL_CHARS: usize = 200;
 
+/// The rule as the OpenAPI document states it (an ECMA-262 pattern, with `minLength` 1
+/// and `maxLength` [`MAX_LABEL_CHARS`]): some character that is neither a space nor a
+/// control character, and no control character. `\s` there counts U+FEFF as a space,
+/// so [`check_label`] does too: the document and the server refuse the same texts.
+pub const LABEL_PATTERN: &str = r"^[^\u0000-\u001F\u007F-\u009F]*[^\s\u0000-\u001F\u007F-\u009F][^\u0000-\u001F\u007F-\u009F]*$";
+
 /// Checks a name or label; `Err` says what is wrong, naming `field`.
 pub fn check_label(field: &str, value: &str) -> Result<(), String> {
-    if value.trim().is_empty() {
+    if value.chars().all(|c| c.is_whitespace() || c == '\u{feff}') {
         return Err(format!("{field} must not be blank"));
     }
     let chars = value.chars().count();

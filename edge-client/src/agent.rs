@@ -1013,6 +1013,7 @@ mod tests {
             secure_aggregation: None,
             kind: TaskKind::Train,
             tensors: None,
+            upload: crate::protocol::UploadForm::MaskedDifference,
             hyperparameters: None,
             report_metrics: false,
         };

@@ -14,14 +14,24 @@ use serde::{Deserialize, Serialize};
 use crate::data::Dataset;
 use crate::model::{Evaluation, ModelError, ModelSpec};
 
+/// The most local epochs a round may ask for: past this a round is hours of a phone's
+/// battery, and a typo (`10000` for `10`) is likelier than a plan.
+pub const MAX_LOCAL_EPOCHS: u32 = 1000;
+/// The largest mini-batch a round may ask for.
+pub const MAX_BATCH_SIZE: usize = 1 << 20;
+
 /// Hyper-parameters of one round of local training, sent by the server with the task.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct TrainConfig {
-    /// Passes over the local data per round.
+    /// Passes over the local data per round (1 to 1000).
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 1000))]
     pub local_epochs: u32,
-    /// Samples per SGD step; the last batch of an epoch may be smaller.
+    /// Samples per SGD step (1 to 2^20); the last batch of an epoch may be smaller.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 1048576))]
     pub batch_size: usize,
     /// SGD learning rate.
+    #[cfg_attr(feature = "openapi", schema(exclusive_minimum = 0))]
     pub lr: f32,
     /// Heavy-ball momentum (PyTorch convention: `v = m v + g; w -= lr v`).
     pub momentum: f32,
@@ -63,11 +73,17 @@ impl TrainConfig {
     /// Checks every field, so a bad setting is reported before any work starts.
     pub fn validate(&self) -> Result<(), TrainError> {
         let bad = |msg: String| Err(TrainError::InvalidConfig(msg));
-        if self.local_epochs == 0 {
-            return bad("local epochs must be at least 1".into());
+        if self.local_epochs == 0 || self.local_epochs > MAX_LOCAL_EPOCHS {
+            return bad(format!(
+                "local epochs must be between 1 and {MAX_LOCAL_EPOCHS} (got {})",
+                self.local_epochs
+            ));
         }
-        if self.batch_size == 0 {
-            return bad("batch size must be at least 1".into());
+        if self.batch_size == 0 || self.batch_size > MAX_BATCH_SIZE {
+            return bad(format!(
+                "batch size must be between 1 and {MAX_BATCH_SIZE} (got {})",
+                self.batch_size
+            ));
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return bad(format!("learning rate must be > 0 (got {})", self.lr));

@@ -138,11 +138,11 @@ def test_unknown_ids_are_404_not_found(admin, serve):
         assert (e.value.status, e.value.code) == (404, "not_found"), call.__name__
         assert isinstance(e.value, cohort.CohortError)
         assert_no_token(e.value, serve.token)
-    # Not a UUID, nor a path: still the API's 404, never another route.
+    # Not a UUID, nor a path: the API's 400 for a malformed id, never another route.
     for odd in ("not-a-uuid", "../../health", "a b?c=d#e"):
         with pytest.raises(cohort.ApiError) as e:
             admin.experiment(odd)
-        assert (e.value.status, e.value.code) == (404, "not_found")
+        assert (e.value.status, e.value.code) == (400, "invalid_id")
 
 
 def test_a_model_with_no_round_yet_is_404(admin):

@@ -52,6 +52,8 @@ error_codes! {
         "The body is not well-formed JSON.";
     UnreadableBody = "unreadable_body", BAD_REQUEST,
         "The body could not be read (the connection failed part-way, or it is not UTF-8).";
+    InvalidId = "invalid_id", BAD_REQUEST,
+        "A path segment that should be an id (a UUID) is not one.";
     Unauthorized = "unauthorized", UNAUTHORIZED,
         "No valid credential: a missing, malformed or wrong token.";
     Forbidden = "forbidden", FORBIDDEN,

@@ -8,7 +8,7 @@ use uuid::Uuid;
 use super::{BeginWrite, Pool, Store, StoreError, audit, now_millis, parse_uuid, with_pool};
 
 /// What a job does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum JobKind {
     /// Fold a round's uploads into the next global model.
@@ -40,7 +40,7 @@ impl JobKind {
 }
 
 /// Where a job is in its life.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum JobState {
     /// Waiting for a worker (possibly until `run_after`).
@@ -76,7 +76,7 @@ impl JobState {
 }
 
 /// A job row.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct Job {
     /// Identifier.
     pub id: i64,

@@ -299,7 +299,7 @@ pub fn now_millis() -> i64 {
 }
 
 /// Lifecycle of an experiment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ExperimentState {
     /// Created, not started.
@@ -355,13 +355,14 @@ impl ExperimentState {
 }
 
 /// A stored experiment.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Experiment {
     /// Identifier.
     pub id: Uuid,
     /// Human name.
     pub name: String,
     /// Its settings, as given at creation (validated by the API layer).
+    #[schema(value_type = cohort_core::ExperimentSpec)]
     pub spec: serde_json::Value,
     /// Lifecycle state.
     pub state: ExperimentState,

@@ -10,7 +10,7 @@ use uuid::Uuid;
 use super::{BeginWrite, Pool, Store, StoreError, audit, parse_uuid, with_pool};
 
 /// An uploaded model file, as checked and stored.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct ModelFile {
     /// Identifier, named by an experiment's `initial_model`.
     pub id: Uuid,
@@ -24,6 +24,7 @@ pub struct ModelFile {
     pub sha256: String,
     /// The blob holding its values (wire form).
     #[serde(skip)]
+    #[schema(ignore)]
     pub blob_path: String,
     /// Upload time, Unix ms.
     pub created_at: i64,
@@ -48,7 +49,7 @@ impl ModelFile {
 }
 
 /// One client's evaluation of one model version.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct ClientEvaluation {
     /// The published round whose model was evaluated (0: the initial model).
     pub model_version: i64,
@@ -67,7 +68,7 @@ pub struct ClientEvaluation {
 }
 
 /// A task a client reported it could not complete.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct TaskFailure {
     /// The round.
     pub round: i64,

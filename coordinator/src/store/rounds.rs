@@ -25,7 +25,7 @@ fn parse_participation(text: &str) -> Result<ParticipationState, StoreError> {
 }
 
 /// One attempt at one round.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Round {
     /// The experiment.
     pub experiment_id: Uuid,
@@ -54,6 +54,7 @@ pub struct Round {
     /// End (published or failed), Unix ms.
     pub finished_at: Option<i64>,
     /// Secure aggregation's public round settings, for a secure round.
+    #[schema(value_type = Option<Object>)]
     pub secagg: Option<serde_json::Value>,
     /// Why the attempt failed.
     pub failure: Option<String>,
@@ -65,7 +66,7 @@ pub struct Round {
 }
 
 /// How a private round adds its noise.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum NoiseMechanism {
     /// The coordinator clips the plaintext updates and noises their sum.
@@ -76,7 +77,7 @@ pub enum NoiseMechanism {
 
 /// What one attempt of a differentially private round is charged, and what it needs to
 /// run: stored with the round (JSON) when it opens, and updated when it publishes.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct RoundPrivacy {
     /// Where the noise comes from.
     pub mechanism: NoiseMechanism,
@@ -170,7 +171,7 @@ impl Round {
 }
 
 /// A selected client's row.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Participation {
     /// The client.
     pub client_id: Uuid,

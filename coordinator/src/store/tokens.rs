@@ -7,7 +7,7 @@ use uuid::Uuid;
 use super::{BeginWrite, Pool, Store, StoreError, audit, now_millis, parse_uuid, with_pool};
 
 /// A one-time enrolment token, as an admin sees it (never the token itself).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct EnrolmentToken {
     /// Identifier, for listing and revoking.
     pub id: Uuid,
@@ -51,7 +51,7 @@ impl EnrolmentToken {
 }
 
 /// An enrolled client, as an admin sees it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct Client {
     /// Identifier; with its secret, the client's credential.
     pub id: Uuid,

@@ -67,8 +67,21 @@ pub struct IdentityRegistered {
 #[serde(deny_unknown_fields)]
 pub struct CheckIn {
     /// Seconds to wait for a task (long poll), at most 30.
+    #[cfg_attr(feature = "openapi", schema(minimum = 0, maximum = 30))]
     #[serde(default)]
     pub wait_seconds: u64,
+}
+
+/// The answer to an upload (`201`), or to a retry of one already stored (`200`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct UploadReceipt {
+    /// The coordinator's id of the stored upload (not the client's `upload_id` query).
+    pub upload_id: uuid::Uuid,
+    /// `true` when this answers a retry whose first try was already stored: nothing was
+    /// counted again. Absent otherwise.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub replayed: bool,
 }
 
 /// Why a client could not complete a task.
@@ -76,7 +89,8 @@ pub struct CheckIn {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct FailureReport {
-    /// What went wrong, for the admin (cut to 2000 characters).
+    /// What went wrong, for the admin: not blank; cut to 2000 characters.
+    #[cfg_attr(feature = "openapi", schema(min_length = 1, pattern = r"\S"))]
     pub reason: String,
 }
 
@@ -87,8 +101,10 @@ pub struct FailureReport {
 #[serde(deny_unknown_fields)]
 pub struct EvaluationReport {
     /// The published round whose model was evaluated (0: the initial model).
+    #[cfg_attr(feature = "openapi", schema(minimum = 0))]
     pub model_version: i64,
     /// Examples the metrics are over, at least 1; absent when `withheld`.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     #[serde(default)]
     pub num_examples: Option<i64>,
     /// Metric name (letters, digits, `_`, `.`, `-`; up to 64) to a finite value; at most
@@ -125,7 +141,7 @@ impl WithheldReason {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RosterReply {
     /// The round's stage now.
-    pub stage: String,
+    pub stage: super::stage::RoundStage,
     /// The roster, `null` until advertising has closed.
     #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
     pub roster: Option<Roster>,
@@ -137,7 +153,7 @@ pub struct RosterReply {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct DirectoryReply {
     /// The round's stage now.
-    pub stage: String,
+    pub stage: super::stage::RoundStage,
     /// The directory, `null` until revealing has closed.
     #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
     pub directory: Option<KeyDirectory>,
@@ -148,7 +164,7 @@ pub struct DirectoryReply {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SharesReply {
     /// The round's stage now.
-    pub stage: String,
+    pub stage: super::stage::RoundStage,
     /// The shares, `null` until sharing has closed.
     #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
     pub shares: Option<ForwardedShares>,
@@ -159,7 +175,7 @@ pub struct SharesReply {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SurvivorsReply {
     /// The round's stage now.
-    pub stage: String,
+    pub stage: super::stage::RoundStage,
     /// The survivors, `null` until collection has closed.
     #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
     pub request: Option<UnmaskRequest>,

@@ -18,6 +18,7 @@ mod client;
 pub use client::*;
 pub mod messages;
 pub mod routes;
+pub mod stage;
 
 /// A client's credential: its id and secret, kept in the state directory.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -67,11 +68,17 @@ pub struct Task {
     /// the model version and `attempt` 0.
     #[serde(default)]
     pub kind: TaskKind,
-    /// For a model defined by a file (`model` is `file`): its tensors, in the order of
-    /// the model's wire form.
-    #[cfg_attr(feature = "openapi", schema(value_type = Option<Vec<Object>>))]
+    /// The model's tensors, in the order of its wire form (the model download and the
+    /// upload are these tensors' values, each row-major, one after the other). For a
+    /// built-in model: `layers.{i}.weight` of shape `[out, in]` then `layers.{i}.bias`
+    /// of shape `[out]`, for each layer `i` from the input's; for `file`, the model
+    /// file's tensors. Absent only from a coordinator older than this field.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tensors: Option<Vec<cohort_aggregation::TensorSpec>>,
+    /// What the upload holds: the new weights, or (secure rounds) the masked difference
+    /// from the model the client received.
+    #[serde(default)]
+    pub upload: UploadForm,
     /// The experiment's free-form settings for the client's trainer.
     #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -92,6 +99,21 @@ pub enum TaskKind {
     Train,
     /// Evaluate the current model and report metrics; nothing is uploaded.
     Evaluate,
+}
+
+/// What a task's upload holds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum UploadForm {
+    /// The locally trained model itself (not a difference): little-endian `f32` values
+    /// in the order of the task's `tensors`, with `num_samples` in the query.
+    #[default]
+    Weights,
+    /// Secure rounds: the difference from the model the client received, clipped,
+    /// quantized and masked as the round's settings say (`d + 2` little-endian `u32`
+    /// words: the `d` values, then the weight and the weighted loss).
+    MaskedDifference,
 }
 
 /// A client's part in a secure round.

@@ -105,7 +105,11 @@ impl From<InvalidSpec> for ApiError {
 pub struct NewEnrolmentToken {
     /// Who it is for, e.g. the hospital it is handed to: 1 to 200 characters, not only
     /// spaces, no control characters.
-    #[schema(min_length = 1, max_length = 200, pattern = r"\S")]
+    #[schema(
+        min_length = 1,
+        max_length = 200,
+        pattern = r"^[^\u0000-\u001F\u007F-\u009F]*[^\s\u0000-\u001F\u007F-\u009F][^\u0000-\u001F\u007F-\u009F]*$"
+    )]
     pub label: String,
     /// Seconds until it stops working, 1 to ten years; none means it never expires.
     #[serde(default)]
@@ -132,7 +136,7 @@ pub struct IssuedEnrolmentToken {
 /// Creates an experiment in state `created`.
 #[utoipa::path(post, path = "/api/v1/admin/experiments", tag = "admin",
     security(("admin_token" = [])), request_body = ExperimentSpec,
-    responses((status = 201, description = "Created"), (status = 401, body = ErrorBody),
+    responses((status = 201, description = "Created; later calls name it by its `id`", body = Experiment), (status = 401, body = ErrorBody),
               (status = 422, description = "Invalid spec", body = ErrorBody)))]
 async fn create_experiment(
     State(state): State<AppState>,
@@ -185,7 +189,7 @@ pub(crate) async fn resolve_initial_model(
 /// Lists experiments, newest first.
 #[utoipa::path(get, path = "/api/v1/admin/experiments", tag = "admin",
     security(("admin_token" = [])),
-    responses((status = 200, description = "Experiments"), (status = 401, body = ErrorBody)))]
+    responses((status = 200, description = "Experiments, newest first", body = Vec<Experiment>), (status = 401, body = ErrorBody)))]
 async fn list_experiments(
     State(state): State<AppState>,
 ) -> Result<Json<Vec<Experiment>>, ApiError> {
@@ -194,8 +198,8 @@ async fn list_experiments(
 
 /// One experiment.
 #[utoipa::path(get, path = "/api/v1/admin/experiments/{id}", tag = "admin",
-    security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
-    responses((status = 200, description = "The experiment"), (status = 401, body = ErrorBody),
+    security(("admin_token" = [])), params(("id" = uuid::Uuid, Path, description = "Experiment id")),
+    responses((status = 200, description = "The experiment", body = Experiment), (status = 401, body = ErrorBody),
               (status = 404, body = ErrorBody)))]
 async fn get_experiment(
     State(state): State<AppState>,
@@ -221,8 +225,8 @@ async fn transition(
 
 /// Starts a created experiment.
 #[utoipa::path(post, path = "/api/v1/admin/experiments/{id}/start", tag = "admin",
-    security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
-    responses((status = 200, description = "Running"), (status = 401, body = ErrorBody),
+    security(("admin_token" = [])), params(("id" = uuid::Uuid, Path, description = "Experiment id")),
+    responses((status = 200, description = "Running", body = Experiment), (status = 401, body = ErrorBody),
               (status = 404, body = ErrorBody), (status = 409, description = "Not startable", body = ErrorBody)))]
 async fn start_experiment(
     State(state): State<AppState>,
@@ -244,8 +248,8 @@ async fn start_experiment(
 
 /// Pauses a running experiment: the round in progress finishes, no new one starts.
 #[utoipa::path(post, path = "/api/v1/admin/experiments/{id}/pause", tag = "admin",
-    security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
-    responses((status = 200, description = "Paused"), (status = 401, body = ErrorBody),
+    security(("admin_token" = [])), params(("id" = uuid::Uuid, Path, description = "Experiment id")),
+    responses((status = 200, description = "Paused", body = Experiment), (status = 401, body = ErrorBody),
               (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 async fn pause_experiment(
     State(state): State<AppState>,
@@ -256,8 +260,8 @@ async fn pause_experiment(
 
 /// Resumes a paused experiment.
 #[utoipa::path(post, path = "/api/v1/admin/experiments/{id}/resume", tag = "admin",
-    security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
-    responses((status = 200, description = "Running"), (status = 401, body = ErrorBody),
+    security(("admin_token" = [])), params(("id" = uuid::Uuid, Path, description = "Experiment id")),
+    responses((status = 200, description = "Running", body = Experiment), (status = 401, body = ErrorBody),
               (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 async fn resume_experiment(
     State(state): State<AppState>,
@@ -276,8 +280,8 @@ async fn resume_experiment(
 
 /// Stops an experiment for good.
 #[utoipa::path(post, path = "/api/v1/admin/experiments/{id}/stop", tag = "admin",
-    security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
-    responses((status = 200, description = "Stopped"), (status = 401, body = ErrorBody),
+    security(("admin_token" = [])), params(("id" = uuid::Uuid, Path, description = "Experiment id")),
+    responses((status = 200, description = "Stopped", body = Experiment), (status = 401, body = ErrorBody),
               (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 async fn stop_experiment(
     State(state): State<AppState>,
@@ -288,8 +292,8 @@ async fn stop_experiment(
 
 /// Every round attempt of an experiment, with its stage and metrics.
 #[utoipa::path(get, path = "/api/v1/admin/experiments/{id}/rounds", tag = "admin",
-    security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
-    responses((status = 200, description = "Rounds"), (status = 401, body = ErrorBody),
+    security(("admin_token" = [])), params(("id" = uuid::Uuid, Path, description = "Experiment id")),
+    responses((status = 200, description = "Every round attempt, oldest first", body = Vec<RoundView>), (status = 401, body = ErrorBody),
               (status = 404, body = ErrorBody)))]
 async fn list_rounds(
     State(state): State<AppState>,
@@ -351,7 +355,6 @@ pub(crate) async fn coordinator_epsilon_by_attempt(
 pub struct RoundView {
     /// The attempt: stage, deadline, counts, metrics, failure.
     #[serde(flatten)]
-    #[schema(value_type = Object)]
     pub round: Round,
     /// For a published round of a file model: the clients' evaluations of the model it
     /// published (reported by the next round's clients, or, for the last round, by
@@ -359,7 +362,6 @@ pub struct RoundView {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub client_evaluation: Option<crate::server::http::models::EvaluationSummary>,
     /// Tasks of this attempt that clients reported they could not complete, with why.
-    #[schema(value_type = Vec<Object>)]
     pub failures: Vec<crate::store::TaskFailure>,
     /// Differential privacy: epsilon spent against the coordinator up to and including
     /// this attempt (the worst client's; `epsilon` is against observers). `null` without
@@ -433,7 +435,7 @@ pub struct PrivacyRound {
 /// observers of the published models and against the coordinator. 404 names an
 /// experiment without differential privacy as well as an unknown one.
 #[utoipa::path(get, path = "/api/v1/admin/experiments/{id}/privacy", tag = "admin",
-    security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
+    security(("admin_token" = [])), params(("id" = uuid::Uuid, Path, description = "Experiment id")),
     responses((status = 200, description = "Privacy spent", body = PrivacyReport),
               (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)))]
 async fn get_privacy(
@@ -551,12 +553,10 @@ pub struct SecureRoundView {
 #[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct RoundDetail {
     /// The attempt: stage, deadline, counts, metrics, failure.
-    #[schema(value_type = Object)]
     pub round: Round,
     /// For a secure round: the protocol's progress and who dropped where.
     pub secure_aggregation: Option<SecureRoundView>,
     /// Every selected client's part: state, protocol index and progress, drop stage.
-    #[schema(value_type = Vec<Object>)]
     pub participants: Vec<crate::store::Participation>,
 }
 
@@ -564,7 +564,7 @@ pub struct RoundDetail {
 /// dropped out at which stage.
 #[utoipa::path(get, path = "/api/v1/admin/experiments/{id}/rounds/{round}/attempts/{attempt}", tag = "admin",
     security(("admin_token" = [])),
-    params(("id" = String, Path, description = "Experiment id"), ("round" = i64, Path), ("attempt" = i64, Path)),
+    params(("id" = uuid::Uuid, Path, description = "Experiment id"), ("round" = i64, Path), ("attempt" = i64, Path)),
     responses((status = 200, description = "The round attempt", body = RoundDetail), (status = 401, body = ErrorBody),
               (status = 404, body = ErrorBody)))]
 async fn get_round(
@@ -614,8 +614,8 @@ async fn get_round(
 
 /// The jobs of an experiment (aggregation, evaluation, publishing) and their state.
 #[utoipa::path(get, path = "/api/v1/admin/experiments/{id}/jobs", tag = "admin",
-    security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
-    responses((status = 200, description = "Jobs"), (status = 401, body = ErrorBody),
+    security(("admin_token" = [])), params(("id" = uuid::Uuid, Path, description = "Experiment id")),
+    responses((status = 200, description = "Jobs", body = Vec<Job>), (status = 401, body = ErrorBody),
               (status = 404, body = ErrorBody)))]
 async fn list_jobs(
     State(state): State<AppState>,
@@ -667,14 +667,14 @@ async fn create_token(
 /// Lists enrolment tokens (never the tokens themselves).
 #[utoipa::path(get, path = "/api/v1/admin/enrolment-tokens", tag = "admin",
     security(("admin_token" = [])),
-    responses((status = 200, description = "Tokens"), (status = 401, body = ErrorBody)))]
+    responses((status = 200, description = "Tokens", body = Vec<EnrolmentToken>), (status = 401, body = ErrorBody)))]
 async fn list_tokens(State(state): State<AppState>) -> Result<Json<Vec<EnrolmentToken>>, ApiError> {
     Ok(Json(state.store.enrolment_tokens().await?))
 }
 
 /// Revokes an unused enrolment token.
 #[utoipa::path(post, path = "/api/v1/admin/enrolment-tokens/{id}/revoke", tag = "admin",
-    security(("admin_token" = [])), params(("id" = String, Path, description = "Token id")),
+    security(("admin_token" = [])), params(("id" = uuid::Uuid, Path, description = "Token id")),
     responses((status = 204, description = "Revoked"), (status = 401, body = ErrorBody),
               (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 async fn revoke_token(
@@ -689,7 +689,7 @@ async fn revoke_token(
 /// Lists enrolled clients.
 #[utoipa::path(get, path = "/api/v1/admin/clients", tag = "admin",
     security(("admin_token" = [])),
-    responses((status = 200, description = "Clients"), (status = 401, body = ErrorBody)))]
+    responses((status = 200, description = "Clients", body = Vec<ClientListing>), (status = 401, body = ErrorBody)))]
 async fn list_clients(State(state): State<AppState>) -> Result<Json<Vec<ClientListing>>, ApiError> {
     let identities = state.store.client_identities().await?;
     let clients = state.store.clients().await?;
@@ -707,7 +707,7 @@ async fn list_clients(State(state): State<AppState>) -> Result<Json<Vec<ClientLi
 }
 
 /// An enrolled client with its identity's fingerprint.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
 pub struct ClientListing {
     /// The client.
     #[serde(flatten)]
@@ -720,7 +720,7 @@ pub struct ClientListing {
 /// Clears a client's identity so that it can register a new one (a site that lost its
 /// key). Audited: a swapped identity is what an impostor needs.
 #[utoipa::path(delete, path = "/api/v1/admin/clients/{id}/identity", tag = "admin",
-    security(("admin_token" = [])), params(("id" = String, Path, description = "Client id")),
+    security(("admin_token" = [])), params(("id" = uuid::Uuid, Path, description = "Client id")),
     responses((status = 204, description = "Cleared"), (status = 401, body = ErrorBody),
               (status = 404, description = "No such client, or no identity", body = ErrorBody)))]
 async fn reset_client_identity(
@@ -734,7 +734,7 @@ async fn reset_client_identity(
 
 /// Revokes a client: its credential is refused from now on.
 #[utoipa::path(post, path = "/api/v1/admin/clients/{id}/revoke", tag = "admin",
-    security(("admin_token" = [])), params(("id" = String, Path, description = "Client id")),
+    security(("admin_token" = [])), params(("id" = uuid::Uuid, Path, description = "Client id")),
     responses((status = 204, description = "Revoked"), (status = 401, body = ErrorBody),
               (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 async fn revoke_client(
@@ -746,9 +746,13 @@ async fn revoke_client(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// The current global model as little-endian `f32` (round in `x-cohort-round`).
+/// The current global model, as raw values.
+///
+/// The body is the model's `d` parameters as little-endian IEEE-754 `f32` (`4 d`
+/// bytes), in the order of the experiment's tensors (a task's `tensors`), each tensor
+/// row-major; the round that published it is in the `x-cohort-round` header.
 #[utoipa::path(get, path = "/api/v1/admin/experiments/{id}/model", tag = "admin",
-    security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
+    security(("admin_token" = [])), params(("id" = uuid::Uuid, Path, description = "Experiment id")),
     responses((status = 200, description = "The model", content_type = "application/octet-stream",
                headers(("x-cohort-round" = i64, description = "The round that published this model (0: the initial model)"))),
               (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)))]
@@ -760,9 +764,13 @@ async fn download_model(
     octets(bytes, round, None)
 }
 
-/// The current global model as a safetensors file (PyTorch state-dict names and shapes).
+/// The current global model as a safetensors file.
+///
+/// The file holds one `F32` tensor per model tensor, with PyTorch state-dict names and
+/// shapes (`layers.{i}.weight`, `layers.{i}.bias` for a built-in model), loadable with
+/// `safetensors.torch.load_file`; the round that published it is in `x-cohort-round`.
 #[utoipa::path(get, path = "/api/v1/admin/experiments/{id}/model.safetensors", tag = "admin",
-    security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
+    security(("admin_token" = [])), params(("id" = uuid::Uuid, Path, description = "Experiment id")),
     responses((status = 200, description = "The model", content_type = "application/octet-stream",
                headers(("x-cohort-round" = i64, description = "The round that published this model (0: the initial model)"))),
               (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)))]

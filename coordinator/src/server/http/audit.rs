@@ -20,6 +20,7 @@ pub const MAX_AUDIT_PAGE: i64 = 1000;
 
 /// Paging through the log.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct AuditQuery {
     /// Entries to return, 1 to 1000 (default 100).

@@ -10,9 +10,11 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
-use cohort_edge::protocol::messages::{CheckIn, EnrolRequest, IdentityRegistered, IdentityRequest};
+use cohort_edge::protocol::messages::{
+    CheckIn, EnrolRequest, IdentityRegistered, IdentityRequest, UploadReceipt,
+};
 use cohort_edge::protocol::routes;
-use cohort_edge::protocol::{CheckInReply, SecureTask, Task, TaskKind};
+use cohort_edge::protocol::{CheckInReply, SecureTask, Task, TaskKind, UploadForm};
 
 use super::extract::{AuthenticatedClient, require_participant};
 use crate::server::AppState;
@@ -195,7 +197,7 @@ pub(crate) fn routes() -> Router<AppState> {
 #[derive(utoipa::OpenApi)]
 #[openapi(
     paths(enrol, me, register_identity, checkin, model, upload),
-    components(schemas(EnrolRequest, IdentityRequest, IdentityRegistered, Enrolled, ClientIdentity, CheckIn, Task, TaskKind, SecureTask, CheckInReply)),
+    components(schemas(EnrolRequest, IdentityRequest, IdentityRegistered, Enrolled, ClientIdentity, CheckIn, Task, TaskKind, UploadForm, SecureTask, CheckInReply)),
     tags((name = "client", description = "Edge clients (enrolment, then the client credential)"))
 )]
 pub(crate) struct ClientDoc;
@@ -219,8 +221,14 @@ async fn task_for(state: &AppState, client: Uuid) -> Result<Option<Task>, ApiErr
         }),
         _ => None,
     };
+    let upload = if secure_aggregation.is_some() {
+        UploadForm::MaskedDifference
+    } else {
+        UploadForm::Weights
+    };
     Ok(Some(Task {
         secure_aggregation,
+        upload,
         ..spec.plain_task(exp.id, pending.round, pending.attempt, pending.deadline)
     }))
 }
@@ -282,12 +290,16 @@ async fn checkin(
     }
 }
 
-/// The experiment's current global model as little-endian `f32`; the round that
-/// produced it is in the `x-cohort-round` header. Only for a client that takes part in
-/// the experiment; to any other, the experiment does not exist.
+/// The experiment's current global model.
+///
+/// The body is the model's `d` parameters as little-endian IEEE-754 `f32` (`4 d`
+/// bytes), in the order of the task's `tensors`, each tensor row-major; the round that
+/// published it is in the `x-cohort-round` header (0: the initial model). Only for a
+/// client that takes part in the experiment; to any other, the experiment does not exist.
 #[utoipa::path(get, path = "/api/v1/clients/experiments/{id}/model", tag = "client",
-    security(("client_credential" = [])), params(("id" = String, Path, description = "Experiment id")),
-    responses((status = 200, description = "The model", content_type = "application/octet-stream"),
+    security(("client_credential" = [])), params(("id" = uuid::Uuid, Path, description = "Experiment id")),
+    responses((status = 200, description = "The model", content_type = "application/octet-stream",
+               headers(("x-cohort-round" = i64, description = "The round that published this model (0: the initial model)"))),
               (status = 401, body = ErrorBody),
               (status = 404, description = "No such experiment, or the client takes no part in it", body = ErrorBody)))]
 async fn model(
@@ -303,13 +315,20 @@ async fn model(
     crate::server::http::extract::octets(bytes, round, None)
 }
 
+/// The most samples an upload may claim. The weight counted is capped lower still (the
+/// experiment's `max_weight`); this bound keeps a claim a number that every client
+/// language and the database hold exactly, and refuses the absurd outright.
+pub const MAX_NUM_SAMPLES: i64 = 1_000_000_000;
+
 /// Metadata of an upload, in the query string.
 #[derive(Debug, Clone, PartialEq, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct UploadQuery {
-    /// Samples behind the update (the FedAvg weight), at least 1; counted as at most the
+    /// Samples behind the update (the FedAvg weight), 1 to 10^9; counted as at most the
     /// experiment's `max_weight`. Required for a plain round; refused for a secure one,
     /// whose weight travels inside the masked vector.
+    #[param(minimum = 1, maximum = 1_000_000_000)]
     #[serde(default)]
     pub num_samples: Option<i64>,
     /// The client's mean training loss.
@@ -322,16 +341,23 @@ pub struct UploadQuery {
     pub upload_id: Option<Uuid>,
 }
 
-/// Uploads a trained update (little-endian `f32`, `application/octet-stream`), or, in a
-/// secure round, the masked input (`d + 2` little-endian `u32` words, no query). The
-/// upload is on disk and recorded before the 201 is sent.
+/// Uploads the client's update for its task.
+///
+/// The body (`application/octet-stream`) is what the task's `upload` says. `weights`: the
+/// locally trained model's `d` parameters as little-endian IEEE-754 `f32` (`4 d` bytes),
+/// in the order of the task's `tensors`, each tensor row-major, every value finite, with
+/// `num_samples` (and optionally `train_loss`) in the query. `masked_difference` (secure
+/// rounds): `d + 2` little-endian `u32` words (`4 (d + 2)` bytes), the masked quantized
+/// difference from the received model followed by the masked weight and weighted loss,
+/// and no `num_samples` or `train_loss`. The upload is on disk and recorded before the
+/// answer is sent.
 #[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/update",
     tag = "client", security(("client_credential" = [])),
-    params(("id" = String, Path, description = "Experiment id"), ("round" = i64, Path, description = "Round"),
+    params(("id" = uuid::Uuid, Path, description = "Experiment id"), ("round" = i64, Path, description = "Round"),
            ("attempt" = i64, Path, description = "Attempt"), UploadQuery),
     request_body(content = Vec<u8>, content_type = "application/octet-stream"),
-    responses((status = 201, description = "Stored"),
-              (status = 200, description = "A retry (same upload_id) of an upload already stored: nothing counted again"),
+    responses((status = 201, description = "Stored", body = UploadReceipt),
+              (status = 200, description = "A retry (same upload_id) of an upload already stored: nothing counted again", body = UploadReceipt),
               (status = 401, body = ErrorBody),
               (status = 404, body = ErrorBody), (status = 409, description = "Refused by the round's rules, with nothing changed; the code says which: `round_not_collecting` (the attempt is in another stage), `deadline_passed`, `not_selected`, `already_uploaded` (a second upload, or a replay without its upload_id), `dropped_from_round` (also a secure round's client whose key shares did not go out), `task_expired` (FedBuff: the task outlived its deadline), `too_stale` (FedBuff: the update is staler than max_staleness)", body = ErrorBody),
               (status = 413, body = ErrorBody), (status = 415, body = ErrorBody),
@@ -345,7 +371,7 @@ async fn upload(
     query: Result<axum::extract::Query<UploadQuery>, axum::extract::rejection::QueryRejection>,
     headers: axum::http::HeaderMap,
     body: axum::body::Body,
-) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
+) -> Result<(StatusCode, Json<UploadReceipt>), ApiError> {
     state.limits.upload(client.id, peer)?;
     let axum::extract::Query(query) =
         query.map_err(|e| ApiError::unprocessable(ErrorCode::InvalidQuery, e.body_text()))?;
@@ -425,7 +451,10 @@ async fn upload(
             }
             Ok((
                 StatusCode::CREATED,
-                Json(serde_json::json!({"upload_id": upload.id})),
+                Json(UploadReceipt {
+                    upload_id: upload.id,
+                    replayed: false,
+                }),
             ))
         }
         Err(e) => {
@@ -455,10 +484,13 @@ fn check_upload_request(
             "an update must be sent as application/octet-stream".into(),
         ));
     }
-    if query.num_samples.is_some_and(|n| n < 1) {
+    if query
+        .num_samples
+        .is_some_and(|n| !(1..=MAX_NUM_SAMPLES).contains(&n))
+    {
         return Err(ApiError::unprocessable(
             ErrorCode::InvalidQuery,
-            "num_samples must be at least 1",
+            format!("num_samples must be between 1 and {MAX_NUM_SAMPLES}"),
         ));
     }
     if query.train_loss.is_some_and(|l| !l.is_finite()) {
@@ -500,7 +532,7 @@ async fn stored_upload(
     experiment: Uuid,
     client: Uuid,
     upload_id: Option<Uuid>,
-) -> Result<Option<(StatusCode, Json<serde_json::Value>)>, ApiError> {
+) -> Result<Option<(StatusCode, Json<UploadReceipt>)>, ApiError> {
     let Some(upload_id) = upload_id else {
         return Ok(None);
     };
@@ -511,7 +543,10 @@ async fn stored_upload(
     Ok(stored.map(|u| {
         (
             StatusCode::OK,
-            Json(serde_json::json!({"upload_id": u.id, "replayed": true})),
+            Json(UploadReceipt {
+                upload_id: u.id,
+                replayed: true,
+            }),
         )
     }))
 }

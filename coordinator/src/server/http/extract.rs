@@ -9,12 +9,16 @@ use uuid::Uuid;
 
 use crate::server::AppState;
 use crate::server::auth::{parse_bearer, verify_secret};
-use crate::server::error::ApiError;
+use crate::server::error::{ApiError, ErrorCode};
 use crate::store::{Client, Experiment, StoreError, now_millis};
 
-/// An id from a path; one that does not parse names nothing, so it is a 404.
+/// An id from a path. One that is not a UUID is a malformed request (400, as the
+/// document's `format: uuid` says), not a missing resource; a UUID naming nothing is 404.
 pub(crate) fn parse_id(text: &str, what: &str) -> Result<Uuid, ApiError> {
-    Uuid::parse_str(text).map_err(|_| ApiError::NotFound(format!("{what} {text}")))
+    Uuid::parse_str(text).map_err(|_| ApiError::BadRequest {
+        code: ErrorCode::InvalidId,
+        message: format!("the {what} id is not a UUID"),
+    })
 }
 
 /// Extractor: the client whose credential the request carries. Missing or wrong

@@ -129,7 +129,7 @@ pub struct FedBuffReport {
 /// A FedBuff experiment's steps: how many updates each buffered and how stale they were,
 /// and how many tasks were dropped as too stale or expired.
 #[utoipa::path(get, path = "/api/v1/admin/experiments/{id}/fedbuff", tag = "admin",
-    security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
+    security(("admin_token" = [])), params(("id" = uuid::Uuid, Path, description = "Experiment id")),
     responses((status = 200, description = "The steps", body = FedBuffReport),
               (status = 401, body = ErrorBody),
               (status = 404, description = "No such experiment, or not in mode fedbuff", body = ErrorBody)))]

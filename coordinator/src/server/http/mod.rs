@@ -68,8 +68,51 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
         SecurityScheme::Http(scheme),
     );
     document_framework_answers(&mut doc);
+    document_binary_bodies(&mut doc);
     document_error_codes(&mut doc);
     doc
+}
+
+/// Describes every `application/octet-stream` body, sent or answered, as what it is on
+/// the wire: a string of bytes (`format: binary`), so that a generated client sends and
+/// returns raw bytes instead of a JSON array of integers. Each operation's description
+/// gives the byte layout.
+fn document_binary_bodies(doc: &mut utoipa::openapi::OpenApi) {
+    use utoipa::openapi::schema::{KnownFormat, ObjectBuilder, SchemaFormat, Type};
+    use utoipa::openapi::{RefOr, Schema};
+    let binary = || -> RefOr<Schema> {
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .format(Some(SchemaFormat::KnownFormat(KnownFormat::Binary)))
+            .build()
+            .into()
+    };
+    const OCTETS: &str = "application/octet-stream";
+    for item in doc.paths.paths.values_mut() {
+        for op in [
+            &mut item.get,
+            &mut item.post,
+            &mut item.put,
+            &mut item.delete,
+            &mut item.patch,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if let Some(RefOr::T(body)) = op.request_body.as_mut()
+                && let Some(RefOr::T(content)) = body.content.get_mut(OCTETS)
+            {
+                content.schema = Some(binary());
+            }
+            for response in op.responses.responses.values_mut() {
+                if let RefOr::T(response) = response
+                    && let Some(RefOr::T(content)) = response.content.get_mut(OCTETS)
+                {
+                    content.schema = Some(binary());
+                }
+            }
+        }
+    }
 }
 
 /// Enumerates `ErrorBody.error.code` from [`ErrorCode::ALL`], each with its status and
@@ -133,38 +176,105 @@ fn document_framework_answers(doc: &mut utoipa::openapi::OpenApi) {
         .flatten()
         {
             // A path or query parameter that does not parse (an attempt number past
-            // i64) is refused before the handler runs, as is a body that does not.
-            let has_parameters = op.parameters.as_ref().is_some_and(|ps| !ps.is_empty());
+            // i64, an id that is not a UUID) is refused before the handler runs, as is a
+            // body that does not.
+            use utoipa::openapi::path::ParameterIn;
+            let has_path = has_parameter_in(op, ParameterIn::Path);
+            let has_query = has_parameter_in(op, ParameterIn::Query);
             let has_body = op.request_body.is_some();
-            let responses = &mut op.responses.responses;
-            if has_body || has_parameters {
-                responses.entry("400".into()).or_insert_with(|| {
-                    error("The body or a path or query parameter does not parse")
-                });
+            let secured = op.security.as_ref().is_some_and(|s| !s.is_empty());
+            // A revoked client's credential still authenticates, and is refused.
+            let as_client = serde_json::to_value(&op.security).is_ok_and(|v| {
+                v.to_string()
+                    .contains(crate::server::http::client_api::CLIENT_SECURITY_SCHEME)
+            });
+            let mut answers: Vec<(&str, &str)> = Vec::new();
+            if has_body || has_path || has_query {
+                answers.push((
+                    "400",
+                    "The body or a path or query parameter does not parse",
+                ));
+            }
+            if secured {
+                answers.push(("401", "No valid credential"));
+            }
+            if as_client {
+                answers.push(("403", "The client is revoked"));
+            }
+            if has_path {
+                answers.push(("404", "Nothing has this id"));
             }
             if has_body {
-                responses
-                    .entry("413".into())
-                    .or_insert_with(|| error("The body is larger than the server takes"));
-                responses
-                    .entry("415".into())
-                    .or_insert_with(|| error("The body's content type is not the one documented"));
+                answers.push(("413", "The body is larger than the server takes"));
+                answers.push(("415", "The body's content type is not the one documented"));
             }
-            responses.entry("503".into()).or_insert_with(|| {
-                error("The database is unreachable for now: retry after Retry-After seconds")
-            });
+            if has_body || has_query {
+                answers.push((
+                    "422",
+                    "The body or a query parameter parses but is not valid here (an unknown \
+                     field, a wrong type, a value out of range)",
+                ));
+            }
             // Every route behind a token refuses an address that failed to authenticate
             // too often, before it looks at the token.
-            if op.security.as_ref().is_some_and(|s| !s.is_empty()) {
-                responses.entry("429".into()).or_insert_with(|| {
-                    error(
-                        "Too many failed authentications from this address, or too many \
-                         requests from this client: retry after Retry-After seconds",
-                    )
-                });
+            if secured {
+                answers.push((
+                    "429",
+                    "Too many failed authentications from this address, or too many \
+                     requests from this client: retry after Retry-After seconds",
+                ));
+            }
+            answers.push((
+                "503",
+                "The database is unreachable for now: retry after Retry-After seconds",
+            ));
+            for (status, description) in answers {
+                op.responses
+                    .responses
+                    .entry(status.into())
+                    .or_insert_with(|| error(description));
+            }
+            // OpenAPI requires a description on every response; a handler's own listing
+            // of a refusal often gives only its body.
+            for (status, response) in op.responses.responses.iter_mut() {
+                if let RefOr::T(response) = response
+                    && response.description.is_empty()
+                {
+                    response.description = standard_description(status).into();
+                }
             }
         }
     }
+}
+
+/// The description of a response whose handler gave none: what the status means here.
+fn standard_description(status: &str) -> &'static str {
+    match status {
+        "200" => "OK",
+        "201" => "Created",
+        "400" => "The body or a path or query parameter does not parse",
+        "401" => "No valid credential",
+        "403" => "The credential may not do this (a revoked client)",
+        "404" => "Nothing has this id, or the caller may not see it",
+        "409" => "Refused by the resource's current state; the code says which rule",
+        "413" => "The body is larger than the server takes",
+        "415" => "The body's content type is not the one documented",
+        "422" => "The request parses but is not valid here; the code and message say why",
+        "429" => "Too many requests: retry after Retry-After seconds",
+        "503" => "The database is unreachable for now: retry after Retry-After seconds",
+        _ => "See the error code",
+    }
+}
+
+/// Whether the operation takes a parameter in `place` (the path, the query).
+fn has_parameter_in(
+    op: &utoipa::openapi::path::Operation,
+    place: utoipa::openapi::path::ParameterIn,
+) -> bool {
+    op.parameters.iter().flatten().any(|p| match p {
+        utoipa::openapi::RefOr::T(p) => p.parameter_in == place,
+        utoipa::openapi::RefOr::Ref(_) => false,
+    })
 }
 
 /// Adds the admin bearer scheme to the document's components.
@@ -217,7 +327,7 @@ async fn health() -> Json<Health> {
     get,
     path = "/api/v1/openapi.json",
     tag = "meta",
-    responses((status = 200, description = "The OpenAPI 3 document", content_type = "application/json"))
+    responses((status = 200, description = "The OpenAPI 3 document", body = Object, content_type = "application/json"))
 )]
 async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
     Json(openapi())

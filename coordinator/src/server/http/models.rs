@@ -27,20 +27,29 @@ use crate::store::{ClientEvaluation, ModelFile, TaskFailure, now_millis};
 
 /// Where an uploaded model file's name comes from.
 #[derive(Debug, Clone, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct UploadModelQuery {
-    /// A name for people (1 to 200 characters, no control characters); default `model`.
+    /// A name for people (1 to 200 characters, not blank, no control characters);
+    /// default `model`.
+    #[param(
+        min_length = 1,
+        max_length = 200,
+        pattern = r"^[^\u0000-\u001F\u007F-\u009F]*[^\s\u0000-\u001F\u007F-\u009F][^\u0000-\u001F\u007F-\u009F]*$"
+    )]
     #[serde(default)]
     pub name: Option<String>,
 }
 
-/// Uploads a safetensors file (`application/octet-stream`) to start experiments from:
-/// `F32` tensors with finite values. The answer names its tensors; an experiment refers
-/// to it by id (`"model": "file", "initial_model": ID`).
+/// Uploads a model file to start experiments from.
+///
+/// The body (`application/octet-stream`) is a safetensors file of `F32` tensors with
+/// finite values. The answer names its tensors; an experiment refers to it by id
+/// (`"model": "file", "initial_model": ID`).
 #[utoipa::path(post, path = "/api/v1/admin/models", tag = "admin",
     security(("admin_token" = [])), params(UploadModelQuery),
     request_body(content = Vec<u8>, content_type = "application/octet-stream"),
-    responses((status = 201, description = "Stored", body = Object), (status = 401, body = ErrorBody),
+    responses((status = 201, description = "Stored", body = ModelFile), (status = 401, body = ErrorBody),
               (status = 413, body = ErrorBody), (status = 415, body = ErrorBody),
               (status = 422, description = "Not a usable safetensors model", body = ErrorBody)))]
 async fn upload_model(
@@ -134,15 +143,15 @@ fn hex(bytes: &[u8]) -> String {
 /// Every uploaded model file, newest first.
 #[utoipa::path(get, path = "/api/v1/admin/models", tag = "admin",
     security(("admin_token" = [])),
-    responses((status = 200, description = "Model files", body = Vec<Object>), (status = 401, body = ErrorBody)))]
+    responses((status = 200, description = "Model files, newest first", body = Vec<ModelFile>), (status = 401, body = ErrorBody)))]
 async fn list_models(State(state): State<AppState>) -> Result<Json<Vec<ModelFile>>, ApiError> {
     Ok(Json(state.store.model_files().await?))
 }
 
 /// One uploaded model file.
 #[utoipa::path(get, path = "/api/v1/admin/models/{id}", tag = "admin",
-    security(("admin_token" = [])), params(("id" = String, Path, description = "Model file id")),
-    responses((status = 200, description = "The model file", body = Object), (status = 401, body = ErrorBody),
+    security(("admin_token" = [])), params(("id" = uuid::Uuid, Path, description = "Model file id")),
+    responses((status = 200, description = "The model file", body = ModelFile), (status = 401, body = ErrorBody),
               (status = 404, body = ErrorBody)))]
 async fn get_model(
     State(state): State<AppState>,
@@ -165,7 +174,7 @@ pub struct VersionEvaluation {
 /// The clients' evaluations of every model version of an experiment (from 0, the
 /// initial model), each metric weighted by the examples behind it.
 #[utoipa::path(get, path = "/api/v1/admin/experiments/{id}/evaluations", tag = "admin",
-    security(("admin_token" = [])), params(("id" = String, Path, description = "Experiment id")),
+    security(("admin_token" = [])), params(("id" = uuid::Uuid, Path, description = "Experiment id")),
     responses((status = 200, description = "Per model version", body = Vec<VersionEvaluation>),
               (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)))]
 async fn list_evaluations(
@@ -212,7 +221,7 @@ pub fn valid_metric_name(name: &str) -> bool {
 /// A repeated report (a retry) is accepted and changes nothing. Only from a client that
 /// takes part in the experiment; to any other, the experiment does not exist.
 #[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/evaluations", tag = "client",
-    security(("client_credential" = [])), params(("id" = String, Path, description = "Experiment id")),
+    security(("client_credential" = [])), params(("id" = uuid::Uuid, Path, description = "Experiment id")),
     request_body = EvaluationReport,
     responses((status = 201, description = "Recorded"), (status = 200, description = "Already recorded"),
               (status = 401, body = ErrorBody),
@@ -304,7 +313,7 @@ async fn report_evaluation(
 /// on without the client, as with any dropout.
 #[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/failure",
     tag = "client", security(("client_credential" = [])),
-    params(("id" = String, Path, description = "Experiment id"), ("round" = i64, Path), ("attempt" = i64, Path)),
+    params(("id" = uuid::Uuid, Path, description = "Experiment id"), ("round" = i64, Path), ("attempt" = i64, Path)),
     request_body = FailureReport,
     responses((status = 201, description = "Recorded"), (status = 401, body = ErrorBody),
               (status = 404, body = ErrorBody),

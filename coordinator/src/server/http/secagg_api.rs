@@ -64,9 +64,11 @@ pub(crate) struct SecAggDoc;
 
 /// How long a `GET` may wait for its stage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct WaitQuery {
     /// Seconds to wait for the stage to close (long poll), at most 30.
+    #[param(minimum = 0, maximum = 30)]
     #[serde(default)]
     pub wait_seconds: u64,
 }
@@ -74,8 +76,8 @@ pub struct WaitQuery {
 /// A stored protocol message.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct Accepted {
-    /// The stage the message belongs to.
-    pub stage: String,
+    /// The stage the message belongs to (the one that takes it).
+    pub stage: RoundStage,
 }
 
 /// A secure round as one of its clients sees it.
@@ -269,7 +271,7 @@ async fn record(
     Ok((
         StatusCode::CREATED,
         Json(Accepted {
-            stage: kind.as_str().into(),
+            stage: kind.round_stage(),
         }),
     ))
 }
@@ -365,7 +367,7 @@ fn require_stage(v: &ClientView, stage: RoundStage) -> Result<(), ApiError> {
 /// the identity it registered.
 #[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/keys",
     tag = "secure aggregation", security(("client_credential" = [])),
-    params(("id" = String, Path), ("round" = i64, Path), ("attempt" = i64, Path)),
+    params(("id" = uuid::Uuid, Path), ("round" = i64, Path), ("attempt" = i64, Path)),
     request_body(content = Object, description = "`{\"cipher_pk\": base64url, \"mask_pk\": base64url, \"graph_commitment\": base64url, \"signature\": base64url}`"),
     responses((status = 201, body = Accepted), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
               (status = 409, description = "Not advertising, already sent, not selected, or no identity registered", body = ErrorBody),
@@ -408,7 +410,7 @@ async fn advertise(
 /// The roster (`U1` and every member's graph commitment) once advertising has closed.
 #[utoipa::path(get, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/roster",
     tag = "secure aggregation", security(("client_credential" = [])),
-    params(("id" = String, Path), ("round" = i64, Path), ("attempt" = i64, Path), WaitQuery),
+    params(("id" = uuid::Uuid, Path), ("round" = i64, Path), ("attempt" = i64, Path), WaitQuery),
     responses((status = 200, body = RosterReply), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
               (status = 409, description = "The round failed, or the caller did not advertise", body = ErrorBody)))]
 async fn roster(
@@ -436,16 +438,13 @@ async fn roster(
         },
     )
     .await?;
-    Ok(Json(RosterReply {
-        stage: stage.to_string(),
-        roster,
-    }))
+    Ok(Json(RosterReply { stage, roster }))
 }
 
 /// Revealing: the nonce behind the caller's graph commitment.
 #[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/reveal",
     tag = "secure aggregation", security(("client_credential" = [])),
-    params(("id" = String, Path), ("round" = i64, Path), ("attempt" = i64, Path)),
+    params(("id" = uuid::Uuid, Path), ("round" = i64, Path), ("attempt" = i64, Path)),
     request_body(content = Object, description = "`{\"nonce\": base64url}`"),
     responses((status = 201, body = Accepted), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
               (status = 409, description = "Not revealing, already sent, or the caller did not advertise", body = ErrorBody),
@@ -471,7 +470,7 @@ async fn reveal(
 /// The key directory (`U1`) once advertising has closed.
 #[utoipa::path(get, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/keys",
     tag = "secure aggregation", security(("client_credential" = [])),
-    params(("id" = String, Path), ("round" = i64, Path), ("attempt" = i64, Path), WaitQuery),
+    params(("id" = uuid::Uuid, Path), ("round" = i64, Path), ("attempt" = i64, Path), WaitQuery),
     responses((status = 200, body = DirectoryReply), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
               (status = 409, description = "The round failed, or the caller did not advertise", body = ErrorBody)))]
 async fn directory(
@@ -500,10 +499,7 @@ async fn directory(
         },
     )
     .await?;
-    Ok(Json(DirectoryReply {
-        stage: stage.to_string(),
-        directory,
-    }))
+    Ok(Json(DirectoryReply { stage, directory }))
 }
 
 async fn client_seen(state: &AppState, client: &AuthenticatedClient) {
@@ -515,7 +511,7 @@ async fn client_seen(state: &AppState, client: &AuthenticatedClient) {
 /// Sharing: one encrypted share pair per neighbour, and the seed commitment.
 #[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/shares",
     tag = "secure aggregation", security(("client_credential" = [])),
-    params(("id" = String, Path), ("round" = i64, Path), ("attempt" = i64, Path)),
+    params(("id" = uuid::Uuid, Path), ("round" = i64, Path), ("attempt" = i64, Path)),
     request_body(content = Object, description = "`{\"seed_commitment\": base64url, \"shares\": [{\"to\": index, \"ciphertext\": base64url}]}`"),
     responses((status = 201, body = Accepted), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
               (status = 409, description = "Not sharing, already sent, or the caller did not advertise", body = ErrorBody),
@@ -541,7 +537,7 @@ async fn share(
 /// The shares the caller's neighbours in `U2` encrypted for it, once sharing has closed.
 #[utoipa::path(get, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/shares",
     tag = "secure aggregation", security(("client_credential" = [])),
-    params(("id" = String, Path), ("round" = i64, Path), ("attempt" = i64, Path), WaitQuery),
+    params(("id" = uuid::Uuid, Path), ("round" = i64, Path), ("attempt" = i64, Path), WaitQuery),
     responses((status = 200, body = SharesReply), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
               (status = 409, description = "The round failed, or the caller did not share keys", body = ErrorBody)))]
 async fn shares(
@@ -572,16 +568,13 @@ async fn shares(
         },
     )
     .await?;
-    Ok(Json(SharesReply {
-        stage: stage.to_string(),
-        shares,
-    }))
+    Ok(Json(SharesReply { stage, shares }))
 }
 
 /// The survivors (`U3`), once masked input collection has closed.
 #[utoipa::path(get, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/survivors",
     tag = "secure aggregation", security(("client_credential" = [])),
-    params(("id" = String, Path), ("round" = i64, Path), ("attempt" = i64, Path), WaitQuery),
+    params(("id" = uuid::Uuid, Path), ("round" = i64, Path), ("attempt" = i64, Path), WaitQuery),
     responses((status = 200, body = SurvivorsReply), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
               (status = 409, description = "The round failed, or the caller's masked input is not in the sum", body = ErrorBody)))]
 async fn survivors(
@@ -613,17 +606,14 @@ async fn survivors(
         },
     )
     .await?;
-    Ok(Json(SurvivorsReply {
-        stage: stage.to_string(),
-        request,
-    }))
+    Ok(Json(SurvivorsReply { stage, request }))
 }
 
 /// Confirming (consistency check): the caller's signature over the survivor list it was
 /// sent.
 #[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/confirm",
     tag = "secure aggregation", security(("client_credential" = [])),
-    params(("id" = String, Path), ("round" = i64, Path), ("attempt" = i64, Path)),
+    params(("id" = uuid::Uuid, Path), ("round" = i64, Path), ("attempt" = i64, Path)),
     request_body(content = Object, description = "`{\"signature\": base64url}`"),
     responses((status = 201, body = Accepted), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
               (status = 409, description = "Not confirming, already sent, or not a survivor", body = ErrorBody),
@@ -661,7 +651,7 @@ fn before_unmasking(config: &RoundConfig) -> RoundStage {
 /// and with no signatures).
 #[utoipa::path(get, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/unmask",
     tag = "secure aggregation", security(("client_credential" = [])),
-    params(("id" = String, Path), ("round" = i64, Path), ("attempt" = i64, Path), WaitQuery),
+    params(("id" = uuid::Uuid, Path), ("round" = i64, Path), ("attempt" = i64, Path), WaitQuery),
     responses((status = 200, body = SurvivorsReply), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
               (status = 409, description = "The round failed, or the caller is not a survivor that signed the list", body = ErrorBody)))]
 async fn unmask_request(
@@ -692,17 +682,14 @@ async fn unmask_request(
         },
     )
     .await?;
-    Ok(Json(SurvivorsReply {
-        stage: stage.to_string(),
-        request,
-    }))
+    Ok(Json(SurvivorsReply { stage, request }))
 }
 
 /// Unmasking: the caller's shares of its neighbours' secrets: seeds of survivors, mask
 /// keys of clients that dropped after sharing.
 #[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/unmask",
     tag = "secure aggregation", security(("client_credential" = [])),
-    params(("id" = String, Path), ("round" = i64, Path), ("attempt" = i64, Path)),
+    params(("id" = uuid::Uuid, Path), ("round" = i64, Path), ("attempt" = i64, Path)),
     request_body(content = Object, description = "`{\"seed_shares\": [{\"owner\": index, \"share\": base64url}], \"key_shares\": [...]}`"),
     responses((status = 201, body = Accepted), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
               (status = 409, description = "Not unmasking, already sent, or not a survivor", body = ErrorBody),
