@@ -78,7 +78,6 @@ pub struct ExperimentSpec {
     pub initial_model: Option<Uuid>,
     /// The tensors of `initial_model`, filled in by the coordinator when the experiment
     /// is created (a value sent is replaced).
-    #[cfg_attr(feature = "openapi", schema(value_type = Option<Vec<Object>>))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tensors: Option<Vec<cohort_aggregation::TensorSpec>>,
     /// Free-form settings passed to the clients' trainers with every task (a JSON object,

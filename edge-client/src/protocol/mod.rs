@@ -57,7 +57,6 @@ pub struct Task {
     /// Classes the model predicts.
     pub classes: usize,
     /// Local training settings (with the FedProx mu when the strategy has one).
-    #[cfg_attr(feature = "openapi", schema(value_type = Object))]
     pub train: TrainConfig,
     /// For a secure round: the protocol settings and the client's index. The client
     /// then runs the four stages under `.../secagg/` and uploads only a masked vector.
