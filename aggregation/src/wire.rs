@@ -20,6 +20,18 @@ pub enum WireError {
         /// Parameters in the body.
         found: usize,
     },
+    /// A streamed body ran past the model's size: it holds more than `expected`
+    /// parameters, whatever it holds in all (only [`StreamCheck`] stops before the end).
+    #[error(
+        "body is longer than the model's {expected} parameters ({} bytes): {received} bytes or more",
+        expected * 4
+    )]
+    TooLong {
+        /// Parameters the model has.
+        expected: usize,
+        /// Bytes received when the body passed the model's size.
+        received: usize,
+    },
     /// A parameter is NaN or infinite.
     #[error("parameter {index} is not finite")]
     NonFinite {
@@ -95,9 +107,11 @@ impl StreamCheck {
         let start = self.seen_bytes;
         self.seen_bytes += chunk.len();
         if self.seen_bytes > self.expected * 4 {
-            let e = WireError::WrongDimension {
+            // Counted in bytes: a body one byte too long holds no extra whole float, and
+            // "650 parameters, the model has 650" would explain nothing.
+            let e = WireError::TooLong {
                 expected: self.expected,
-                found: self.seen_bytes / 4,
+                received: self.seen_bytes,
             };
             self.first_error = Some(e.clone());
             return Err(e);
@@ -210,12 +224,18 @@ mod tests {
     fn streaming_check_stops_at_the_first_byte_past_the_layout() {
         let mut check = StreamCheck::new(2);
         check.feed(&[0; 8]).unwrap();
+        let past = check.feed(&[0]).unwrap_err();
         assert_eq!(
-            check.feed(&[0]),
-            Err(WireError::WrongDimension {
+            past,
+            WireError::TooLong {
                 expected: 2,
-                found: 2
-            })
+                received: 9
+            }
+        );
+        // One byte past the model holds no extra whole float: the message counts bytes.
+        assert_eq!(
+            past.to_string(),
+            "body is longer than the model's 2 parameters (8 bytes): 9 bytes or more"
         );
         assert!(check.finish().is_err());
     }

@@ -278,8 +278,13 @@ impl Harness {
     }
 
     /// Sends `request`, checks its status and error code, and checks that it changed
-    /// nothing.
-    async fn refused(&self, request: reqwest::RequestBuilder, status: StatusCode, code: &str) {
+    /// nothing; the error's message, for a case that checks what it says.
+    async fn refused(
+        &self,
+        request: reqwest::RequestBuilder,
+        status: StatusCode,
+        code: &str,
+    ) -> String {
         let before = self.state().await;
         let response = request.send().await.expect("request reaches the server");
         assert_eq!(response.status(), status, "expected {code}");
@@ -304,6 +309,7 @@ impl Harness {
             before == after,
             "the refused request changed the database or the blobs:\nbefore {before:#?}\nafter {after:#?}"
         );
+        body.error.message
     }
 
     /// Notes that a case got `code`.
@@ -582,6 +588,9 @@ on_both_backends!(
     names_with_control_characters_are_422_on_both_backends => [
         "invalid_experiment", "invalid_token_request", "invalid_model"
     ],
+    ids_that_are_not_uuids_are_400_invalid_id => ["invalid_id"],
+    numbers_past_the_documented_bounds_are_422 => ["invalid_experiment", "invalid_query"],
+    a_task_names_its_built_in_models_tensors_and_upload_form => [],
     admin_changes_the_state_does_not_allow_are_409 => [
         "invalid_transition", "token_spent", "already_revoked"
     ],
@@ -1198,13 +1207,27 @@ async fn update_of_the_wrong_dimension_is_422(h: &Harness) {
         )
         .await;
     }
-    // Not a whole number of f32s.
-    h.refused(
-        h.upload(Some(&round.a), &round.task, vec![0; 41]),
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "invalid_update",
-    )
-    .await;
+    // Not a whole number of f32s, one byte past the model: the message says so in
+    // bytes (it once said "10 parameters, the model has 10").
+    let message = h
+        .refused(
+            h.upload(Some(&round.a), &round.task, vec![0; 41]),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_update",
+        )
+        .await;
+    assert!(
+        message.contains("longer than the model's 10 parameters (40 bytes): 41 bytes"),
+        "{message}"
+    );
+    let message = h
+        .refused(
+            h.upload(Some(&round.a), &round.task, vec![0; 39]),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_update",
+        )
+        .await;
+    assert!(message.contains("39 bytes"), "{message}");
     // Nothing was half-recorded: the same client's good upload still goes through.
     h.upload_ok(&round.a, &round.task).await;
 }
@@ -2081,4 +2104,129 @@ async fn names_with_control_characters_are_422_on_both_backends(h: &Harness) {
         "weights%00v2",
     )
     .await;
+    // A valid model file, so that the name alone is what gets it refused...
+    for name in ["weights%00v2", "tab%09bed", "%EF%BB%BF"] {
+        h.refused(
+            h.admin(Method::POST, &format!("/models?name={name}"))
+                .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+                .body(model_file()),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_model",
+        )
+        .await;
+    }
+    // ... as the same file under a plain name shows.
+    let r = h
+        .admin(Method::POST, "/models?name=weights-v2")
+        .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+        .body(model_file())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+}
+
+/// A valid safetensors model file: one 2x2 `F32` tensor.
+fn model_file() -> Vec<u8> {
+    let layout =
+        cohort_aggregation::Layout::new(vec![cohort_aggregation::TensorSpec::new("w", [2, 2])])
+            .unwrap();
+    let vector =
+        cohort_aggregation::ModelVector::new(std::sync::Arc::new(layout), vec![0.5; 4]).unwrap();
+    cohort_aggregation::model_file::encode(&vector, HashMap::new())
+}
+
+/// An id in a path that is not a UUID is a malformed request (400, as the document's
+/// `format: uuid` says), on admin and client routes alike; a UUID naming nothing stays 404.
+async fn ids_that_are_not_uuids_are_400_invalid_id(h: &Harness) {
+    let credential = h.enrolled().await;
+    for path in [
+        "/experiments/not-a-uuid",
+        "/experiments/1/rounds",
+        "/clients/x/revoke",
+    ] {
+        let method = if path.ends_with("revoke") {
+            Method::POST
+        } else {
+            Method::GET
+        };
+        h.refused(h.admin(method, path), StatusCode::BAD_REQUEST, "invalid_id")
+            .await;
+    }
+    h.refused(
+        h.client
+            .get(h.url("/api/v1/clients/experiments/nope/model"))
+            .bearer_auth(&credential),
+        StatusCode::BAD_REQUEST,
+        "invalid_id",
+    )
+    .await;
+    h.refused(
+        h.admin(
+            Method::GET,
+            &format!("/experiments/{}", uuid::Uuid::new_v4()),
+        ),
+        StatusCode::NOT_FOUND,
+        "not_found",
+    )
+    .await;
+}
+
+/// Numbers past the bounds the document states are refused, not taken: a cohort of
+/// 2^63 clients, 2^31 - 1 local epochs, a million attempts, an upload claiming 2^63 - 1
+/// samples.
+async fn numbers_past_the_documented_bounds_are_422(h: &Harness) {
+    let mut huge_cohort = logreg_spec("huge cohort");
+    huge_cohort["clients_per_round"] = serde_json::json!(9_223_372_036_854_775_808u64);
+    let mut endless_training = logreg_spec("endless training");
+    endless_training["train"] = serde_json::json!({"local_epochs": 2_147_483_647u32});
+    let mut huge_batch = logreg_spec("huge batch");
+    huge_batch["train"] = serde_json::json!({"batch_size": 1_048_577});
+    let mut many_attempts = logreg_spec("many attempts");
+    many_attempts["max_round_attempts"] = 1_000_000.into();
+    for spec in [huge_cohort, endless_training, huge_batch, many_attempts] {
+        h.refused(
+            h.admin(Method::POST, "/experiments").json(&spec),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_experiment",
+        )
+        .await;
+    }
+    let round = h.collecting(2, 30).await;
+    let t = &round.task;
+    for samples in ["9223372036854775807", "1000000001", "0"] {
+        let path = format!(
+            "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/update?num_samples={samples}",
+            t.experiment, t.round, t.attempt
+        );
+        h.refused(
+            h.client
+                .post(h.url(&path))
+                .bearer_auth(&round.a)
+                .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+                .body(floats(&[0.5; 10])),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_query",
+        )
+        .await;
+    }
+    h.upload_ok(&round.a, &round.task).await;
+}
+
+/// A task gives its model's layout, for a built-in model too: the tensors in the order
+/// of the flat vector (`layers.0.weight` `[classes, features]`, then `layers.0.bias`),
+/// and what the upload holds (the trained weights themselves).
+async fn a_task_names_its_built_in_models_tensors_and_upload_form(h: &Harness) {
+    let round = h.collecting(2, 30).await;
+    let reply = h.checkin(&round.a, 0).await;
+    let task = &reply["task"];
+    assert_eq!(
+        task["tensors"],
+        serde_json::json!([
+            {"name": "layers.0.weight", "shape": [2, 4]},
+            {"name": "layers.0.bias", "shape": [2]}
+        ]),
+        "{task}"
+    );
+    assert_eq!(task["upload"], "weights", "{task}");
 }
