@@ -16,6 +16,7 @@
 pub mod auth;
 pub mod dashboard;
 pub mod driver;
+pub mod early_answer;
 pub mod error;
 pub mod error_code;
 pub mod fd_limit;
@@ -211,6 +212,9 @@ pub fn app_with_admin(state: AppState, admin: Router<AppState>) -> Router {
         .layer(DefaultBodyLimit::max(
             state.settings.max_body_bytes.min(MAX_JSON_BODY_BYTES),
         ))
+        // Outermost but for tracing: a body a handler abandoned is read on wherever
+        // the answer came from (a handler, the body limit, the admin guard).
+        .layer(middleware::from_fn(early_answer::keep_reading))
         .layer(
             TraceLayer::new_for_http()
                 .make_span_with(DefaultMakeSpan::new().level(Level::INFO))

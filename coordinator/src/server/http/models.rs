@@ -63,10 +63,29 @@ async fn upload_model(
     // A model file may be as large as the server takes (--max-body-bytes); the JSON
     // routes' smaller default limit does not apply to it.
     let limit = state.settings.max_body_bytes;
-    let body = axum::body::to_bytes(body, limit).await.map_err(|_| {
+    let too_large = || {
         ApiError::PayloadTooLarge(format!(
-            "the model file is larger than the limit of {limit} bytes, or was cut off"
+            "the model file is larger than the limit of {limit} bytes"
         ))
+    };
+    // A declared length over the limit is refused before a byte of it is read.
+    let declared = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    let body = axum::body::to_bytes(body, limit).await.map_err(|e| {
+        if std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
+        {
+            too_large()
+        } else {
+            ApiError::bad_request(
+                ErrorCode::UnreadableBody,
+                format!("reading the model file failed: {e}"),
+            )
+        }
     })?;
     let is_octets = headers
         .get(axum::http::header::CONTENT_TYPE)
