@@ -604,3 +604,77 @@ fn a_case_where_everyone_uploads_publishes_every_round_on_both_sides() {
     assert_ne!(served.model, wire::encode(&initial), "the model moved");
     assert_eq!(served, simulated);
 }
+
+/// Only clients waiting for work are selected: one in a check-in now is, one last seen
+/// longer ago than the availability window (and gone since) is not, so a round never
+/// waits until its deadline for a client that is not there.
+#[tokio::test]
+async fn clients_seen_longer_ago_than_the_window_are_not_selected() {
+    use cohort_coordinator::server::driver::AVAILABILITY_WINDOW_MS;
+    let dir = tempfile::tempdir().unwrap();
+    let state = coordinator(dir.path(), 5).await;
+    let now = cohort_coordinator::store::now_millis();
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        let token = format!("token {i}");
+        state
+            .store
+            .create_enrolment_token(token.as_bytes(), "site", None)
+            .await
+            .unwrap();
+        ids.push(
+            state
+                .store
+                .enrol(token.as_bytes(), b"secret", now)
+                .await
+                .unwrap()
+                .id,
+        );
+    }
+    let (waiting, gone, long_gone) = (ids[0], ids[1], ids[2]);
+    state.store.touch_client(waiting, now).await.unwrap();
+    state
+        .store
+        .touch_client(gone, now - AVAILABILITY_WINDOW_MS - 1_000)
+        .await
+        .unwrap();
+    state
+        .store
+        .touch_client(long_gone, now - 59_000)
+        .await
+        .unwrap();
+    // Up to three wanted, one needed: every available client is selected.
+    let exp = state
+        .store
+        .create_experiment(
+            "availability",
+            &serde_json::json!({
+                "name": "availability", "model": "logreg", "features": 3, "classes": 2,
+                "rounds": 1, "clients_per_round": 1, "min_participants": 1,
+                "over_selection": 3.0, "collect_deadline_seconds": DEADLINE_SECONDS,
+            }),
+        )
+        .await
+        .unwrap();
+    state
+        .store
+        .set_experiment_state(exp.id, ExperimentState::Running, "admin")
+        .await
+        .unwrap();
+    tick_at(&state, "coordinator", now).await.unwrap();
+    let round = state
+        .store
+        .latest_round(exp.id)
+        .await
+        .unwrap()
+        .expect("a round opened");
+    let selected: Vec<Uuid> = state
+        .store
+        .participations(exp.id, round.round, round.attempt)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|p| p.client_id)
+        .collect();
+    assert_eq!(selected, vec![waiting]);
+}

@@ -37,8 +37,13 @@ pub const FOLD_BATCH: usize = 16;
 
 /// How often the driver looks at the experiments.
 pub const TICK: Duration = Duration::from_millis(250);
-/// A client counts as available when it checked in this recently.
-pub const AVAILABILITY_WINDOW_MS: i64 = 60_000;
+/// A client counts as available when it was seen this recently: in a check-in's long
+/// poll (which marks it seen as it waits), or just out of one. `cohort-edge` is back in a
+/// check-in within a second of the last one ending (it waits at most 10 s each), so a
+/// client silent for longer is not waiting for work: training for another experiment, or
+/// gone. A longer window (it was a minute) selected such clients, and a round needing
+/// them stalled until its deadline.
+pub const AVAILABILITY_WINDOW_MS: i64 = 15_000;
 /// Attempts a job gets before it fails for good.
 pub const JOB_ATTEMPTS: i64 = 5;
 
