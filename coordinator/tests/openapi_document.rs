@@ -387,3 +387,37 @@ fn a_tasks_model_layout_and_upload_form_are_documented() {
         .to_string();
     assert!(described.contains("layers.{i}.weight"), "{described}");
 }
+
+/// Every JSON body a client sends names its fields, the secure-aggregation messages
+/// included (they were described as free-form objects with their shape in prose), so
+/// that a generated client builds them and schemathesis generates real ones.
+#[test]
+fn every_json_request_body_names_its_fields() {
+    let doc = document();
+    for (method, path, op) in operations(&doc) {
+        let Some(media) = op["requestBody"]["content"].get("application/json") else {
+            continue;
+        };
+        let body = resolve(&doc, &media["schema"]);
+        assert!(
+            body["properties"]
+                .as_object()
+                .is_some_and(|p| !p.is_empty()),
+            "{method} {path}: the body names no fields: {body}"
+        );
+    }
+    for reply in [
+        "RosterReply",
+        "DirectoryReply",
+        "SharesReply",
+        "SurvivorsReply",
+    ] {
+        let fields = schema(&doc, reply)["properties"].as_object().unwrap();
+        let payload = fields
+            .iter()
+            .find(|(name, _)| name.as_str() != "stage")
+            .map(|(_, p)| unwrap_nullable(&doc, p))
+            .unwrap();
+        assert!(payload["properties"].is_object(), "{reply}: {payload}");
+    }
+}

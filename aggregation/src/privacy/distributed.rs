@@ -85,6 +85,7 @@ pub const MAX_NOISE_MULTIPLIER: f64 = 100.0;
 
 /// Public settings of distributed noise for a secure round.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct DistributedNoise {
     /// Each client's update is clipped to this L2 norm (`C`).

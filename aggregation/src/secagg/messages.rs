@@ -14,10 +14,12 @@ use super::shamir::SHARE_BYTES;
 /// Public settings of one secure round, fixed by the coordinator when it selects the
 /// clients and sent to each of them with its task.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RoundConfig {
     /// 32 random bytes naming this round attempt. Every key derivation, AEAD and
     /// commitment is bound to it, and the neighbour graph is derived from it.
+    #[cfg_attr(feature = "openapi", schema(value_type = String, pattern = r"^[A-Za-z0-9_-]*$"))]
     #[serde(with = "b64_array")]
     pub session: [u8; KEY_BYTES],
     /// Which experiment, round and attempt this is. Every signature a client makes is
@@ -46,6 +48,7 @@ pub struct RoundConfig {
 
 /// Names one attempt of one round, as the coordinator's records do.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RoundContext {
     /// The experiment's id (empty in simulations).
@@ -92,20 +95,25 @@ impl RoundConfig {
 /// Stage 1, client to server: the client's two public keys and its commitment to the
 /// nonce it contributes to the neighbour graph, signed with its long-term identity.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct AdvertiseKeys {
     /// X25519 key for the share encryption keys.
+    #[cfg_attr(feature = "openapi", schema(value_type = String, pattern = r"^[A-Za-z0-9_-]*$"))]
     #[serde(with = "b64_array")]
     pub cipher_pk: [u8; KEY_BYTES],
     /// X25519 key for the pairwise masks.
+    #[cfg_attr(feature = "openapi", schema(value_type = String, pattern = r"^[A-Za-z0-9_-]*$"))]
     #[serde(with = "b64_array")]
     pub mask_pk: [u8; KEY_BYTES],
     /// [`graph_commitment`](super::crypto::graph_commitment) to the client's graph
     /// nonce, revealed only once every member's commitment is fixed.
+    #[cfg_attr(feature = "openapi", schema(value_type = String, pattern = r"^[A-Za-z0-9_-]*$"))]
     #[serde(with = "b64_array")]
     pub graph_commitment: [u8; KEY_BYTES],
     /// Ed25519 signature by the client's registered identity over
     /// [`RoundConfig::advertise_statement`].
+    #[cfg_attr(feature = "openapi", schema(value_type = String, pattern = r"^[A-Za-z0-9_-]*$"))]
     #[serde(with = "b64_array")]
     pub signature: [u8; SIGNATURE_BYTES],
 }
@@ -115,26 +123,31 @@ pub struct AdvertiseKeys {
 /// no nonce can be chosen after another is known: the neighbour graph is drawn from
 /// randomness no single party (the coordinator included) controls.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Roster {
     /// `U1`, in ascending order.
     pub members: Vec<u32>,
     /// Each member's graph commitment, in the order of `members`.
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<String>))]
     #[serde(with = "b64_arrays")]
     pub commitments: Vec<[u8; KEY_BYTES]>,
 }
 
 /// Stage 1b, client to server: the nonce behind the client's graph commitment.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct GraphReveal {
     /// 32 random bytes, fresh for the attempt.
+    #[cfg_attr(feature = "openapi", schema(value_type = String, pattern = r"^[A-Za-z0-9_-]*$"))]
     #[serde(with = "b64_array")]
     pub nonce: [u8; KEY_BYTES],
 }
 
 /// One client's entry in the key directory.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct DirectoryEntry {
     /// The client's index.
     pub index: u32,
@@ -143,6 +156,7 @@ pub struct DirectoryEntry {
     pub keys: AdvertiseKeys,
     /// The Ed25519 public key the client registered at enrolment, which its signature
     /// must verify under.
+    #[cfg_attr(feature = "openapi", schema(value_type = String, pattern = r"^[A-Za-z0-9_-]*$"))]
     #[serde(with = "b64_array")]
     pub identity: [u8; PUBLIC_KEY_BYTES],
 }
@@ -153,11 +167,13 @@ pub struct DirectoryEntry {
 /// client's directory grows with `n` by 36 bytes a member, not by a member's keys, so a
 /// round's directories cost `O(n (36 + k * 200))` bytes, not `O(n^2)`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct KeyDirectory {
     /// `U1`, in ascending order.
     pub members: Vec<u32>,
     /// Each member's graph nonce, in the order of `members`.
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<String>))]
     #[serde(with = "b64_arrays")]
     pub reveals: Vec<[u8; KEY_BYTES]>,
     /// The keys of the recipient and its neighbours, in ascending index order (a
@@ -167,18 +183,22 @@ pub struct KeyDirectory {
 
 /// A share pair (self-mask seed and mask key) encrypted for one neighbour.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct EncryptedShare {
     /// The neighbour it is for.
     pub to: u32,
     /// ChaCha20-Poly1305 of `from || to || seed share || key share`.
+    #[cfg_attr(feature = "openapi", schema(value_type = String, pattern = r"^[A-Za-z0-9_-]*$"))]
     #[serde(with = "b64_vec")]
     pub ciphertext: Vec<u8>,
     /// [`share_commitment`](super::crypto::share_commitment) to the seed share inside.
+    #[cfg_attr(feature = "openapi", schema(value_type = String, pattern = r"^[A-Za-z0-9_-]*$"))]
     #[serde(with = "b64_array")]
     pub seed_share_commitment: [u8; KEY_BYTES],
     /// [`share_commitment`](super::crypto::share_commitment) to the mask key share
     /// inside.
+    #[cfg_attr(feature = "openapi", schema(value_type = String, pattern = r"^[A-Za-z0-9_-]*$"))]
     #[serde(with = "b64_array")]
     pub key_share_commitment: [u8; KEY_BYTES],
 }
@@ -191,9 +211,11 @@ pub const SHARE_CIPHERTEXT_BYTES: usize = SHARE_PLAINTEXT_BYTES + super::crypto:
 /// Stage 2, client to server: one encrypted share pair per neighbour with commitments
 /// to both shares, and a commitment to the self-mask seed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ShareKeys {
     /// SHA-256 commitment to the self-mask seed, checked when the server rebuilds it.
+    #[cfg_attr(feature = "openapi", schema(value_type = String, pattern = r"^[A-Za-z0-9_-]*$"))]
     #[serde(with = "b64_array")]
     pub seed_commitment: [u8; KEY_BYTES],
     /// Exactly one per neighbour.
@@ -202,19 +224,23 @@ pub struct ShareKeys {
 
 /// A ciphertext forwarded to its recipient.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ForwardedShare {
     /// Who encrypted it.
     pub from: u32,
     /// The ciphertext as sent.
+    #[cfg_attr(feature = "openapi", schema(value_type = String, pattern = r"^[A-Za-z0-9_-]*$"))]
     #[serde(with = "b64_vec")]
     pub ciphertext: Vec<u8>,
     /// The sender's commitment to the seed share inside, as sent: the recipient checks
     /// the share it decrypts against it, so that the share it may reveal later is one
     /// the server can check too.
+    #[cfg_attr(feature = "openapi", schema(value_type = String, pattern = r"^[A-Za-z0-9_-]*$"))]
     #[serde(with = "b64_array")]
     pub seed_share_commitment: [u8; KEY_BYTES],
     /// The sender's commitment to the mask key share inside, as sent.
+    #[cfg_attr(feature = "openapi", schema(value_type = String, pattern = r"^[A-Za-z0-9_-]*$"))]
     #[serde(with = "b64_array")]
     pub key_share_commitment: [u8; KEY_BYTES],
 }
@@ -222,6 +248,7 @@ pub struct ForwardedShare {
 /// Server to one client after stage 2: the shares its neighbours in `U2` (those that
 /// completed stage 2) encrypted for it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ForwardedShares {
     /// One per neighbour in `U2`, in ascending sender order.
@@ -233,6 +260,7 @@ pub struct ForwardedShares {
 /// the survivor to sign ([`Confirmation`]), then with the signatures of the survivor's
 /// neighbours over the same list, before it reveals anything.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct UnmaskRequest {
     /// The set `U3`.
@@ -245,11 +273,13 @@ pub struct UnmaskRequest {
 
 /// One survivor's signature over the survivor list.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct SurvivorSignature {
     /// Who signed.
     pub index: u32,
     /// Ed25519 over [`RoundConfig::survivors_statement`].
+    #[cfg_attr(feature = "openapi", schema(value_type = String, pattern = r"^[A-Za-z0-9_-]*$"))]
     #[serde(with = "b64_array")]
     pub signature: [u8; SIGNATURE_BYTES],
 }
@@ -257,20 +287,24 @@ pub struct SurvivorSignature {
 /// Consistency check, client to server: the survivor's signature over the survivor
 /// list it was sent.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Confirmation {
     /// Ed25519 over [`RoundConfig::survivors_statement`].
+    #[cfg_attr(feature = "openapi", schema(value_type = String, pattern = r"^[A-Za-z0-9_-]*$"))]
     #[serde(with = "b64_array")]
     pub signature: [u8; SIGNATURE_BYTES],
 }
 
 /// One share revealed in stage 4.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RevealedShare {
     /// Whose secret it is a share of.
     pub owner: u32,
     /// The share ([`super::shamir::Share::to_bytes`]).
+    #[cfg_attr(feature = "openapi", schema(value_type = String, pattern = r"^[A-Za-z0-9_-]*$"))]
     #[serde(with = "b64_vec")]
     pub share: Vec<u8>,
 }
@@ -278,6 +312,7 @@ pub struct RevealedShare {
 /// Stage 4, client to server: for each neighbour in `U2`, the share of its self-mask seed
 /// when it survived, or of its mask key when it dropped. Never both for one neighbour.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct UnmaskShares {
     /// Shares of the self-mask seeds of surviving neighbours.

@@ -38,6 +38,7 @@ pub const EXTRA_WORDS: usize = 2;
 
 /// Public quantisation settings of a secure round.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct QuantizationParams {
     /// Each update coordinate is clipped to `[-clip, clip]`.
     pub clip: f32,

@@ -143,7 +143,6 @@ pub struct RosterReply {
     /// The round's stage now.
     pub stage: super::stage::RoundStage,
     /// The roster, `null` until advertising has closed.
-    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
     pub roster: Option<Roster>,
 }
 
@@ -155,7 +154,6 @@ pub struct DirectoryReply {
     /// The round's stage now.
     pub stage: super::stage::RoundStage,
     /// The directory, `null` until revealing has closed.
-    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
     pub directory: Option<KeyDirectory>,
 }
 
@@ -166,7 +164,6 @@ pub struct SharesReply {
     /// The round's stage now.
     pub stage: super::stage::RoundStage,
     /// The shares, `null` until sharing has closed.
-    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
     pub shares: Option<ForwardedShares>,
 }
 
@@ -177,7 +174,6 @@ pub struct SurvivorsReply {
     /// The round's stage now.
     pub stage: super::stage::RoundStage,
     /// The survivors, `null` until collection has closed.
-    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
     pub request: Option<UnmaskRequest>,
 }
 

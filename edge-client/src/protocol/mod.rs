@@ -122,7 +122,6 @@ pub struct SecureTask {
     /// The client's index in the round (1..n).
     pub index: u32,
     /// The round's public protocol settings.
-    #[cfg_attr(feature = "openapi", schema(value_type = Object))]
     pub config: RoundConfig,
 }
 

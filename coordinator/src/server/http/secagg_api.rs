@@ -368,7 +368,7 @@ fn require_stage(v: &ClientView, stage: RoundStage) -> Result<(), ApiError> {
 #[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/keys",
     tag = "secure aggregation", security(("client_credential" = [])),
     params(("id" = uuid::Uuid, Path), ("round" = i64, Path), ("attempt" = i64, Path)),
-    request_body(content = Object, description = "`{\"cipher_pk\": base64url, \"mask_pk\": base64url, \"graph_commitment\": base64url, \"signature\": base64url}`"),
+    request_body = AdvertiseKeys,
     responses((status = 201, body = Accepted), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
               (status = 409, description = "Not advertising, already sent, not selected, or no identity registered", body = ErrorBody),
               (status = 422, description = "Not two valid X25519 keys, or a signature that does not verify under the caller's identity", body = ErrorBody)))]
@@ -445,7 +445,7 @@ async fn roster(
 #[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/reveal",
     tag = "secure aggregation", security(("client_credential" = [])),
     params(("id" = uuid::Uuid, Path), ("round" = i64, Path), ("attempt" = i64, Path)),
-    request_body(content = Object, description = "`{\"nonce\": base64url}`"),
+    request_body = GraphReveal,
     responses((status = 201, body = Accepted), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
               (status = 409, description = "Not revealing, already sent, or the caller did not advertise", body = ErrorBody),
               (status = 422, description = "A nonce that does not match the caller's commitment", body = ErrorBody)))]
@@ -512,7 +512,7 @@ async fn client_seen(state: &AppState, client: &AuthenticatedClient) {
 #[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/shares",
     tag = "secure aggregation", security(("client_credential" = [])),
     params(("id" = uuid::Uuid, Path), ("round" = i64, Path), ("attempt" = i64, Path)),
-    request_body(content = Object, description = "`{\"seed_commitment\": base64url, \"shares\": [{\"to\": index, \"ciphertext\": base64url}]}`"),
+    request_body = ShareKeys,
     responses((status = 201, body = Accepted), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
               (status = 409, description = "Not sharing, already sent, or the caller did not advertise", body = ErrorBody),
               (status = 422, description = "Not exactly one share per neighbour, or a malformed share", body = ErrorBody)))]
@@ -614,7 +614,7 @@ async fn survivors(
 #[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/confirm",
     tag = "secure aggregation", security(("client_credential" = [])),
     params(("id" = uuid::Uuid, Path), ("round" = i64, Path), ("attempt" = i64, Path)),
-    request_body(content = Object, description = "`{\"signature\": base64url}`"),
+    request_body = Confirmation,
     responses((status = 201, body = Accepted), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
               (status = 409, description = "Not confirming, already sent, or not a survivor", body = ErrorBody),
               (status = 422, description = "A signature that does not verify under the caller's identity", body = ErrorBody)))]
@@ -690,7 +690,7 @@ async fn unmask_request(
 #[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/secagg/unmask",
     tag = "secure aggregation", security(("client_credential" = [])),
     params(("id" = uuid::Uuid, Path), ("round" = i64, Path), ("attempt" = i64, Path)),
-    request_body(content = Object, description = "`{\"seed_shares\": [{\"owner\": index, \"share\": base64url}], \"key_shares\": [...]}`"),
+    request_body = UnmaskShares,
     responses((status = 201, body = Accepted), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
               (status = 409, description = "Not unmasking, already sent, or not a survivor", body = ErrorBody),
               (status = 422, description = "A share of the wrong kind, owner or holder", body = ErrorBody)))]
