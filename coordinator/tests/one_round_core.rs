@@ -308,6 +308,26 @@ async fn coordinator(dir: &Path, seed: u64) -> AppState {
     )
 }
 
+/// Enrols `n` clients at `now`; their ids, in enrolment order.
+async fn enrolled(state: &AppState, n: usize, now: i64) -> Vec<Uuid> {
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let token = format!("token {i}");
+        state
+            .store
+            .create_enrolment_token(token.as_bytes(), "site", None)
+            .await
+            .unwrap();
+        let client = state
+            .store
+            .enrol(token.as_bytes(), b"secret", now)
+            .await
+            .unwrap();
+        ids.push(client.id);
+    }
+    ids
+}
+
 /// `serve`'s driver over SQLite, its clock stepped by the test: the events reach the
 /// store as the upload and failure routes deliver them.
 async fn served(case: &Case) -> (Run, ModelVector, cohort_core::round::FailedAttemptPolicy) {
@@ -315,21 +335,7 @@ async fn served(case: &Case) -> (Run, ModelVector, cohort_core::round::FailedAtt
     let mut state = coordinator(dir.path(), case.selection_seed).await;
     let mut now = cohort_coordinator::store::now_millis();
     // Enrolled clients, in id order: client i of the in-memory run is the i-th.
-    let mut ids = Vec::new();
-    for i in 0..case.clients {
-        let token = state
-            .store
-            .create_enrolment_token(format!("token {i}").as_bytes(), "site", None)
-            .await
-            .unwrap();
-        let _ = token;
-        let client = state
-            .store
-            .enrol(format!("token {i}").as_bytes(), b"secret", now)
-            .await
-            .unwrap();
-        ids.push(client.id);
-    }
+    let mut ids = enrolled(&state, case.clients, now).await;
     ids.sort();
     let rank: BTreeMap<Uuid, usize> = ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
     let exp = state
@@ -614,23 +620,7 @@ async fn clients_seen_longer_ago_than_the_window_are_not_selected() {
     let dir = tempfile::tempdir().unwrap();
     let state = coordinator(dir.path(), 5).await;
     let now = cohort_coordinator::store::now_millis();
-    let mut ids = Vec::new();
-    for i in 0..3 {
-        let token = format!("token {i}");
-        state
-            .store
-            .create_enrolment_token(token.as_bytes(), "site", None)
-            .await
-            .unwrap();
-        ids.push(
-            state
-                .store
-                .enrol(token.as_bytes(), b"secret", now)
-                .await
-                .unwrap()
-                .id,
-        );
-    }
+    let ids = enrolled(&state, 3, now).await;
     let (waiting, gone, long_gone) = (ids[0], ids[1], ids[2]);
     state.store.touch_client(waiting, now).await.unwrap();
     state

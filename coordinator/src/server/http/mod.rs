@@ -88,28 +88,17 @@ fn document_binary_bodies(doc: &mut utoipa::openapi::OpenApi) {
             .into()
     };
     const OCTETS: &str = "application/octet-stream";
-    for item in doc.paths.paths.values_mut() {
-        for op in [
-            &mut item.get,
-            &mut item.post,
-            &mut item.put,
-            &mut item.delete,
-            &mut item.patch,
-        ]
-        .into_iter()
-        .flatten()
+    for op in operations_mut(doc) {
+        if let Some(RefOr::T(body)) = op.request_body.as_mut()
+            && let Some(RefOr::T(content)) = body.content.get_mut(OCTETS)
         {
-            if let Some(RefOr::T(body)) = op.request_body.as_mut()
-                && let Some(RefOr::T(content)) = body.content.get_mut(OCTETS)
+            content.schema = Some(binary());
+        }
+        for response in op.responses.responses.values_mut() {
+            if let RefOr::T(response) = response
+                && let Some(RefOr::T(content)) = response.content.get_mut(OCTETS)
             {
                 content.schema = Some(binary());
-            }
-            for response in op.responses.responses.values_mut() {
-                if let RefOr::T(response) = response
-                    && let Some(RefOr::T(content)) = response.content.get_mut(OCTETS)
-                {
-                    content.schema = Some(binary());
-                }
             }
         }
     }
@@ -164,84 +153,73 @@ fn document_framework_answers(doc: &mut utoipa::openapi::OpenApi) {
             .build()
             .into()
     };
-    for item in doc.paths.paths.values_mut() {
-        for op in [
-            &mut item.get,
-            &mut item.post,
-            &mut item.put,
-            &mut item.delete,
-            &mut item.patch,
-        ]
-        .into_iter()
-        .flatten()
-        {
-            // A path or query parameter that does not parse (an attempt number past
-            // i64, an id that is not a UUID) is refused before the handler runs, as is a
-            // body that does not.
-            use utoipa::openapi::path::ParameterIn;
-            let has_path = has_parameter_in(op, ParameterIn::Path);
-            let has_query = has_parameter_in(op, ParameterIn::Query);
-            let has_body = op.request_body.is_some();
-            let secured = op.security.as_ref().is_some_and(|s| !s.is_empty());
-            // A revoked client's credential still authenticates, and is refused.
-            let as_client = serde_json::to_value(&op.security).is_ok_and(|v| {
-                v.to_string()
-                    .contains(crate::server::http::client_api::CLIENT_SECURITY_SCHEME)
-            });
-            let mut answers: Vec<(&str, &str)> = Vec::new();
-            if has_body || has_path || has_query {
-                answers.push((
-                    "400",
-                    "The body or a path or query parameter does not parse",
-                ));
-            }
-            if secured {
-                answers.push(("401", "No valid credential"));
-            }
-            if as_client {
-                answers.push(("403", "The client is revoked"));
-            }
-            if has_path {
-                answers.push(("404", "Nothing has this id"));
-            }
-            if has_body {
-                answers.push(("413", "The body is larger than the server takes"));
-                answers.push(("415", "The body's content type is not the one documented"));
-            }
-            if has_body || has_query {
-                answers.push((
-                    "422",
-                    "The body or a query parameter parses but is not valid here (an unknown \
-                     field, a wrong type, a value out of range)",
-                ));
-            }
-            // Every route behind a token refuses an address that failed to authenticate
-            // too often, before it looks at the token.
-            if secured {
-                answers.push((
-                    "429",
-                    "Too many failed authentications from this address, or too many \
-                     requests from this client: retry after Retry-After seconds",
-                ));
-            }
+    for op in operations_mut(doc) {
+        // A path or query parameter that does not parse (an attempt number past
+        // i64, an id that is not a UUID) is refused before the handler runs, as is a
+        // body that does not.
+        use utoipa::openapi::path::ParameterIn;
+        let has_path = has_parameter_in(op, ParameterIn::Path);
+        let has_query = has_parameter_in(op, ParameterIn::Query);
+        let has_body = op.request_body.is_some();
+        let secured = op.security.as_ref().is_some_and(|s| !s.is_empty());
+        // A revoked client's credential still authenticates, and is refused.
+        let as_client = serde_json::to_value(&op.security).is_ok_and(|v| {
+            v.to_string()
+                .contains(crate::server::http::client_api::CLIENT_SECURITY_SCHEME)
+        });
+        let mut answers: Vec<(&str, &str)> = Vec::new();
+        if has_body || has_path || has_query {
             answers.push((
-                "503",
-                "The database is unreachable for now: retry after Retry-After seconds",
+                "400",
+                "The body or a path or query parameter does not parse",
             ));
-            for (status, description) in answers {
-                op.responses
-                    .responses
-                    .entry(status.into())
-                    .or_insert_with(|| error(description));
-            }
-            // OpenAPI requires a description on every response; a handler's own listing
-            // of a refusal often gives only its body.
-            for (status, response) in op.responses.responses.iter_mut() {
-                if let RefOr::T(response) = response
-                    && response.description.is_empty()
-                {
-                    response.description = standard_description(status).into();
-                }
+        }
+        if secured {
+            answers.push(("401", "No valid credential"));
+        }
+        if as_client {
+            answers.push(("403", "The client is revoked"));
+        }
+        if has_path {
+            answers.push(("404", "Nothing has this id"));
+        }
+        if has_body {
+            answers.push(("413", "The body is larger than the server takes"));
+            answers.push(("415", "The body's content type is not the one documented"));
+        }
+        if has_body || has_query {
+            answers.push((
+                "422",
+                "The body or a query parameter parses but is not valid here (an unknown \
+                 field, a wrong type, a value out of range)",
+            ));
+        }
+        // Every route behind a token refuses an address that failed to authenticate
+        // too often, before it looks at the token.
+        if secured {
+            answers.push((
+                "429",
+                "Too many failed authentications from this address, or too many \
+                 requests from this client: retry after Retry-After seconds",
+            ));
+        }
+        answers.push((
+            "503",
+            "The database is unreachable for now: retry after Retry-After seconds",
+        ));
+        for (status, description) in answers {
+            op.responses
+                .responses
+                .entry(status.into())
+                .or_insert_with(|| error(description));
+        }
+        // OpenAPI requires a description on every response; a handler's own listing
+        // of a refusal often gives only its body.
+        for (status, response) in op.responses.responses.iter_mut() {
+            if let RefOr::T(response) = response
+                && response.description.is_empty()
+            {
+                response.description = standard_description(status).into();
             }
         }
     }
@@ -264,6 +242,23 @@ fn standard_description(status: &str) -> &'static str {
         "503" => "The database is unreachable for now: retry after Retry-After seconds",
         _ => "See the error code",
     }
+}
+
+/// Every operation of the document, to amend.
+fn operations_mut(
+    doc: &mut utoipa::openapi::OpenApi,
+) -> impl Iterator<Item = &mut utoipa::openapi::path::Operation> {
+    doc.paths.paths.values_mut().flat_map(|item| {
+        [
+            &mut item.get,
+            &mut item.post,
+            &mut item.put,
+            &mut item.delete,
+            &mut item.patch,
+        ]
+        .into_iter()
+        .flatten()
+    })
 }
 
 /// Whether the operation takes a parameter in `place` (the path, the query).
