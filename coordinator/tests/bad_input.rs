@@ -1736,18 +1736,22 @@ async fn client_reports_out_of_range_are_422_or_409(h: &Harness) {
         "invalid_checkin",
     )
     .await;
-    h.refused(
-        h.client
-            .post(h.url(&format!(
-                "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/failure",
-                t.experiment, t.round, t.attempt
-            )))
-            .bearer_auth(&round.a)
-            .json(&serde_json::json!({"reason": "  "})),
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "invalid_failure",
-    )
-    .await;
+    // Blank, or holding a NUL (which PostgreSQL's text cannot store: it was a 500 there)
+    // or another control character but tabs and line breaks.
+    for reason in ["  ", "out of memory\u{0}", "\u{1b}[31mred\u{1b}[0m"] {
+        h.refused(
+            h.client
+                .post(h.url(&format!(
+                    "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/failure",
+                    t.experiment, t.round, t.attempt
+                )))
+                .bearer_auth(&round.a)
+                .json(&serde_json::json!({ "reason": reason })),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_failure",
+        )
+        .await;
+    }
     let evaluation = |body: serde_json::Value| {
         h.client
             .post(h.url(&format!(
@@ -2194,7 +2198,7 @@ async fn numbers_past_the_documented_bounds_are_422(h: &Harness) {
     }
     let round = h.collecting(2, 30).await;
     let t = &round.task;
-    for samples in ["9223372036854775807", "1000000001", "0"] {
+    for samples in ["9223372036854775807", "1000000000001", "0"] {
         let path = format!(
             "/api/v1/clients/experiments/{}/rounds/{}/attempts/{}/update?num_samples={samples}",
             t.experiment, t.round, t.attempt

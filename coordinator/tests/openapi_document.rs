@@ -253,7 +253,7 @@ fn required_fields_and_bounds_are_stated() {
             property(&doc, "ExperimentSpec", "max_round_attempts"),
             "maximum"
         ),
-        100.0
+        10_000.0
     );
     assert_eq!(
         bound(property(&doc, "TrainSettings", "local_epochs"), "maximum"),
@@ -264,7 +264,7 @@ fn required_fields_and_bounds_are_stated() {
         1.0
     );
     let samples = parameter(&doc["paths"][UPDATE]["post"], "num_samples");
-    assert_eq!(bound(&samples["schema"], "maximum"), 1e9);
+    assert_eq!(bound(&samples["schema"], "maximum"), 1e12);
     assert_eq!(bound(&samples["schema"], "minimum"), 1.0);
     let wait = property(&doc, "CheckIn", "wait_seconds");
     assert_eq!(bound(wait, "maximum"), 30.0);
@@ -281,6 +281,8 @@ fn every_name_and_label_states_the_one_text_rule() {
         property(&doc, "NewEnrolmentToken", "label").clone(),
         parameter(&doc["paths"]["/api/v1/admin/models"]["post"], "name")["schema"].clone(),
     ];
+    let reason = property(&doc, "FailureReport", "reason");
+    assert_eq!(reason["pattern"], cohort_core::text::FREE_TEXT_PATTERN);
     for f in &fields {
         assert_eq!(f["pattern"], rule, "{f}");
         assert_eq!(f["maxLength"], cohort_core::text::MAX_LABEL_CHARS, "{f}");

@@ -120,7 +120,7 @@ pub struct ExperimentSpec {
     /// Attempts a round gets before the experiment fails: a round without quorum, or
     /// whose aggregation failed every try, runs again as its next attempt until then.
     /// In mode `fedbuff`, the attempts a full buffer's aggregation gets.
-    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 100))]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 10000))]
     #[serde(default = "default_round_retries")]
     pub max_round_attempts: u32,
     /// Local training settings.
@@ -181,8 +181,10 @@ pub struct ExperimentSpec {
 /// The most clients a round may need: beyond this one coordinator's round is not the
 /// tool (and `clients_per_round * over_selection` stays far from overflowing).
 pub const MAX_CLIENTS_PER_ROUND: usize = 100_000;
-/// The most attempts a round may get before the experiment fails.
-pub const MAX_ROUND_ATTEMPTS: u32 = 100;
+/// The most attempts a round may get before the experiment fails. Private experiments
+/// whose rounds may fail for a long while (each attempt charging the budget until it
+/// runs out) use a thousand; more is a typo, not a plan.
+pub const MAX_ROUND_ATTEMPTS: u32 = 10_000;
 
 fn default_strategy() -> Strategy {
     Strategy::FedAvg

@@ -13,6 +13,31 @@ pub const MAX_LABEL_CHARS: usize = 200;
 /// so [`check_label`] does too: the document and the server refuse the same texts.
 pub const LABEL_PATTERN: &str = r"^[^\u0000-\u001F\u007F-\u009F]*[^\s\u0000-\u001F\u007F-\u009F][^\u0000-\u001F\u007F-\u009F]*$";
 
+/// The rule for free text (a client's account of why its task failed) as the document
+/// states it: like [`LABEL_PATTERN`], but tabs and line breaks are allowed, since such a
+/// text is often a trainer's error output.
+pub const FREE_TEXT_PATTERN: &str = r"^[^\u0000-\u0008\u000B\u000C\u000E-\u001F\u007F-\u009F]*[^\s\u0000-\u001F\u007F-\u009F][^\u0000-\u0008\u000B\u000C\u000E-\u001F\u007F-\u009F]*$";
+
+/// Checks free text (any length; the caller cuts it): not blank and no control
+/// characters but tabs and line breaks. NUL, which PostgreSQL's text cannot hold, is
+/// refused on both backends alike.
+pub fn check_free_text(field: &str, value: &str) -> Result<(), String> {
+    if value.chars().all(|c| c.is_whitespace() || c == '\u{feff}') {
+        return Err(format!("{field} must not be blank"));
+    }
+    if let Some(c) = value
+        .chars()
+        .find(|c| c.is_control() && !matches!(c, '\t' | '\n' | '\r'))
+    {
+        return Err(format!(
+            "{field} must not hold control characters other than tabs and line breaks \
+             (found U+{:04X})",
+            u32::from(c)
+        ));
+    }
+    Ok(())
+}
+
 /// Checks a name or label; `Err` says what is wrong, naming `field`.
 pub fn check_label(field: &str, value: &str) -> Result<(), String> {
     if value.chars().all(|c| c.is_whitespace() || c == '\u{feff}') {

@@ -651,7 +651,8 @@ class Admin:
             weights: A dict of tensor name to array (any real dtype: converted to
                 float32; integer tensors such as a BatchNorm's ``num_batches_tracked``
                 too), a PyTorch ``state_dict``, or a module (its ``state_dict()``).
-            name: A name for people, 1 to 200 characters.
+            name: A name for people, 1 to 200 characters, not blank, no control
+                characters.
 
         Returns:
             The stored model file: ``id``, ``name``, ``tensors`` (names and shapes),
@@ -729,8 +730,9 @@ class Admin:
         ``enrol_token``, ``cohort-edge --enrol-token``).
 
         Args:
-            label: Who it is for, e.g. the site it is handed to (1 to 200 bytes);
-                default ``"issued by cohort.Admin"``.
+            label: Who it is for, e.g. the site it is handed to (1 to 200
+                characters, not blank, no control characters); default
+                ``"issued by cohort.Admin"``.
             expires_in_seconds: Seconds until it stops working (up to ten years);
                 ``None``: it never expires.
 

@@ -1,15 +1,18 @@
-//! Answering an HTTP/2 request before its body has arrived (a 413 for an oversized
-//! upload, a 401 before the body is looked at) so that the client sees the answer.
+//! Answering a request before its body has arrived (a 413 for an oversized upload, a 401
+//! or 429 before the body is looked at) so that the client sees the answer.
 //!
 //! A handler that refuses a request drops its body unread. Over HTTP/2 hyper then resets
 //! the stream, and clients that are still sending (curl, httpx) report the reset instead
 //! of the answer that came before it: curl fails with "Stream error in the HTTP/2 framing
 //! layer" and prints no status, httpx waits for flow-control credit until its timeout.
-//! [`keep_reading`] wraps every HTTP/2 request body so that, dropped before its end, it
-//! is read on (and thrown away) in the background for a bounded while: the answer goes
-//! out, the client finishes sending and reads it, and the stream ends cleanly. Past the
-//! bounds the stream is reset as before, so a client that never stops sending costs at
-//! most [`DRAIN_BYTES`] and [`DRAIN_TIME`].
+//! Over HTTP/1.1 hyper answers and closes the connection, and a client that reuses it
+//! for its next request at that moment meets a TLS EOF instead of an answer.
+//! [`keep_reading`] wraps every request body so that, dropped before its end, it is read
+//! on (and thrown away) in the background for a bounded while: the answer goes out, the
+//! client finishes sending and reads it, and the stream ends cleanly (the connection
+//! stays usable). Past the bounds the stream is reset, or the connection closed, as
+//! before, so a client that never stops sending costs at most [`DRAIN_BYTES`] and
+//! [`DRAIN_TIME`].
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -17,7 +20,6 @@ use std::time::Duration;
 
 use axum::body::{Body, Bytes, HttpBody};
 use axum::extract::Request;
-use axum::http::Version;
 use axum::middleware::Next;
 use axum::response::Response;
 
@@ -26,12 +28,8 @@ pub const DRAIN_BYTES: u64 = 256 * 1024 * 1024;
 /// The longest an abandoned body is read on after the answer.
 pub const DRAIN_TIME: Duration = Duration::from_secs(30);
 
-/// Middleware: wraps the body of each HTTP/2 request in [`DrainOnDrop`]. HTTP/1.1 needs
-/// nothing: hyper answers and closes the connection, which every client handles.
+/// Middleware: wraps the body of each request in [`DrainOnDrop`].
 pub async fn keep_reading(request: Request, next: Next) -> Response {
-    if request.version() != Version::HTTP_2 {
-        return next.run(request).await;
-    }
     let request = request.map(|body| Body::new(DrainOnDrop { inner: Some(body) }));
     next.run(request).await
 }

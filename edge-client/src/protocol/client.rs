@@ -374,8 +374,8 @@ impl CoordinatorClient {
             task.round,
             task.attempt,
         );
-        let reason: String = reason.chars().take(2000).collect();
-        self.post_json(cred, &url, &FailureReport { reason }).await
+        self.post_json(cred, &url, &FailureReport::new(reason))
+            .await
     }
 
     fn secagg_url(task: &Task, what: &str) -> String {

@@ -89,9 +89,43 @@ pub struct UploadReceipt {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct FailureReport {
-    /// What went wrong, for the admin: not blank; cut to 2000 characters.
-    #[cfg_attr(feature = "openapi", schema(min_length = 1, pattern = r"\S"))]
+    /// What went wrong, for the admin: not blank, no control characters but tabs and
+    /// line breaks; cut to 2000 characters.
+    #[cfg_attr(
+        feature = "openapi",
+        schema(
+            min_length = 1,
+            pattern = r"^[^\u0000-\u0008\u000B\u000C\u000E-\u001F\u007F-\u009F]*[^\s\u0000-\u001F\u007F-\u009F][^\u0000-\u0008\u000B\u000C\u000E-\u001F\u007F-\u009F]*$"
+        )
+    )]
     pub reason: String,
+}
+
+impl FailureReport {
+    /// The report of `what` went wrong, made fit to send: cut to 2000 characters, each
+    /// control character but tabs and line breaks (a trainer's colour codes, a NUL)
+    /// replaced with U+FFFD, and never blank.
+    pub fn new(what: &str) -> Self {
+        let reason: String = what
+            .chars()
+            .take(2000)
+            .map(|c| {
+                if c.is_control() && !matches!(c, '\t' | '\n' | '\r') {
+                    '\u{fffd}'
+                } else {
+                    c
+                }
+            })
+            .collect();
+        let blank = reason.chars().all(|c| c.is_whitespace() || c == '\u{feff}');
+        FailureReport {
+            reason: if blank {
+                "the task failed without saying why".into()
+            } else {
+                reason
+            },
+        }
+    }
 }
 
 /// A client's evaluation of a model version it received, or its word that it keeps its
@@ -180,6 +214,22 @@ pub struct SurvivorsReply {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A trainer's output goes out as a report the server takes: colour codes and NULs
+    /// replaced, line breaks kept, cut to 2000 characters, never blank.
+    #[test]
+    fn failure_reports_are_made_fit_to_send() {
+        let report = FailureReport::new("\u{1b}[31mTraceback\u{0}\n  line 3\tboom");
+        assert_eq!(
+            report.reason,
+            "\u{fffd}[31mTraceback\u{fffd}\n  line 3\tboom"
+        );
+        assert_eq!(
+            FailureReport::new(&"x".repeat(5000)).reason.chars().count(),
+            2000
+        );
+        assert!(!FailureReport::new(" \n ").reason.trim().is_empty());
+    }
 
     /// The bodies are what the coordinator's routes take: a field the server refuses as
     /// unknown would be a client that cannot enrol.

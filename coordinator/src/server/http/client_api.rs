@@ -318,17 +318,17 @@ async fn model(
 /// The most samples an upload may claim. The weight counted is capped lower still (the
 /// experiment's `max_weight`); this bound keeps a claim a number that every client
 /// language and the database hold exactly, and refuses the absurd outright.
-pub const MAX_NUM_SAMPLES: i64 = 1_000_000_000;
+pub const MAX_NUM_SAMPLES: i64 = 1_000_000_000_000;
 
 /// Metadata of an upload, in the query string.
 #[derive(Debug, Clone, PartialEq, Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct UploadQuery {
-    /// Samples behind the update (the FedAvg weight), 1 to 10^9; counted as at most the
+    /// Samples behind the update (the FedAvg weight), 1 to 10^12; counted as at most the
     /// experiment's `max_weight`. Required for a plain round; refused for a secure one,
     /// whose weight travels inside the masked vector.
-    #[param(minimum = 1, maximum = 1_000_000_000)]
+    #[param(minimum = 1, maximum = 1_000_000_000_000_i64)]
     #[serde(default)]
     pub num_samples: Option<i64>,
     /// The client's mean training loss.

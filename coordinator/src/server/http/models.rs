@@ -345,12 +345,8 @@ async fn report_failure(
     Json(report): Json<FailureReport>,
 ) -> Result<StatusCode, ApiError> {
     let id = parse_id(&id, "experiment")?;
-    if report.reason.trim().is_empty() {
-        return Err(ApiError::unprocessable(
-            ErrorCode::InvalidFailure,
-            "reason must not be empty",
-        ));
-    }
+    cohort_core::text::check_free_text("reason", &report.reason)
+        .map_err(|e| ApiError::unprocessable(ErrorCode::InvalidFailure, e))?;
     // Only a client the round selected may speak for it; attempt 0 is the evaluation of
     // a finished experiment's final model, which its clients are asked for.
     let selected = if attempt == 0 {
