@@ -328,6 +328,13 @@ impl Harness {
         }
     }
 
+    /// An admin upload of the model file `body` named `name` (already URL-encoded).
+    fn model_upload(&self, name: &str, body: Vec<u8>) -> reqwest::RequestBuilder {
+        self.admin(Method::POST, &format!("/models?name={name}"))
+            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+            .body(body)
+    }
+
     fn admin(&self, method: Method, path: &str) -> reqwest::RequestBuilder {
         self.client
             .request(method, self.url(&format!("/api/v1/admin{path}")))
@@ -1653,9 +1660,7 @@ async fn admin_creations_refused(
     )
     .await;
     h.refused(
-        h.admin(Method::POST, &format!("/models?name={model_name}"))
-            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
-            .body(b"not a safetensors file".to_vec()),
+        h.model_upload(model_name, b"not a safetensors file".to_vec()),
         StatusCode::UNPROCESSABLE_ENTITY,
         "invalid_model",
     )
@@ -2111,9 +2116,7 @@ async fn names_with_control_characters_are_422_on_both_backends(h: &Harness) {
     // A valid model file, so that the name alone is what gets it refused...
     for name in ["weights%00v2", "tab%09bed", "%EF%BB%BF"] {
         h.refused(
-            h.admin(Method::POST, &format!("/models?name={name}"))
-                .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
-                .body(model_file()),
+            h.model_upload(name, model_file()),
             StatusCode::UNPROCESSABLE_ENTITY,
             "invalid_model",
         )
@@ -2121,9 +2124,7 @@ async fn names_with_control_characters_are_422_on_both_backends(h: &Harness) {
     }
     // ... as the same file under a plain name shows.
     let r = h
-        .admin(Method::POST, "/models?name=weights-v2")
-        .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
-        .body(model_file())
+        .model_upload("weights-v2", model_file())
         .send()
         .await
         .unwrap();

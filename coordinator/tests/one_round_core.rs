@@ -308,6 +308,21 @@ async fn coordinator(dir: &Path, seed: u64) -> AppState {
     )
 }
 
+/// Creates the experiment of `spec` (named by its `name`) and starts it.
+async fn running(
+    state: &AppState,
+    spec: &serde_json::Value,
+) -> cohort_coordinator::store::Experiment {
+    let name = spec["name"].as_str().expect("the spec has a name");
+    let exp = state.store.create_experiment(name, spec).await.unwrap();
+    state
+        .store
+        .set_experiment_state(exp.id, ExperimentState::Running, "admin")
+        .await
+        .unwrap();
+    exp
+}
+
 /// Enrols `n` clients at `now`; their ids, in enrolment order.
 async fn enrolled(state: &AppState, n: usize, now: i64) -> Vec<Uuid> {
     let mut ids = Vec::new();
@@ -338,16 +353,7 @@ async fn served(case: &Case) -> (Run, ModelVector, cohort_core::round::FailedAtt
     let mut ids = enrolled(&state, case.clients, now).await;
     ids.sort();
     let rank: BTreeMap<Uuid, usize> = ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
-    let exp = state
-        .store
-        .create_experiment("one core", &spec(case))
-        .await
-        .unwrap();
-    state
-        .store
-        .set_experiment_state(exp.id, ExperimentState::Running, "admin")
-        .await
-        .unwrap();
+    let exp = running(&state, &spec(case)).await;
     let (spec, model) = experiment_model(&state.store.experiment(exp.id).await.unwrap()).unwrap();
     let ExperimentModel::BuiltIn(built_in) = &model else {
         panic!("logreg is built in");
@@ -634,23 +640,15 @@ async fn clients_seen_longer_ago_than_the_window_are_not_selected() {
         .await
         .unwrap();
     // Up to three wanted, one needed: every available client is selected.
-    let exp = state
-        .store
-        .create_experiment(
-            "availability",
-            &serde_json::json!({
-                "name": "availability", "model": "logreg", "features": 3, "classes": 2,
-                "rounds": 1, "clients_per_round": 1, "min_participants": 1,
-                "over_selection": 3.0, "collect_deadline_seconds": DEADLINE_SECONDS,
-            }),
-        )
-        .await
-        .unwrap();
-    state
-        .store
-        .set_experiment_state(exp.id, ExperimentState::Running, "admin")
-        .await
-        .unwrap();
+    let exp = running(
+        &state,
+        &serde_json::json!({
+            "name": "availability", "model": "logreg", "features": 3, "classes": 2,
+            "rounds": 1, "clients_per_round": 1, "min_participants": 1,
+            "over_selection": 3.0, "collect_deadline_seconds": DEADLINE_SECONDS,
+        }),
+    )
+    .await;
     tick_at(&state, "coordinator", now).await.unwrap();
     let round = state
         .store

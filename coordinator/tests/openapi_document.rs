@@ -236,38 +236,52 @@ fn required_fields_and_bounds_are_stated() {
     ] {
         assert!(required.contains(&field), "{field} in {required:?}");
     }
-    let bound = |s: &Value, key: &str| s[key].as_f64().unwrap_or_else(|| panic!("no {key}: {s}"));
-    assert_eq!(
-        bound(
+    // Each bound as the server enforces it: the constant its check uses, where it has one.
+    let samples = &parameter(&doc["paths"][UPDATE]["post"], "num_samples")["schema"];
+    let bounds = [
+        (
             property(&doc, "ExperimentSpec", "clients_per_round"),
-            "maximum"
+            "maximum",
+            cohort_core::spec::MAX_CLIENTS_PER_ROUND as f64,
         ),
-        100_000.0
-    );
-    assert_eq!(
-        bound(property(&doc, "ExperimentSpec", "rounds"), "maximum"),
-        100_000.0
-    );
-    assert_eq!(
-        bound(
+        (
+            property(&doc, "ExperimentSpec", "rounds"),
+            "maximum",
+            100_000.0,
+        ),
+        (
             property(&doc, "ExperimentSpec", "max_round_attempts"),
-            "maximum"
+            "maximum",
+            f64::from(cohort_core::spec::MAX_ROUND_ATTEMPTS),
         ),
-        10_000.0
-    );
-    assert_eq!(
-        bound(property(&doc, "TrainSettings", "local_epochs"), "maximum"),
-        1000.0
-    );
-    assert_eq!(
-        bound(property(&doc, "TrainSettings", "local_epochs"), "minimum"),
-        1.0
-    );
-    let samples = parameter(&doc["paths"][UPDATE]["post"], "num_samples");
-    assert_eq!(bound(&samples["schema"], "maximum"), 1e12);
-    assert_eq!(bound(&samples["schema"], "minimum"), 1.0);
-    let wait = property(&doc, "CheckIn", "wait_seconds");
-    assert_eq!(bound(wait, "maximum"), 30.0);
+        (
+            property(&doc, "TrainSettings", "local_epochs"),
+            "maximum",
+            f64::from(cohort_edge::train::MAX_LOCAL_EPOCHS),
+        ),
+        (
+            property(&doc, "TrainSettings", "local_epochs"),
+            "minimum",
+            1.0,
+        ),
+        (
+            samples,
+            "maximum",
+            cohort_coordinator::server::http::client_api::MAX_NUM_SAMPLES as f64,
+        ),
+        (samples, "minimum", 1.0),
+        (
+            property(&doc, "CheckIn", "wait_seconds"),
+            "maximum",
+            cohort_coordinator::server::http::client_api::MAX_CHECKIN_WAIT_SECONDS as f64,
+        ),
+    ];
+    for (schema, key, expected) in bounds {
+        let stated = schema[key]
+            .as_f64()
+            .unwrap_or_else(|| panic!("no {key}: {schema}"));
+        assert_eq!(stated, expected, "{key} of {schema}");
+    }
 }
 
 /// One rule for every name and label, stated once in the document as the server checks

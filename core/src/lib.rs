@@ -24,7 +24,7 @@ pub mod round;
 pub mod secure;
 pub mod spec;
 pub mod task;
-pub mod text;
+pub use cohort_edge::protocol::text;
 
 pub use mode::{ExperimentMode, FedBuffSettings, UnknownMode};
 pub use model::SpecModel;

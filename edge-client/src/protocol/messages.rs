@@ -110,16 +110,15 @@ impl FailureReport {
             .chars()
             .take(2000)
             .map(|c| {
-                if c.is_control() && !matches!(c, '\t' | '\n' | '\r') {
+                if super::text::refused_in_free_text(c) {
                     '\u{fffd}'
                 } else {
                     c
                 }
             })
             .collect();
-        let blank = reason.chars().all(|c| c.is_whitespace() || c == '\u{feff}');
         FailureReport {
-            reason: if blank {
+            reason: if super::text::is_blank(&reason) {
                 "the task failed without saying why".into()
             } else {
                 reason

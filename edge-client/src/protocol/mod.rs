@@ -19,6 +19,7 @@ pub use client::*;
 pub mod messages;
 pub mod routes;
 pub mod stage;
+pub mod text;
 
 /// A client's credential: its id and secret, kept in the state directory.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -628,11 +628,7 @@ async fn receive_update(
             "the body is larger than the limit of {limit} bytes"
         ))
     };
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
+    if crate::server::http::extract::declared_length(headers).is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
     let blobs = state.blobs.clone();

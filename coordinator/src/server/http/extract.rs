@@ -21,6 +21,15 @@ pub(crate) fn parse_id(text: &str, what: &str) -> Result<Uuid, ApiError> {
     })
 }
 
+/// The body length the request declares (`Content-Length`), if it declares one that
+/// parses: a body declared past a limit is refused before a byte of it is read.
+pub(crate) fn declared_length(headers: &axum::http::HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+}
+
 /// Extractor: the client whose credential the request carries. Missing or wrong
 /// credentials are 401; a revoked client is 403; an address past its share of failed
 /// authentications is 429 before its credential is looked at. It writes nothing: a

@@ -167,51 +167,24 @@ fn document_framework_answers(doc: &mut utoipa::openapi::OpenApi) {
             v.to_string()
                 .contains(crate::server::http::client_api::CLIENT_SECURITY_SCHEME)
         });
-        let mut answers: Vec<(&str, &str)> = Vec::new();
-        if has_body || has_path || has_query {
-            answers.push((
-                "400",
-                "The body or a path or query parameter does not parse",
-            ));
-        }
-        if secured {
-            answers.push(("401", "No valid credential"));
-        }
-        if as_client {
-            answers.push(("403", "The client is revoked"));
-        }
-        if has_path {
-            answers.push(("404", "Nothing has this id"));
-        }
-        if has_body {
-            answers.push(("413", "The body is larger than the server takes"));
-            answers.push(("415", "The body's content type is not the one documented"));
-        }
-        if has_body || has_query {
-            answers.push((
-                "422",
-                "The body or a query parameter parses but is not valid here (an unknown \
-                 field, a wrong type, a value out of range)",
-            ));
-        }
-        // Every route behind a token refuses an address that failed to authenticate
-        // too often, before it looks at the token.
-        if secured {
-            answers.push((
-                "429",
-                "Too many failed authentications from this address, or too many \
-                 requests from this client: retry after Retry-After seconds",
-            ));
-        }
-        answers.push((
-            "503",
-            "The database is unreachable for now: retry after Retry-After seconds",
-        ));
-        for (status, description) in answers {
+        let answers = [
+            ("400", has_body || has_path || has_query),
+            ("401", secured),
+            ("403", as_client),
+            ("404", has_path),
+            ("413", has_body),
+            ("415", has_body),
+            ("422", has_body || has_query),
+            // Every route behind a token refuses an address that failed to
+            // authenticate too often, before it looks at the token.
+            ("429", secured),
+            ("503", true),
+        ];
+        for (status, _) in answers.into_iter().filter(|(_, applies)| *applies) {
             op.responses
                 .responses
                 .entry(status.into())
-                .or_insert_with(|| error(description));
+                .or_insert_with(|| error(standard_description(status)));
         }
         // OpenAPI requires a description on every response; a handler's own listing
         // of a refusal often gives only its body.
@@ -225,7 +198,8 @@ fn document_framework_answers(doc: &mut utoipa::openapi::OpenApi) {
     }
 }
 
-/// The description of a response whose handler gave none: what the status means here.
+/// What a status means on any route: the description of the answers the layers add, and
+/// of a response whose handler gave none.
 fn standard_description(status: &str) -> &'static str {
     match status {
         "200" => "OK",
@@ -237,8 +211,14 @@ fn standard_description(status: &str) -> &'static str {
         "409" => "Refused by the resource's current state; the code says which rule",
         "413" => "The body is larger than the server takes",
         "415" => "The body's content type is not the one documented",
-        "422" => "The request parses but is not valid here; the code and message say why",
-        "429" => "Too many requests: retry after Retry-After seconds",
+        "422" => {
+            "The body or a query parameter parses but is not valid here (an unknown field, \
+             a wrong type, a value out of range); the code and message say why"
+        }
+        "429" => {
+            "Too many failed authentications from this address, or too many requests from \
+             this client: retry after Retry-After seconds"
+        }
         "503" => "The database is unreachable for now: retry after Retry-After seconds",
         _ => "See the error code",
     }
@@ -324,8 +304,18 @@ async fn health() -> Json<Health> {
     tag = "meta",
     responses((status = 200, description = "The OpenAPI 3 document", body = Object, content_type = "application/json"))
 )]
-async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
-    Json(openapi())
+async fn openapi_json() -> impl axum::response::IntoResponse {
+    // The document depends on nothing but the code: built and serialized once per
+    // process, not on every request (it is some 200 KB).
+    static DOCUMENT: std::sync::LazyLock<axum::body::Bytes> = std::sync::LazyLock::new(|| {
+        serde_json::to_vec(&openapi())
+            .expect("the OpenAPI document serializes")
+            .into()
+    });
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        DOCUMENT.clone(),
+    )
 }
 
 /// Echoes the caller's role: a cheap way to check an admin token.

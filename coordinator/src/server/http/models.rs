@@ -69,11 +69,7 @@ async fn upload_model(
         ))
     };
     // A declared length over the limit is refused before a byte of it is read.
-    let declared = headers
-        .get(axum::http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
+    if crate::server::http::extract::declared_length(&headers).is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
     let body = axum::body::to_bytes(body, limit).await.map_err(|e| {
