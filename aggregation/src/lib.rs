@@ -9,6 +9,8 @@
 //!   model (plain averaging, FedAdam, FedYogi, FedAdagrad).
 //! - [`Strategy`]: the named federated strategies a user picks from.
 //! - [`wire`]: the little-endian `f32` body in which vectors travel.
+//! - [`compress`]: fewer bytes per vector: rotated quantisation, signs, top-k, error
+//!   feedback.
 //! - [`model_file`]: models as safetensors files, strictly checked when decoded.
 //! - [`secagg`]: secure aggregation (SecAgg+): the server learns only the sum.
 //! - [`reduce`]: the hot loops (weighted sums, modular sums, mask expansion) behind one
@@ -18,6 +20,7 @@
 //! - [`robust`]: aggregation rules that resist malicious clients (median, trimmed mean,
 //!   Krum, Multi-Krum).
 
+pub mod compress;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod fedavg;
