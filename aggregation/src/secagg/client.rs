@@ -575,6 +575,8 @@ impl ClientSession {
             },
         }));
         prg::apply_masks_parallel(&masks, 0, &mut words)?;
+        // Narrow words travel modulo 2^w: the masks still cancel in that ring.
+        self.quantizer.narrow_words(&mut words);
         let neighbours = identities.clone();
         self.state = ClientState::Masked { neighbours, held };
         Ok(words)

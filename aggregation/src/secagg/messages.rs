@@ -345,6 +345,55 @@ pub fn decode_words(bytes: &[u8], expected: usize) -> Result<Vec<u32>, super::Se
         .collect())
 }
 
+/// The masked input of stage 3 as it travels: the `dimension` model words in
+/// `word_bits` (8, 16 or 32; [`super::Quantizer::word_bits`]) little-endian each, then
+/// the weight and loss words in 32 bits. With 32-bit model words it is
+/// [`encode_words`]'s form.
+pub fn encode_masked(words: &[u32], dimension: usize, word_bits: u32) -> Vec<u8> {
+    let bytes = (word_bits / 8) as usize;
+    let mut out = Vec::with_capacity(dimension * bytes + (words.len() - dimension) * 4);
+    for w in &words[..dimension] {
+        out.extend_from_slice(&w.to_le_bytes()[..bytes]);
+    }
+    for w in &words[dimension..] {
+        out.extend_from_slice(&w.to_le_bytes());
+    }
+    out
+}
+
+/// Parses [`encode_masked`]'s form into `dimension + EXTRA_WORDS` words, refusing any
+/// other length.
+pub fn decode_masked(
+    bytes: &[u8],
+    dimension: usize,
+    word_bits: u32,
+) -> Result<Vec<u32>, super::SecAggError> {
+    let width = (word_bits / 8) as usize;
+    let extra = super::quantize::EXTRA_WORDS;
+    let expected = dimension * width + extra * 4;
+    if !matches!(word_bits, 8 | 16 | 32) || bytes.len() != expected {
+        return Err(super::SecAggError::BadMessage(format!(
+            "masked input is {} bytes; {dimension} parameters in {word_bits}-bit words and \
+             {extra} 32-bit words take {expected}",
+            bytes.len()
+        )));
+    }
+    let (model, tail) = bytes.split_at(dimension * width);
+    let mut out: Vec<u32> = model
+        .chunks_exact(width)
+        .map(|c| {
+            let mut w = [0u8; 4];
+            w[..width].copy_from_slice(c);
+            u32::from_le_bytes(w)
+        })
+        .collect();
+    out.extend(
+        tail.chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+    );
+    Ok(out)
+}
+
 mod b64_vec {
     use base64::Engine;
     use base64::engine::general_purpose::URL_SAFE_NO_PAD;
@@ -496,5 +545,38 @@ mod tests {
         assert_eq!(decode_words(&b, 4).unwrap(), w);
         assert!(decode_words(&b, 3).is_err());
         assert!(decode_words(&b[..15], 4).is_err());
+    }
+
+    /// A masked upload in 16-bit words is half of today's 32-bit one (plus the two
+    /// 32-bit weight and loss words), and reads back as the same words.
+    #[test]
+    fn narrow_masked_inputs_round_trip_at_half_the_size() {
+        let d = 784 * 128 + 128 + 128 * 10 + 10;
+        let words: Vec<u32> = (0..d as u32 + 2)
+            .map(|i| {
+                if (i as usize) < d {
+                    i * 7 & 0xffff
+                } else {
+                    u32::MAX - i
+                }
+            })
+            .collect();
+        let wide = encode_masked(&words, d, 32);
+        assert_eq!(wide, encode_words(&words));
+        let narrow = encode_masked(&words, d, 16);
+        assert!((narrow.len() as f64) / (wide.len() as f64) < 0.5001);
+        assert_eq!(decode_masked(&narrow, d, 16).unwrap(), words);
+        let byte_words: Vec<u32> = words
+            .iter()
+            .enumerate()
+            .map(|(i, w)| if i < d { w & 0xff } else { *w })
+            .collect();
+        assert_eq!(
+            decode_masked(&encode_masked(&byte_words, d, 8), d, 8).unwrap(),
+            byte_words
+        );
+        let short = decode_masked(&narrow[1..], d, 16).unwrap_err().to_string();
+        assert!(short.contains("in 16-bit words"), "{short}");
+        assert!(decode_masked(&narrow, d, 32).is_err());
     }
 }

@@ -53,7 +53,25 @@ pub struct QuantizationParams {
     /// unused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub distributed_noise: Option<DistributedNoise>,
+    /// Compression: a fixed number of bits per value (1, 2, 4 or 8) instead of the
+    /// widest that fits, so that the model words can be narrower than 32 bits. `None`:
+    /// the widest `b` with `n (2^b - 1) < 2^32`, in 32-bit words.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bits: Option<u32>,
+    /// Compression: the width of the model words on the wire and of the ring the masks
+    /// live in (8, 16 or 32). `None`: the narrowest that holds the sum of every client's
+    /// values with `bits`. A width too narrow for `n` clients is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub word_bits: Option<u32>,
+    /// Compression: rotate every update with this seed before clipping (the same for
+    /// every client of the round, so that the server rotates the sum back). Shrinks the
+    /// range a few bits must cover; see [`crate::compress::rotation`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rotation_seed: Option<u64>,
 }
+
+/// The model word widths a compressed secure round may use.
+pub const WORD_BITS: [u32; 3] = [8, 16, 32];
 
 impl Default for QuantizationParams {
     fn default() -> Self {
@@ -62,6 +80,9 @@ impl Default for QuantizationParams {
             max_weight: 1000,
             loss_clip: 64.0,
             distributed_noise: None,
+            bits: None,
+            word_bits: None,
+            rotation_seed: None,
         }
     }
 }
@@ -112,6 +133,8 @@ pub struct Quantizer {
     params: QuantizationParams,
     bits: u32,
     levels: u32,
+    /// Width of the model words (the weight and loss words stay 32 bits).
+    word_bits: u32,
     parties: u32,
     noise: Option<SkellamScale>,
 }
@@ -166,26 +189,106 @@ impl Quantizer {
                 params.max_weight
             ));
         }
-        let per_client = u32::MAX / parties; // the largest L with n * L <= 2^32 - 1
-        let bits = 32 - (per_client.saturating_add(1)).leading_zeros() - 1;
-        let bits = if per_client == u32::MAX { 32 } else { bits };
-        let levels = if bits == 32 {
-            u32::MAX
-        } else {
-            (1u32 << bits) - 1
+        let (bits, levels, word_bits) = match params.bits {
+            None => {
+                if params.word_bits.is_some_and(|w| w != 32) || params.rotation_seed.is_some() {
+                    return bad("word_bits and rotation_seed come with a fixed bits".into());
+                }
+                let (bits, levels) = Self::widest(parties);
+                if bits < 8 {
+                    return bad(format!(
+                        "{parties} clients leave only {bits} bits per value in 32-bit words"
+                    ));
+                }
+                (bits, levels, 32)
+            }
+            Some(bits) => {
+                if params.distributed_noise.is_some() {
+                    return bad(
+                        "compressed words do not carry distributed noise, which needs the \
+                         32-bit ring"
+                            .into(),
+                    );
+                }
+                let (levels, word_bits) = Self::narrow(bits, params.word_bits, parties)
+                    .map_err(QuantizeError::InvalidParams)?;
+                (bits, levels, word_bits)
+            }
         };
-        if bits < 8 {
-            return bad(format!(
-                "{parties} clients leave only {bits} bits per value in 32-bit words"
-            ));
-        }
         Ok(Self {
             params,
             bits,
             levels,
+            word_bits,
             parties,
             noise,
         })
+    }
+
+    /// The widest `b` with `n (2^b - 1) <= 2^32 - 1`, and its `2^b - 1`.
+    fn widest(parties: u32) -> (u32, u32) {
+        let per_client = u32::MAX / parties; // the largest L with n * L <= 2^32 - 1
+        if per_client == u32::MAX {
+            return (32, u32::MAX);
+        }
+        let bits = 32 - (per_client.saturating_add(1)).leading_zeros() - 1;
+        (bits, (1u32 << bits) - 1)
+    }
+
+    /// `2^bits - 1` and the model word width for `parties` clients at `bits` bits: the
+    /// one asked for, if the sum fits it, else the narrowest that fits.
+    fn narrow(bits: u32, word_bits: Option<u32>, parties: u32) -> Result<(u32, u32), String> {
+        if !crate::compress::QUANTIZE_BITS.contains(&(bits as u8)) || bits > 8 {
+            return Err(format!("bits must be 1, 2, 4 or 8, got {bits}"));
+        }
+        let levels = (1u32 << bits) - 1;
+        let sum = u64::from(parties) * u64::from(levels);
+        let fits = |w: u32| sum < 1u64 << w;
+        match word_bits {
+            Some(w) if !WORD_BITS.contains(&w) => {
+                Err(format!("word_bits must be 8, 16 or 32, got {w}"))
+            }
+            Some(w) if !fits(w) => Err(format!(
+                "a {w}-bit word is too narrow for {parties} clients at {bits} bits: their sum \
+                 reaches {parties} x {levels} = {sum}, above 2^{w} - 1; use {} bits or fewer \
+                 clients",
+                WORD_BITS.iter().find(|&&w| fits(w)).copied().unwrap_or(32)
+            )),
+            Some(w) => Ok((levels, w)),
+            None => Ok((
+                levels,
+                WORD_BITS.iter().copied().find(|&w| fits(w)).unwrap_or(32),
+            )),
+        }
+    }
+
+    /// Width of the model words, which is also the ring the masks of the model words
+    /// live in: 32, or 8 or 16 for a compressed round (the weight and loss words are
+    /// always 32 bits).
+    pub fn word_bits(&self) -> u32 {
+        self.word_bits
+    }
+
+    /// Reduces the model words of a sum of masked inputs, from which the masks have been
+    /// removed modulo 2^32, to their ring: the masks cancel modulo 2^32, so modulo 2^w
+    /// too, and the sum of the values is below 2^w, so the low bits are the sum.
+    pub fn narrow_words(&self, sum: &mut [u32]) {
+        let mask = self.word_mask();
+        if mask != u32::MAX {
+            let d = sum.len().saturating_sub(EXTRA_WORDS);
+            for w in &mut sum[..d] {
+                *w &= mask;
+            }
+        }
+    }
+
+    /// The mask that keeps a model word in its ring (`2^word_bits - 1`).
+    pub fn word_mask(&self) -> u32 {
+        if self.word_bits == 32 {
+            u32::MAX
+        } else {
+            (1u32 << self.word_bits) - 1
+        }
     }
 
     /// The distributed noise scale, when the round carries distributed differential
@@ -199,7 +302,8 @@ impl Quantizer {
         &self.params
     }
 
-    /// Bits per value: the largest `b` with `n * (2^b - 1) < 2^32`.
+    /// Bits per value: the fixed `bits` of a compressed round, else the largest `b` with
+    /// `n * (2^b - 1) < 2^32`.
     pub fn bits(&self) -> u32 {
         self.bits
     }
@@ -211,7 +315,8 @@ impl Quantizer {
 
     /// The bound on every coordinate of the decoded mean: `m * delta * W / S` for `m`
     /// survivors with capped weights summing to `S`, plus `c * 2^-24` for rounding the
-    /// mean (at most `c` in size) to `f32`.
+    /// mean (at most `c` in size) to `f32`. With a rotation it bounds the rotated
+    /// coordinates; rotating back keeps the error's norm, `sqrt(d)` times this at most.
     pub fn error_bound(&self, survivors: usize, total_weight: u64) -> f64 {
         if total_weight == 0 {
             return f64::INFINITY;
@@ -252,6 +357,17 @@ impl Quantizer {
             out[d] = 1;
             return Ok(out);
         }
+        let rotated: Vec<f32>;
+        let update = match self.params.rotation_seed {
+            Some(seed) => {
+                rotated = crate::compress::rotation::rotate(seed, update)
+                    .into_iter()
+                    .map(|v| v as f32)
+                    .collect();
+                &rotated[..]
+            }
+            None => update,
+        };
         let mut noise_key = [0u8; 32];
         rng.fill_bytes(&mut noise_key);
         let w = weight.min(u64::from(self.params.max_weight)) as u32;
@@ -316,6 +432,15 @@ impl Quantizer {
         if let Some(noise) = &self.noise {
             return Self::decode_noisy(noise, sum, survivors);
         }
+        let narrowed: Vec<u32>;
+        let sum = if self.word_bits < 32 {
+            let mut copy = sum.to_vec();
+            self.narrow_words(&mut copy);
+            narrowed = copy;
+            &narrowed[..]
+        } else {
+            sum
+        };
         let max_word = survivors as u64 * u64::from(self.levels);
         if let Some(index) = sum.par_iter().enumerate().position_first(|(i, &q)| {
             let limit = if i == d {
@@ -335,10 +460,20 @@ impl Quantizer {
         let clip = f64::from(self.params.clip);
         let factor = f64::from(self.params.max_weight) / total_weight as f64;
         let offset = survivors as f64 * clip;
-        let mean = sum[..d]
-            .par_iter()
-            .map(|&q| ((f64::from(q) * step - offset) * factor) as f32)
-            .collect();
+        let mean = match self.params.rotation_seed {
+            None => sum[..d]
+                .par_iter()
+                .map(|&q| ((f64::from(q) * step - offset) * factor) as f32)
+                .collect(),
+            Some(seed) => {
+                let mut rotated: Vec<f64> = sum[..d]
+                    .par_iter()
+                    .map(|&q| (f64::from(q) * step - offset) * factor)
+                    .collect();
+                crate::compress::rotation::unrotate(seed, &mut rotated);
+                rotated.into_iter().map(|v| v as f32).collect()
+            }
+        };
         let loss_step = f64::from(self.params.loss_clip) / f64::from(self.levels);
         Ok(Decoded {
             mean,
@@ -526,6 +661,51 @@ mod tests {
         assert!(
             (mean - f64::from(x)).abs() < 5.0 * quant.step() / f64::from(reps).sqrt(),
             "{mean} vs {x}"
+        );
+    }
+
+    /// Bad compression settings are refused with a message that names the setting.
+    #[test]
+    fn compressed_settings_are_checked() {
+        let with = |bits, word_bits| QuantizationParams {
+            bits,
+            word_bits,
+            ..QuantizationParams::default()
+        };
+        let refused = |p, n| Quantizer::new(p, n).unwrap_err().to_string();
+        assert!(refused(with(Some(3), None), 10).contains("bits must be 1, 2, 4 or 8, got 3"));
+        assert!(refused(with(Some(4), Some(12)), 10).contains("word_bits must be 8, 16 or 32"));
+        let narrow = refused(with(Some(4), Some(8)), 100);
+        assert!(
+            narrow.contains("8-bit word is too narrow for 100 clients at 4 bits")
+                && narrow.contains("use 16 bits"),
+            "{narrow}"
+        );
+        assert!(refused(with(None, Some(16)), 10).contains("come with a fixed bits"));
+        // The narrowest ring that fits is taken when none is named.
+        assert_eq!(
+            Quantizer::new(with(Some(4), None), 17).unwrap().word_bits(),
+            8
+        );
+        assert_eq!(
+            Quantizer::new(with(Some(4), None), 18).unwrap().word_bits(),
+            16
+        );
+        assert_eq!(
+            Quantizer::new(with(Some(4), None), 4369)
+                .unwrap()
+                .word_bits(),
+            16
+        );
+        assert_eq!(
+            Quantizer::new(with(Some(4), None), 4370)
+                .unwrap()
+                .word_bits(),
+            32
+        );
+        assert_eq!(
+            Quantizer::new(with(None, None), 10).unwrap().word_bits(),
+            32
         );
     }
 }

@@ -919,6 +919,7 @@ impl ServerSession {
     fn finish_sum(&mut self, mut sum: Vec<u32>) -> Result<Unmasked, SecAggError> {
         match self.unmask_sum(&mut sum) {
             Ok((masks_removed, mask_seconds)) => {
+                self.quantizer.narrow_words(&mut sum);
                 let survivors: Vec<u32> = self.masked.iter().copied().collect();
                 let decoded = match self.quantizer.decode(&sum, survivors.len()) {
                     Ok(d) => d,
