@@ -18,6 +18,7 @@
 
 pub mod bench;
 pub mod blobs;
+pub mod compress_cli;
 pub mod demo;
 pub mod engine;
 pub mod fault;

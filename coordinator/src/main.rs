@@ -45,6 +45,9 @@ enum Command {
     /// Differential privacy accounting: epsilon of a run, or the noise for a budget.
     #[command(subcommand)]
     Privacy(cohort_coordinator::privacy_cli::PrivacyCommand),
+    /// Compression: accuracy against bytes uploaded, over `cohort simulate` runs.
+    #[command(subcommand)]
+    Compress(cohort_coordinator::compress_cli::CompressCommand),
     /// The edge client (as `cohort-edge`), so that `cohort demo` can start it from this
     /// binary.
     #[command(hide = true)]
@@ -139,6 +142,21 @@ struct SimulateArgs {
     /// largest client's sample count]
     #[arg(long, value_name = "W")]
     max_weight: Option<u32>,
+    /// Compress both directions: quantize:B (B = 1, 2, 4, 8; rotated, unbiased) up, and
+    /// down too for B = 4 or 8 (models need 4 bits or more); sign | topk:F (with error
+    /// feedback) up only [default: none]
+    #[arg(long, value_name = "SCHEME")]
+    compress: Option<cohort_aggregation::compress::Compression>,
+    /// Compress uploads: none | quantize:B | sign | topk:F (overrides --compress)
+    #[arg(long, value_name = "SCHEME")]
+    compress_up: Option<cohort_aggregation::compress::Compression>,
+    /// Compress downloads: none | quantize:4 | quantize:8 (overrides --compress)
+    #[arg(long, value_name = "SCHEME")]
+    compress_down: Option<cohort_aggregation::compress::Compression>,
+    /// Secure aggregation with quantize:B uploads: masked word width, 8 | 16 | 32
+    /// [default: the narrowest that holds the round's sum]
+    #[arg(long, value_name = "W")]
+    word_bits: Option<u32>,
     /// Where aggregation runs: auto (the GPU when a CUDA driver and device are present,
     /// else the CPU) | cpu | cuda [default: auto]
     #[arg(long, value_name = "auto|cpu|cuda")]
@@ -297,6 +315,22 @@ impl SimulateArgs {
         if self.secure_aggregation {
             cfg.secure_aggregation = true;
         }
+        if let Some(scheme) = self.compress {
+            cfg.compress_up = scheme;
+            // The biased schemes need a residual per receiver, and a model trains from
+            // no fewer than 4 bits: those models go plain.
+            cfg.compress_down = match scheme {
+                cohort_aggregation::compress::Compression::Quantize { bits }
+                    if bits < cohort_core::compression::MIN_DOWNLOAD_BITS =>
+                {
+                    cohort_aggregation::compress::Compression::None
+                }
+                s if s.uses_error_feedback() => cohort_aggregation::compress::Compression::None,
+                s => s,
+            };
+        }
+        set!(compress_up, compress_down);
+        set_some!(word_bits);
         if let [only] = strategies.as_slice() {
             cfg.strategy = *only;
         }
@@ -344,6 +378,18 @@ fn main() -> ExitCode {
             }
         }
         Command::Privacy(command) => match cohort_coordinator::privacy_cli::run(&command) {
+            Ok(lines) => {
+                for line in lines {
+                    println!("{line}");
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(2)
+            }
+        },
+        Command::Compress(command) => match cohort_coordinator::compress_cli::run(&command) {
             Ok(lines) => {
                 for line in lines {
                     println!("{line}");

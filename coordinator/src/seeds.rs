@@ -37,6 +37,16 @@ pub enum Stream {
     /// FedBuff: a task's local shuffling, keyed by the task's sequence number (a client
     /// may train several times on the same model version).
     AsyncTraining = 13,
+    /// Compression: the rotation of a client's upload.
+    UploadRotation = 14,
+    /// Compression: the stochastic rounding of a client's upload.
+    UploadRounding = 15,
+    /// Compression: the rotation of the model a client downloads.
+    DownloadRotation = 16,
+    /// Compression: the stochastic rounding of the model a client downloads.
+    DownloadRounding = 17,
+    /// Compression under secure aggregation: the round's one rotation.
+    SecureRotation = 18,
 }
 
 /// SplitMix64's finaliser: a bijection on `u64` with full avalanche, so nearby inputs

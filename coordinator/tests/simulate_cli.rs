@@ -928,3 +928,141 @@ fn fedbuff_and_straggler_settings_that_cannot_work_are_rejected() {
     assert_rejected(&["--straggler", "slow"], &["slow", "lognormal:SIGMA"], &[]);
     assert_rejected(&["--target-accuracy", "2"], &["--target-accuracy"], &[]);
 }
+
+/// One column of metrics.csv, by name, as numbers.
+fn column(dir: &Path, name: &str) -> Vec<f64> {
+    let text = fs::read_to_string(dir.join("metrics.csv")).unwrap();
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let at = header.iter().position(|c| *c == name).unwrap();
+    lines
+        .map(|l| l.split(',').nth(at).unwrap().parse().unwrap())
+        .collect()
+}
+
+/// Compression cuts the bytes each round moves, as metrics.csv records them, by what
+/// the scheme promises, and the model still learns; the same seed gives the same run.
+#[test]
+fn compressed_runs_count_their_bytes_and_still_learn() {
+    let tmp = tempfile::tempdir().unwrap();
+    let plain = small_run(tmp.path(), "plain", &["--seed", "5"]);
+    let q8 = small_run(
+        tmp.path(),
+        "q8",
+        &["--seed", "5", "--compress", "quantize:8"],
+    );
+    let again = small_run(
+        tmp.path(),
+        "again",
+        &["--seed", "5", "--compress", "quantize:8"],
+    );
+    let sign = small_run(tmp.path(), "sign", &["--seed", "5", "--compress", "sign"]);
+    assert_eq!(
+        metrics_without_seconds(&q8),
+        metrics_without_seconds(&again)
+    );
+    // logreg on breast cancer: 30 features, 2 classes, 62 parameters; 8 clients a round.
+    let (up, down) = (column(&plain, "bytes_up"), column(&plain, "bytes_down"));
+    assert!(up.iter().all(|b| *b == 8.0 * 62.0 * 4.0), "{up:?}");
+    assert!(down.iter().all(|b| *b == 8.0 * 62.0 * 4.0), "{down:?}");
+    // A quarter of the floats, plus a 24-byte header and 8 bytes per rotation block
+    // (62 = 32 + 16 + 8 + 4 + 2: five blocks).
+    let per_client = (24 + 5 * 8 + 62) as f64;
+    for name in ["bytes_up", "bytes_down"] {
+        assert!(
+            column(&q8, name).iter().all(|b| *b == 8.0 * per_client),
+            "{name}"
+        );
+    }
+    // sign: one bit a parameter up, models down uncompressed.
+    let sign_up = (24 + 5 * 4 + 62usize.div_ceil(8)) as f64;
+    assert!(
+        column(&sign, "bytes_up")
+            .iter()
+            .all(|b| *b == 8.0 * sign_up)
+    );
+    assert_eq!(column(&sign, "bytes_down"), down);
+    for run in [&q8, &sign] {
+        let acc = read_json(&run.join("summary.json"))["final_test_accuracy"]
+            .as_f64()
+            .unwrap();
+        assert!(acc > 0.8, "{run:?} should still learn, got {acc}");
+    }
+}
+
+/// Under secure aggregation, 4-bit uploads go masked in 16-bit words (or 8 where the
+/// round's sum fits): at most 0.55 times today's 32-bit masked upload.
+#[test]
+fn compressed_secure_rounds_send_narrow_masked_words() {
+    let tmp = tempfile::tempdir().unwrap();
+    let secure = ["--secure-aggregation", "--clip", "0.5", "--seed", "2"];
+    let wide = small_run(tmp.path(), "wide", &secure);
+    let mut narrow_args = secure.to_vec();
+    narrow_args.extend_from_slice(&["--compress-up", "quantize:4", "--word-bits", "16"]);
+    let narrow = small_run(tmp.path(), "narrow", &narrow_args);
+    let (w, n) = (column(&wide, "bytes_up"), column(&narrow, "bytes_up"));
+    // 62 model words and 2 words of weight and loss per client.
+    assert!(w.iter().all(|b| *b == 8.0 * (62.0 * 4.0 + 8.0)), "{w:?}");
+    assert!(n.iter().all(|b| *b == 8.0 * (62.0 * 2.0 + 8.0)), "{n:?}");
+    assert!(n[0] / w[0] <= 0.55);
+    let acc = read_json(&narrow.join("summary.json"))["final_test_accuracy"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        acc > 0.8,
+        "4-bit secure rounds should still learn, got {acc}"
+    );
+}
+
+#[test]
+fn compression_settings_that_cannot_work_are_rejected() {
+    assert_rejected(
+        &["--compress", "quantize:3"],
+        &["quantize:3", "1, 2, 4 or 8"],
+        &[],
+    );
+    assert_rejected(&["--compress-up", "topk:2"], &["topk:2", "at most 1"], &[]);
+    assert_rejected(
+        &["--compress-down", "sign"],
+        &["--compress-down", "uploads only"],
+        &[],
+    );
+    assert_rejected(
+        &["--compress-down", "quantize:2"],
+        &["--compress-down", "too coarse"],
+        &[],
+    );
+    assert_rejected(
+        &["--secure-aggregation", "--compress-up", "topk:0.01"],
+        &["--compress-up", "cannot run under secure aggregation"],
+        &[],
+    );
+    assert_rejected(
+        &["--secure-aggregation", "--compress-up", "sign"],
+        &["--compress-up", "quantize:1"],
+        &[],
+    );
+    assert_rejected(
+        &[
+            "--secure-aggregation",
+            "--clients",
+            "40",
+            "--compress-up",
+            "quantize:4",
+            "--word-bits",
+            "8",
+        ],
+        &["--word-bits", "too narrow for 40 clients at 4 bits"],
+        &[],
+    );
+    assert_rejected(
+        &["--compress", "quantize:4", "--word-bits", "16"],
+        &["--word-bits", "needs --secure-aggregation"],
+        &[],
+    );
+    assert_rejected(
+        &["--mode", "fedbuff", "--compress", "quantize:4"],
+        &["--compress-up", "fedbuff"],
+        &[],
+    );
+}

@@ -8,6 +8,8 @@
 //!
 //! - [`spec`]: what an admin asks for ([`ExperimentSpec`]) and the one function that
 //!   checks it ([`ExperimentSpec::validate`]).
+//! - [`compression`]: how updates and models travel, per direction, and which
+//!   combinations may run.
 //! - [`model`]: the model a spec names ([`SpecModel`]).
 //! - [`mode`]: synchronous rounds or FedBuff, and FedBuff's settings.
 //! - [`privacy`]: differential privacy settings ([`PrivacySpec`]).
@@ -17,6 +19,7 @@
 //! - [`secure`]: secure aggregation settings ([`SecureAggregationSpec`]) and the round
 //!   configuration sized from them.
 
+pub mod compression;
 pub mod mode;
 pub mod model;
 pub mod privacy;
@@ -26,6 +29,7 @@ pub mod spec;
 pub mod task;
 pub use cohort_edge::protocol::text;
 
+pub use compression::CompressionSpec;
 pub use mode::{ExperimentMode, FedBuffSettings, UnknownMode};
 pub use model::SpecModel;
 pub use privacy::{BudgetAgainst, PrivacySpec};

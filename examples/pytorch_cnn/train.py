@@ -149,6 +149,13 @@ def initial_weights(seed: int = 0):
 # ---------------------------------------------------------------------- command line
 
 
+def down_for(scheme):
+    """What ``--compress`` means for downloads, as ``cohort simulate --compress``: the
+    same scheme for ``quantize:4`` and ``quantize:8``, none otherwise (the biased upload
+    schemes, and fewer bits than a model can train from)."""
+    return scheme if scheme in ("quantize:4", "quantize:8") else "none"
+
+
 def run_simulation(args) -> int:
     d = mnist()
     started = time.perf_counter()
@@ -171,6 +178,8 @@ def run_simulation(args) -> int:
         seed=args.seed,
         out=args.out,
         target_accuracy=args.target,
+        compress_up=args.compress_up or args.compress or "none",
+        compress_down=args.compress_down or down_for(args.compress),
     )
     wall = time.perf_counter() - started
     seconds = [r["seconds"] for r in result.rounds]
@@ -229,6 +238,9 @@ def main(argv=None) -> int:
     sim.add_argument("--momentum", type=float, default=0.0)
     sim.add_argument("--alpha", type=float, default=0.3, help="Dirichlet concentration of the label skew")
     sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--compress", default=None, help="both ways: quantize:B; or sign | topk:F up (as cohort simulate --compress)")
+    sim.add_argument("--compress-up", default=None, help="uploads: none | quantize:B | sign | topk:F")
+    sim.add_argument("--compress-down", default=None, help="downloads: none | quantize:B")
 
     edge = modes.add_parser("edge", help="serve a Cohort coordinator as one site")
     edge.add_argument("--coordinator", required=True, help="https://HOST:PORT")

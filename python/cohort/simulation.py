@@ -33,7 +33,9 @@ class SimulationResult:
         rounds: One dict per round, the rows of ``metrics.csv``: ``round``,
             ``test_accuracy``, ``test_loss`` (NaN without ``evaluate``),
             ``participants``, ``dropped``, ``selected``, ``seconds``, ``train_loss``,
-            ``samples``, ``status``, ``sim_seconds``, ``epsilon`` (against observers of
+            ``samples``, ``status``, ``bytes_up`` and ``bytes_down`` (all the round's
+            clients together: updates as sent, models as received), ``sim_seconds``,
+            ``epsilon`` (against observers of
             the published models) and ``epsilon_coordinator`` (against the coordinator,
             which knows who was sampled: the worst client's own rounds, unamplified;
             ``inf`` under central noise, where the coordinator sees every update).
@@ -160,7 +162,11 @@ def simulate(
         python: Interpreter for the workers (default: this one).
         **settings: Any other ``cohort simulate`` setting by its name with underscores
             (``server_lr``, ``mode="fedbuff"``, ``straggler``, ``aggregator``,
-            ``dropout_stage``, ``threshold``, ``max_weight``, ...).
+            ``dropout_stage``, ``threshold``, ``max_weight``, ...). Compression:
+            ``compress_up="quantize:4"`` (or ``"sign"``, ``"topk:0.01"``),
+            ``compress_down="quantize:4"``, ``word_bits=16`` (secure rounds); the
+            update your ``train`` returns is compressed after it returns, and it
+            trains from the model as the client decoded it.
 
     Returns:
         A :class:`SimulationResult`.

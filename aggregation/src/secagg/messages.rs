@@ -555,7 +555,7 @@ mod tests {
         let words: Vec<u32> = (0..d as u32 + 2)
             .map(|i| {
                 if (i as usize) < d {
-                    i * 7 & 0xffff
+                    (i * 7) & 0xffff
                 } else {
                     u32::MAX - i
                 }

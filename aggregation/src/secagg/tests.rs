@@ -328,7 +328,7 @@ proptest! {
         salt in any::<u64>(),
         consistency_check in any::<bool>(),
     ) {
-        check_round(n, k, t, d, &stages, salt, consistency_check, QuantizationParams::default())?;
+        check_round((n, k, t, d), &stages, salt, consistency_check, QuantizationParams::default())?;
     }
 
     /// Compression under secure aggregation: with a fixed 1, 2, 4 or 8 bits per value
@@ -352,7 +352,7 @@ proptest! {
         let levels = (1u64 << bits) - 1;
         let narrowest = [8u32, 16, 32].into_iter().find(|w| u64::from(n) * levels < 1 << w).unwrap();
         prop_assert_eq!(quantizer.word_bits(), narrowest);
-        check_round(n, k, t, d, &stages, salt, true, quantization)?;
+        check_round((n, k, t, d), &stages, salt, true, quantization)?;
     }
 
     /// The same with heavy dropout (about 60% of clients leave at some stage), where
@@ -364,15 +364,14 @@ proptest! {
         salt in any::<u64>(),
         consistency_check in any::<bool>(),
     ) {
-        check_round(n, k, t, d, &stages, salt, consistency_check, QuantizationParams::default())?;
+        check_round((n, k, t, d), &stages, salt, consistency_check, QuantizationParams::default())?;
     }
 }
 
+/// Runs one round of `(n, k, t, d)` with the clients dropping at `stages` and checks
+/// its outcome against the oracle.
 fn check_round(
-    n: u32,
-    k: usize,
-    t: usize,
-    d: usize,
+    (n, k, t, d): (u32, usize, usize, usize),
     stages: &[Option<Stage>],
     salt: u64,
     consistency_check: bool,

@@ -165,6 +165,15 @@ pub struct SimulationConfig {
     /// client's sample count, so no weight is capped.
     #[serde(alias = "max_weight", skip_serializing_if = "Option::is_none")]
     pub max_weight: Option<u32>,
+    /// Compression of the clients' uploads: `none`, `quantize:B` (B = 1, 2, 4, 8), `sign`
+    /// or `topk:F` (plain rounds); see [`cohort_aggregation::compress`].
+    pub compress_up: cohort_aggregation::compress::Compression,
+    /// Compression of the model each client downloads: `none` or `quantize:B`.
+    pub compress_down: cohort_aggregation::compress::Compression,
+    /// Secure aggregation with `compress_up = quantize:B`: the masked words' width (8, 16
+    /// or 32); `None` is the narrowest that holds the round's sum.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub word_bits: Option<u32>,
     /// Where aggregation runs: `auto` (the GPU when one is usable), `cpu` or `cuda`.
     pub reducer: cohort_aggregation::reduce::ReducerChoice,
     /// Fraction of the data held out as the global test set.
@@ -263,6 +272,9 @@ impl Default for SimulationConfig {
             neighbours: None,
             clip: secagg::QuantizationParams::default().clip,
             max_weight: None,
+            compress_up: cohort_aggregation::compress::Compression::None,
+            compress_down: cohort_aggregation::compress::Compression::None,
+            word_bits: None,
             reducer: cohort_aggregation::reduce::ReducerChoice::Auto,
             test_fraction: 0.2,
             aggregator: None,
@@ -432,6 +444,7 @@ impl SimulationConfig {
         self.validate_privacy()?;
         self.validate_aggregator(k)?;
         self.validate_dropout_and_secure(k)?;
+        self.validate_compression(k)?;
         if !(self.test_fraction.is_finite() && self.test_fraction > 0.0 && self.test_fraction < 1.0)
         {
             return bad(format!(
@@ -615,6 +628,50 @@ impl SimulationConfig {
             }
         }
         Ok(())
+    }
+
+    /// Both directions' compression, as a spec's `compression` (the core's rules).
+    pub fn compression(&self) -> cohort_core::CompressionSpec {
+        cohort_core::CompressionSpec {
+            upload: self.compress_up,
+            download: self.compress_down,
+            word_bits: self.word_bits,
+        }
+    }
+
+    /// The compression flags, by the core's rules for rounds of `k` clients; the messages
+    /// name the flags.
+    fn validate_compression(&self, k: usize) -> Result<(), ConfigError> {
+        let spec = self.compression();
+        if spec.is_on() && self.mode == Mode::Fedbuff {
+            return Err(ConfigError(
+                "--compress-up and --compress-down are for synchronous rounds; --mode fedbuff \
+                 sends plain floats"
+                    .into(),
+            ));
+        }
+        let secure = self.secure_aggregation;
+        // Poisson sampling under differential privacy sizes a round by chance: the word
+        // must hold the most clients a round can have.
+        let parties = if self.dp_noise_multiplier.is_some() {
+            self.clients
+        } else {
+            k
+        };
+        let context = cohort_core::compression::CompressionContext {
+            secure_parties: secure.then_some(parties),
+            distributed_noise: secure && self.dp_noise_multiplier.is_some(),
+        };
+        match spec.problems(context).into_iter().next() {
+            None => Ok(()),
+            Some((_, message)) => Err(ConfigError(
+                message
+                    .replace("compression.upload", "--compress-up")
+                    .replace("compression.download", "--compress-down")
+                    .replace("compression.word_bits", "--word-bits")
+                    .replace("secure_aggregation", "--secure-aggregation"),
+            )),
+        }
     }
 
     /// The settings of `--mode`: FedBuff's own, and what it cannot be combined with.

@@ -158,7 +158,7 @@ impl Scheduler<'_> {
                 ClientTask {
                     client: task.client,
                     round: task.version + 1,
-                    model_version: task.version,
+                    model_version: u64::from(task.version),
                     global: &task.model,
                     train: &self.train,
                     seed: derive_seed(self.cfg.seed, Stream::AsyncTraining, 0, seq),
@@ -306,6 +306,7 @@ impl StepTally {
         eval: &cohort_edge::model::Evaluation,
         seconds: f64,
         now: f64,
+        parameters: usize,
     ) -> RoundRecord {
         RoundRecord {
             round: version,
@@ -321,6 +322,10 @@ impl StepTally {
             sim_seconds: now,
             epsilon: None,
             epsilon_coordinator: None,
+            // FedBuff sends plain floats: every task that ended downloaded the model
+            // once, every update folded was uploaded once.
+            bytes_up: (self.updates * parameters * 4) as u64,
+            bytes_down: ((self.updates + self.dropped) * parameters * 4) as u64,
         }
     }
 }
@@ -416,7 +421,7 @@ pub(super) fn run(
             training_seconds += busy.elapsed().as_secs_f64();
             let eval = pop.evaluate(version, &global)?;
             let seconds = step_started.elapsed().as_secs_f64();
-            let record = tally.record(version, &eval, seconds, now);
+            let record = tally.record(version, &eval, seconds, now, global.len());
             on_round(&record)?;
             records.push(record);
             step_started = Instant::now();

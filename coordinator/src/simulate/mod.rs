@@ -9,6 +9,7 @@
 
 mod config;
 mod fedbuff;
+mod links;
 mod output;
 pub mod plot;
 mod population;
@@ -194,6 +195,14 @@ pub struct Summary {
     pub stopped: Option<String>,
     /// Simulated seconds for the whole run, by the straggler model.
     pub sim_seconds: f64,
+    /// Bytes uploaded over the run (updates as sent: compressed, masked or plain).
+    pub bytes_up: u64,
+    /// Bytes downloaded over the run (the models clients trained from).
+    pub bytes_down: u64,
+    /// `bytes_up` per update aggregated.
+    pub bytes_up_per_update: f64,
+    /// `bytes_down` per update aggregated.
+    pub bytes_down_per_update: f64,
     /// FedBuff: mean staleness of the updates aggregated, in server steps.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mean_staleness: Option<f64>,
@@ -249,6 +258,8 @@ impl Summary {
                 .then(b.round.cmp(&a.round))
         });
         let resolved = cfg.resolved();
+        let bytes_up = result.rounds.iter().map(|r| r.bytes_up).sum();
+        let bytes_down = result.rounds.iter().map(|r| r.bytes_down).sum();
         Summary {
             final_test_accuracy: last.map_or(0.0, |r| r.test_accuracy),
             final_test_loss: last.map_or(0.0, |r| r.test_loss),
@@ -285,6 +296,10 @@ impl Summary {
                 }),
             stopped: result.stopped.clone(),
             sim_seconds: last.map_or(0.0, |r| r.sim_seconds),
+            bytes_up,
+            bytes_down,
+            bytes_up_per_update: bytes_up as f64 / result.total_updates.max(1) as f64,
+            bytes_down_per_update: bytes_down as f64 / result.total_updates.max(1) as f64,
             mean_staleness: result.mean_staleness,
             target: cfg
                 .target_accuracy

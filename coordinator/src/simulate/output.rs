@@ -109,7 +109,7 @@ pub struct MetricsWriter {
 /// Column names of `metrics.csv`, in order (also the keys of each `metrics.jsonl` line).
 /// New columns go before `sim_seconds`: `sim_seconds`, `epsilon` and `strategy` stay the
 /// last three, as tools that read them from the end expect.
-pub const METRICS_COLUMNS: [&str; 14] = [
+pub const METRICS_COLUMNS: [&str; 16] = [
     "round",
     "test_accuracy",
     "test_loss",
@@ -121,6 +121,8 @@ pub const METRICS_COLUMNS: [&str; 14] = [
     "samples",
     "status",
     "epsilon_coordinator",
+    "bytes_up",
+    "bytes_down",
     "sim_seconds",
     "epsilon",
     "strategy",
@@ -168,7 +170,7 @@ impl MetricsWriter {
     /// Appends one round of `strategy` to both files.
     pub fn write(&mut self, r: &RoundRecord, strategy: &str) -> Result<(), SimulationError> {
         let line = format!(
-            "{},{},{},{},{},{:.6},{},{},{},{},{},{},{},{}",
+            "{},{},{},{},{},{:.6},{},{},{},{},{},{},{},{},{},{}",
             r.round,
             r.test_accuracy,
             r.test_loss,
@@ -183,6 +185,8 @@ impl MetricsWriter {
             r.epsilon_coordinator
                 .map(|e| e.to_string())
                 .unwrap_or_default(),
+            r.bytes_up,
+            r.bytes_down,
             r.sim_seconds,
             r.epsilon.map(|e| e.to_string()).unwrap_or_default(),
             strategy

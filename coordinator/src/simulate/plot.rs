@@ -382,3 +382,113 @@ fn draw_privacy<DB: DrawingBackend>(
     draw_final_accuracy(&right, runs, max_eps, &references)?;
     root.present().map_err(err)
 }
+
+/// One run for [`write_bytes_plot`]: per round, the bytes uploaded so far and the test
+/// accuracy.
+#[derive(Debug, Clone)]
+pub struct BytesRun {
+    /// Legend text (the compression).
+    pub label: String,
+    /// `(cumulative bytes uploaded, test_accuracy, round)` per round.
+    pub points: Vec<(u64, f64, u32)>,
+}
+
+/// Draws test accuracy against the megabytes uploaded so far (left, log scale: schemes
+/// differ by tens of times) and against rounds (right), one line per run, into a PNG and
+/// an SVG file.
+pub fn write_bytes_plot(
+    runs: &[BytesRun],
+    title: &str,
+    png: &Path,
+    svg: &Path,
+) -> Result<(), String> {
+    register_font();
+    const SIZE: (u32, u32) = (1100, 440);
+    draw_bytes(
+        BitMapBackend::new(png, SIZE).into_drawing_area(),
+        runs,
+        title,
+    )?;
+    draw_bytes(SVGBackend::new(svg, SIZE).into_drawing_area(), runs, title)
+}
+
+fn draw_bytes<DB: DrawingBackend>(
+    root: DrawingArea<DB, Shift>,
+    runs: &[BytesRun],
+    title: &str,
+) -> Result<(), String> {
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| format!("cannot draw plot: {e}");
+    root.fill(&WHITE).map_err(err)?;
+    let root = root.titled(title, ("sans-serif", 20)).map_err(err)?;
+    let (left, right) = root.split_horizontally(root.dim_in_pixel().0 / 2);
+    let mb = |b: u64| b as f64 / 1e6;
+    let all = || runs.iter().flat_map(|r| r.points.iter());
+    let low = all()
+        .map(|p| mb(p.0))
+        .filter(|v| *v > 0.0)
+        .fold(f64::INFINITY, f64::min);
+    let high = all().map(|p| mb(p.0)).fold(0.0, f64::max);
+    let (low, high) = if low.is_finite() && high > low {
+        (low / 1.5, high * 1.5)
+    } else {
+        (0.01, 1.0)
+    };
+    let last_round = all().map(|p| p.2).max().unwrap_or(1).max(2);
+    let mut by_bytes = ChartBuilder::on(&left)
+        .caption("test accuracy against data uploaded", ("sans-serif", 16))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(50)
+        .build_cartesian_2d((low..high).log_scale(), 0f64..1f64)
+        .map_err(err)?;
+    by_bytes
+        .configure_mesh()
+        .x_desc("MB uploaded by all clients (log scale)")
+        .y_desc("test accuracy")
+        .draw()
+        .map_err(err)?;
+    let mut by_round = ChartBuilder::on(&right)
+        .caption("test accuracy per round", ("sans-serif", 16))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(50)
+        .build_cartesian_2d(1u32..last_round, 0f64..1f64)
+        .map_err(err)?;
+    by_round
+        .configure_mesh()
+        .x_desc("round")
+        .y_desc("test accuracy")
+        .draw()
+        .map_err(err)?;
+    for (i, run) in runs.iter().enumerate() {
+        let c = colour(i);
+        let label = run.label.clone();
+        by_bytes
+            .draw_series(LineSeries::new(
+                run.points
+                    .iter()
+                    .filter(|p| p.0 > 0)
+                    .map(|p| (mb(p.0), p.1)),
+                // One pixel: on a log axis a dip is a needle, and a wider line's mitred
+                // corner would shoot past the frame.
+                c.stroke_width(1),
+            ))
+            .map_err(err)?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], c.stroke_width(2)));
+        by_round
+            .draw_series(LineSeries::new(
+                run.points.iter().map(|p| (p.2, p.1)),
+                c.stroke_width(1),
+            ))
+            .map_err(err)?;
+    }
+    by_bytes
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
+    root.present().map_err(err)
+}

@@ -30,7 +30,7 @@ pub struct ClientTask<'a> {
     pub round: u32,
     /// Identifies `global` within the run: tasks with the same version train from the
     /// same model, so a worker needs it only once.
-    pub model_version: u32,
+    pub model_version: u64,
     /// The model to start from.
     pub global: &'a ModelVector,
     /// Local training settings.

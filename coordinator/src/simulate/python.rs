@@ -129,7 +129,7 @@ struct Worker {
     input: BufWriter<ChildStdin>,
     output: BufReader<ChildStdout>,
     /// The model version the worker holds, if any.
-    version: Option<u32>,
+    version: Option<u64>,
 }
 
 /// A task a worker is running, for the watchdog.
@@ -454,7 +454,7 @@ impl PythonPopulation {
     fn exchange(
         &self,
         index: usize,
-        version: u32,
+        version: u64,
         global: &ModelVector,
         request: &Value,
     ) -> Result<Result<(Value, Body), WorkerError>, SimulationError> {
@@ -886,7 +886,7 @@ impl Population for PythonPopulation {
         });
         // Versions of evaluated models are apart from training versions (a round's
         // training starts from the previous round's model).
-        let version = round;
+        let version = u64::from(round);
         let (header, _) = match self.exchange(0, version, global, &request)? {
             Ok(reply) => reply,
             Err(WorkerError::Task(reason) | WorkerError::Process(reason)) => {

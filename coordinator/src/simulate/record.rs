@@ -43,6 +43,11 @@ pub struct RoundRecord {
     /// coordinator sees every update (`inf` in `metrics.csv`; JSON has no infinity, so
     /// `null` in `metrics.jsonl`); `None` without differential privacy.
     pub epsilon_coordinator: Option<f64>,
+    /// Bytes the round's clients uploaded, all together: updates as sent (compressed, or
+    /// masked under secure aggregation, or 4 bytes a parameter).
+    pub bytes_up: u64,
+    /// Bytes the round's clients downloaded, all together: the model each trained from.
+    pub bytes_down: u64,
 }
 
 /// Everything a finished run measured.

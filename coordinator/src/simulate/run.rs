@@ -13,6 +13,7 @@ use rayon::prelude::*;
 
 use super::SimulationError;
 use super::config::{ConfigError, DatasetSpec, Mode, SimulationConfig};
+use super::links::Links;
 use super::population::{
     ClientFailure, ClientTask, Params, Population, TaskResult, Trained, malicious_clients,
 };
@@ -273,6 +274,7 @@ pub fn run_rounds(
         cfg,
         pop,
         failures: Vec::new(),
+        links: Links::new(cfg.compress_up, cfg.compress_down, cfg.seed),
     };
     for _ in 0..cfg.rounds {
         let round_start = Instant::now();
@@ -292,7 +294,8 @@ pub fn run_rounds(
         training_seconds += round_start.elapsed().as_secs_f64();
         total_updates += outcome.participants;
         let sim = tick(&reporting);
-        let mut record = record_round(pop, &engine, &outcome, round_start, sim)?;
+        let traffic = run.links.take_traffic();
+        let mut record = record_round(pop, &engine, &outcome, round_start, sim, traffic)?;
         if cfg.dp_noise_multiplier.is_some() {
             ledger.record(cfg, &mut record)?;
         }
@@ -574,6 +577,16 @@ struct Run<'a> {
     cfg: &'a SimulationConfig,
     pop: &'a dyn Population,
     failures: Vec<ClientFailure>,
+    links: Links,
+}
+
+/// How a trained update reaches the coordinator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Upload {
+    /// As it is, or compressed with `--compress-up` (plain rounds).
+    Plain,
+    /// Quantised and masked inside the secure aggregation protocol.
+    Masked,
 }
 
 /// A plaintext round: the reporting clients train (a chunk at a time, folded in
@@ -587,16 +600,24 @@ fn plain_round(
     malicious: &std::collections::BTreeSet<ClientId>,
     chunk: usize,
 ) -> Result<RoundOutcome, SimulationError> {
-    let (cfg, pop) = (run.cfg, run.pop);
+    let (cfg, pop, links) = (run.cfg, run.pop, &run.links);
     let failures = &mut run.failures;
     let round_no = plan.task.round;
     let task = &plan.task;
     let global = task.global.values();
+    let training = Training {
+        cfg,
+        pop,
+        links,
+        upload: Upload::Plain,
+        task,
+        round_no,
+    };
     // A robust rule needs every update at once; the weighted mean folds them as they
     // come.
     let mut kept: Vec<(Vec<f32>, u64, f64)> = Vec::new();
     for batch in reporting.chunks(chunk) {
-        train_clients(cfg, pop, task, round_no, batch, failures, |mut updates| {
+        train_clients(&training, batch, failures, |mut updates| {
             for (id, u) in &mut updates {
                 if malicious.contains(id) {
                     let attacked: Vec<f32> = u
@@ -671,25 +692,49 @@ fn round_sim_seconds(
         .fold(0.0, f64::max)
 }
 
-/// Clients `ids` train on the round's task, each with its own reproducible seed. The
-/// updates come back in the order of `ids`; a client whose task failed is left out (a
-/// dropout) and its failure is added to `failures`.
-fn train_clients(
-    cfg: &SimulationConfig,
-    pop: &dyn Population,
-    task: &crate::engine::Task,
+/// What the clients of one round train on, and how their updates come back.
+struct Training<'a> {
+    cfg: &'a SimulationConfig,
+    pop: &'a dyn Population,
+    links: &'a Links,
+    upload: Upload,
+    task: &'a crate::engine::Task,
     round_no: u32,
+}
+
+/// Clients `ids` train on the round's task, each with its own reproducible seed, from
+/// the model it received (the global model, or its own decoded copy of a compressed
+/// one). The updates come back in the order of `ids`, as the coordinator has them (a
+/// plain round's decoded from what was uploaded, see [`Links`]); a client whose task
+/// failed is left out (a dropout) and its failure is added to `failures`.
+fn train_clients(
+    training: &Training<'_>,
     ids: &[ClientId],
     failures: &mut Vec<ClientFailure>,
     mut consume: impl for<'a> FnMut(Vec<(ClientId, Trained<'a>)>) -> Result<(), SimulationError>,
 ) -> Result<(), SimulationError> {
+    let Training {
+        cfg,
+        pop,
+        links,
+        upload,
+        task,
+        round_no,
+    } = *training;
+    let received = links.downloads(round_no, ids, &task.global)?;
+    let model_of = |i: usize| received.as_ref().map_or(&*task.global, |r| &r[i]);
     let tasks: Vec<ClientTask<'_>> = ids
         .iter()
-        .map(|&id| ClientTask {
+        .enumerate()
+        .map(|(i, &id)| ClientTask {
             client: id,
             round: round_no,
-            model_version: round_no - 1,
-            global: &task.global,
+            // Each client's decoded copy is a model of its own for a worker's cache.
+            model_version: match received {
+                None => u64::from(round_no - 1),
+                Some(_) => u64::from(round_no) << 32 | id.0,
+            },
+            global: model_of(i),
             train: &task.train,
             seed: derive_seed(cfg.seed, Stream::LocalTraining, round_no, id.0),
         })
@@ -698,9 +743,9 @@ fn train_clients(
     let mut trained = 0;
     pop.train_in_place(&tasks, &mut |first, outcomes| {
         let mut updates = Vec::with_capacity(outcomes.len());
-        for (&id, outcome) in ids[first..].iter().zip(outcomes) {
+        for (i, (&id, outcome)) in ids[first..].iter().zip(outcomes).enumerate() {
             match outcome {
-                Ok(update) => updates.push((id, update)),
+                Ok(update) => updates.push((first + i, id, update)),
                 Err(failure) => failures.push(failure),
             }
         }
@@ -708,6 +753,23 @@ fn train_clients(
         if updates.is_empty() {
             return Ok(());
         }
+        let updates = updates
+            .into_par_iter()
+            .map(|(i, id, mut update)| {
+                let arrived = match upload {
+                    Upload::Plain => {
+                        links.upload(round_no, id, model_of(i), &task.global, &update.params)?
+                    }
+                    Upload::Masked => received
+                        .as_ref()
+                        .map(|_| Links::rebase(model_of(i), &task.global, &update.params)),
+                };
+                if let Some(values) = arrived {
+                    update.params = Params::Owned(values);
+                }
+                Ok((id, update))
+            })
+            .collect::<Result<Vec<_>, SimulationError>>()?;
         consume(updates)
     })?;
     // One failing client is a dropout; all of them is a bug in the training code, which
@@ -788,7 +850,7 @@ fn private_round(
     sigma: f64,
     adaptive_clip: &mut Option<cohort_aggregation::privacy::clip::AdaptiveClip>,
 ) -> Result<RoundOutcome, SimulationError> {
-    let (cfg, pop) = (run.cfg, run.pop);
+    let (cfg, pop, links) = (run.cfg, run.pop, &run.links);
     let failures = &mut run.failures;
     let round_no = plan.task.round;
     let q = cfg.sampling_rate();
@@ -803,7 +865,15 @@ fn private_round(
     let global = task.global.values();
     let mut sum = CentralSum::new(global.len(), clip);
     let mut updates: Vec<(Vec<f32>, u64, f64, bool)> = Vec::new();
-    train_clients(cfg, pop, task, round_no, reporting, failures, |part| {
+    let training = Training {
+        cfg,
+        pop,
+        links,
+        upload: Upload::Plain,
+        task,
+        round_no,
+    };
+    train_clients(&training, reporting, failures, |part| {
         updates.par_extend(part.into_par_iter().map(|(_, u)| {
             let mut delta: Vec<f32> = delta(u.params.values(), global);
             let within = sum.clip(&mut delta);
@@ -883,6 +953,7 @@ fn record_round(
     outcome: &RoundOutcome,
     round_start: Instant,
     sim_seconds: f64,
+    traffic: super::links::Traffic,
 ) -> Result<RoundRecord, SimulationError> {
     let eval = pop.evaluate(outcome.round, engine.global())?;
     Ok(RoundRecord {
@@ -899,6 +970,8 @@ fn record_round(
         sim_seconds,
         epsilon: None,
         epsilon_coordinator: None,
+        bytes_up: traffic.bytes_up,
+        bytes_down: traffic.bytes_down,
     })
 }
 
@@ -928,7 +1001,7 @@ fn secure_round(
     round_no: u32,
     settings: SecureSettings,
 ) -> Result<RoundOutcome, SimulationError> {
-    let (cfg, pop) = (run.cfg, run.pop);
+    let (cfg, pop, links) = (run.cfg, run.pop, &run.links);
     let failures = &mut run.failures;
     let SecureSettings {
         neighbours,
@@ -955,7 +1028,15 @@ fn secure_round(
         .map(|(id, _)| *id)
         .collect();
     let mut inputs = std::collections::HashMap::new();
-    train_clients(cfg, pop, task, round_no, &trains, failures, |part| {
+    let training = Training {
+        cfg,
+        pop,
+        links,
+        upload: Upload::Masked,
+        task,
+        round_no,
+    };
+    train_clients(&training, &trains, failures, |part| {
         for (id, update) in part {
             let values: Vec<f32> = delta(update.params.values(), global);
             let loss = if update.train_loss.is_finite() {
@@ -983,16 +1064,24 @@ fn secure_round(
         threshold,
         neighbours,
         dimension: plan.task.global.len(),
-        quantization: secagg::QuantizationParams {
-            clip: cfg.clip,
-            max_weight,
-            distributed_noise: noise.map(|(n, _)| n),
-            ..secagg::QuantizationParams::default()
-        },
+        quantization: cfg.compression().secure_quantization(
+            secagg::QuantizationParams {
+                clip: cfg.clip,
+                max_weight,
+                distributed_noise: noise.map(|(n, _)| n),
+                ..secagg::QuantizationParams::default()
+            },
+            derive_seed(cfg.seed, Stream::SecureRotation, round_no, 0),
+        ),
     };
-    config
+    let quantizer = config
         .validate()
         .map_err(|e| ConfigError(format!("secure aggregation: {e}")))?;
+    // Every client with an update sends its masked input: the model words in the
+    // round's width, the weight and loss words in 32 bits.
+    let masked_bytes =
+        config.dimension * (quantizer.word_bits() / 8) as usize + secagg::EXTRA_WORDS * 4;
+    links.count_upload(inputs.len() * masked_bytes);
     let mut keys = derive_seed_bytes(cfg.seed, Stream::SecureAggregation, round_no);
     keys[0] ^= 1; // the clients' key stream, apart from the public session id
     let inputs = std::sync::Mutex::new(inputs);
