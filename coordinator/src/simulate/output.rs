@@ -107,8 +107,9 @@ pub struct MetricsWriter {
 }
 
 /// Column names of `metrics.csv`, in order (also the keys of each `metrics.jsonl` line).
-/// New columns go before `sim_seconds`: `sim_seconds`, `epsilon` and `strategy` stay the
-/// last three, as tools that read them from the end expect.
+/// New columns go before `epsilon_coordinator`: `epsilon_coordinator`, `sim_seconds`,
+/// `epsilon` and `strategy` stay the last four, as tools that read them from the end
+/// expect.
 pub const METRICS_COLUMNS: [&str; 16] = [
     "round",
     "test_accuracy",
@@ -120,9 +121,9 @@ pub const METRICS_COLUMNS: [&str; 16] = [
     "train_loss",
     "samples",
     "status",
-    "epsilon_coordinator",
     "bytes_up",
     "bytes_down",
+    "epsilon_coordinator",
     "sim_seconds",
     "epsilon",
     "strategy",
@@ -181,12 +182,12 @@ impl MetricsWriter {
             r.train_loss.map(|l| l.to_string()).unwrap_or_default(),
             r.samples,
             r.status.as_str(),
+            r.bytes_up,
+            r.bytes_down,
             // `inf` under central noise: the coordinator sees every update.
             r.epsilon_coordinator
                 .map(|e| e.to_string())
                 .unwrap_or_default(),
-            r.bytes_up,
-            r.bytes_down,
             r.sim_seconds,
             r.epsilon.map(|e| e.to_string()).unwrap_or_default(),
             strategy
