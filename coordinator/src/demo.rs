@@ -262,6 +262,7 @@ fn demo_spec(args: &DemoArgs, test: &Dataset) -> ExperimentSpec {
         concurrency: None,
         staleness_exponent: None,
         max_staleness: None,
+        compression: None,
     }
 }
 

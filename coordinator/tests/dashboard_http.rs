@@ -1459,6 +1459,7 @@ async fn upload_without_blob(server: &Server, experiment: uuid::Uuid, client: uu
                 claimed_samples: None,
                 train_loss: Some(0.5),
                 client_upload_id: None,
+                wire_bytes: None,
             },
             cohort_coordinator::store::now_millis(),
         )
@@ -1563,6 +1564,7 @@ async fn buffer_upload(
                 claimed_samples: None,
                 train_loss: Some(0.5),
                 client_upload_id: None,
+                wire_bytes: None,
             },
             cohort_coordinator::store::BufferRules {
                 buffer_size: 1,

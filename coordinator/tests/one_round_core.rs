@@ -556,6 +556,7 @@ async fn upload(
                 claimed_samples: None,
                 train_loss: Some(1.0),
                 client_upload_id: None,
+                wire_bytes: None,
             },
             now,
         )

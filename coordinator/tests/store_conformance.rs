@@ -112,6 +112,7 @@ conformance!(
     a_renewed_lease_keeps_the_job_and_only_its_holder_renews,
     round_records_uploads_and_drops_clients_that_miss_the_deadline,
     a_capped_upload_is_stored_with_the_cap_and_its_claim_is_audited,
+    each_participation_counts_its_bytes_each_way,
     only_a_selected_client_takes_part_in_an_experiment,
     round_without_quorum_fails_and_runs_again_as_next_attempt,
     a_round_below_quorum_says_why_it_failed,
@@ -554,7 +555,52 @@ fn upload(client: Uuid, n: i64) -> NewUpload<'static> {
         claimed_samples: None,
         train_loss: Some(0.5),
         client_upload_id: None,
+        wire_bytes: None,
     }
+}
+
+/// A participation records the bytes its client sent (as sent, when a compressed upload
+/// is stored decoded) and the model bytes it downloaded while selected, and a round's
+/// traffic sums them; a download after the upload counts for nothing.
+async fn each_participation_counts_its_bytes_each_way(store: &Store) {
+    let (e, c) = running_with_clients(store, 3).await;
+    let t0 = now_millis();
+    store
+        .open_round(e.id, 1, 1, &c, t0 + 60_000, t0)
+        .await
+        .unwrap();
+    store.note_download(e.id, c[0], 1_000).await.unwrap();
+    store.note_download(e.id, c[0], 500).await.unwrap();
+    store.note_download(e.id, c[1], 700).await.unwrap();
+    let compressed = NewUpload {
+        wire_bytes: Some(60),
+        ..upload(c[0], 10)
+    };
+    store
+        .record_upload(e.id, 1, 1, &compressed, t0 + 1)
+        .await
+        .unwrap();
+    store
+        .record_upload(e.id, 1, 1, &upload(c[1], 10), t0 + 2)
+        .await
+        .unwrap();
+    store.note_download(e.id, c[0], 9_999).await.unwrap();
+    let parts = store.participations(e.id, 1, 1).await.unwrap();
+    let of = |client: Uuid| parts.iter().find(|p| p.client_id == client).unwrap();
+    assert_eq!(
+        (of(c[0]).bytes_up, of(c[0]).bytes_down),
+        (Some(60), Some(1_500))
+    );
+    assert_eq!(
+        (of(c[1]).bytes_up, of(c[1]).bytes_down),
+        (Some(400), Some(700))
+    );
+    assert_eq!((of(c[2]).bytes_up, of(c[2]).bytes_down), (None, None));
+    let traffic = store.traffic(e.id).await.unwrap();
+    assert_eq!(traffic[&(1, 1)], (460, 2_200));
+    // The blob is the decoded upload's: its own size.
+    let uploads = store.uploads(e.id, 1, 1).await.unwrap();
+    assert!(uploads.iter().all(|u| u.bytes == 400));
 }
 
 /// An upload whose claimed sample count was over the experiment's cap is stored with

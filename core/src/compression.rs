@@ -13,7 +13,9 @@
 
 use cohort_aggregation::compress::Compression;
 use cohort_aggregation::secagg::quantize::WORD_BITS;
+use cohort_edge::protocol::TaskCompression;
 use serde::{Deserialize, Serialize};
+use uuid::Uuid;
 
 /// The fewest bits per weight a downloaded model may be quantised to. An update's
 /// rounding error averages out over clients and rounds; a model's is what every client
@@ -174,6 +176,76 @@ impl CompressionSpec {
     }
 }
 
+/// What a rotation seed is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeedUse {
+    /// A client's upload in a round attempt.
+    Upload = 1,
+    /// The model a client downloads (by model version).
+    Download = 2,
+    /// A secure round attempt's one rotation, the same for every client.
+    SecureRound = 3,
+}
+
+/// SplitMix64's finaliser: full avalanche, so that neighbouring rounds and clients get
+/// unrelated seeds.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The rotation seed of `use_` in `experiment`'s round (or model version) `round`,
+/// attempt `attempt`, for `client` (none for a secure round's shared seed). Derived, not
+/// stored: the coordinator computes it again to check an upload. Rotation seeds are not
+/// secrets (the rounding noise is the client's own); they keep to 53 bits so that a JSON
+/// reader with only doubles reads them exactly.
+pub fn rotation_seed(
+    experiment: Uuid,
+    round: i64,
+    attempt: i64,
+    client: Option<Uuid>,
+    use_: SeedUse,
+) -> u64 {
+    let (e, c) = (experiment.as_u128(), client.map_or(0, |c| c.as_u128()));
+    let words = [
+        use_ as u64,
+        e as u64,
+        (e >> 64) as u64,
+        round as u64,
+        attempt as u64,
+        c as u64,
+        (c >> 64) as u64,
+    ];
+    words.iter().fold(0u64, |h, w| mix(h ^ w)) & ((1 << 53) - 1)
+}
+
+impl CompressionSpec {
+    /// What a client's task says of compression in round `round`, attempt `attempt`:
+    /// both schemes and the seed its upload must be rotated with. `None` when nothing is
+    /// compressed.
+    pub fn task(
+        &self,
+        experiment: Uuid,
+        round: i64,
+        attempt: i64,
+        client: Uuid,
+    ) -> Option<TaskCompression> {
+        self.is_on().then(|| TaskCompression {
+            upload: self.upload,
+            upload_rotation_seed: rotation_seed(
+                experiment,
+                round,
+                attempt,
+                Some(client),
+                SeedUse::Upload,
+            ),
+            download: self.download,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -191,6 +263,23 @@ mod tests {
             secure_parties: secure,
             distributed_noise: false,
         })
+    }
+
+    #[test]
+    fn seeds_differ_by_every_input_and_fit_a_double() {
+        let (e, c) = (Uuid::from_u128(1), Uuid::from_u128(2));
+        let base = rotation_seed(e, 3, 1, Some(c), SeedUse::Upload);
+        assert_eq!(base, rotation_seed(e, 3, 1, Some(c), SeedUse::Upload));
+        for other in [
+            rotation_seed(Uuid::from_u128(9), 3, 1, Some(c), SeedUse::Upload),
+            rotation_seed(e, 4, 1, Some(c), SeedUse::Upload),
+            rotation_seed(e, 3, 2, Some(c), SeedUse::Upload),
+            rotation_seed(e, 3, 1, None, SeedUse::Upload),
+            rotation_seed(e, 3, 1, Some(c), SeedUse::Download),
+        ] {
+            assert_ne!(other, base);
+            assert!(other < 1 << 53);
+        }
     }
 
     #[test]

@@ -176,6 +176,11 @@ pub struct ExperimentSpec {
     /// default none, every update is kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_staleness: Option<u32>,
+    /// Compression of the clients' uploads and of the models they download (synchronous
+    /// rounds): `{"upload": "quantize:4", "download": "quantize:4"}`. Absent: 32-bit
+    /// floats both ways.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compression: Option<crate::CompressionSpec>,
 }
 
 /// The most clients a round may need: beyond this one coordinator's round is not the
@@ -263,6 +268,7 @@ impl ExperimentSpec {
             }
         }
         self.weighting_problems(&mut bad);
+        self.compression_problems(&mut bad);
         crate::mode::problems(self, &mut bad);
         self.train_problems(&mut bad);
         if problems.is_empty() {
@@ -374,6 +380,29 @@ impl ExperimentSpec {
             } else if lr > 100.0 {
                 bad("server_lr", "server_lr must be at most 100".into());
             }
+        }
+    }
+
+    /// Compression against the rest of the spec: secure rounds take only `quantize:B`
+    /// uploads in a word that holds the sum of the clients a round selects, and FedBuff
+    /// none at all.
+    fn compression_problems(&self, bad: &mut impl FnMut(&'static str, String)) {
+        let Some(compression) = &self.compression else {
+            return;
+        };
+        if compression.is_on() && self.fedbuff().is_some() {
+            bad(
+                "compression",
+                "compression is for synchronous rounds: mode fedbuff sends plain floats".into(),
+            );
+        }
+        let secure = self.secure_aggregation.is_some();
+        let context = crate::compression::CompressionContext {
+            secure_parties: secure.then(|| self.selected_per_round()),
+            distributed_noise: secure && self.privacy.is_some(),
+        };
+        for (field, message) in compression.problems(context) {
+            bad(field, message);
         }
     }
 

@@ -43,6 +43,7 @@ impl ExperimentSpec {
             upload: UploadForm::Weights,
             hyperparameters: self.hyperparameters.clone(),
             report_metrics: self.evaluation_refusal().is_none(),
+            compression: None,
         }
     }
 

@@ -268,6 +268,7 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
             floors: &config.floors,
             identity: &identity,
             joined: &joined,
+            state_dir: &config.state_dir,
         };
         let outcome = match task.kind {
             TaskKind::Evaluate => {
@@ -694,6 +695,8 @@ struct HowToServe<'a> {
     /// Secure sessions this client has joined: a coordinator that sends one again
     /// (to replay signed messages of an earlier round) is refused.
     joined: &'a std::sync::Mutex<std::collections::HashSet<[u8; 32]>>,
+    /// The state directory (the error-feedback residual of compressed uploads).
+    state_dir: &'a Path,
 }
 
 async fn serve_task(
@@ -707,6 +710,7 @@ async fn serve_task(
         seed,
         slowdown,
         local_dp,
+        state_dir,
         ..
     } = *how;
     if let Some(secure) = &task.secure_aggregation {
@@ -759,7 +763,31 @@ async fn serve_task(
     // One id for every try of this upload: a retry whose first try was stored (its
     // answer lost) is recognised, not counted twice or refused.
     let upload_id = uuid::Uuid::new_v4();
-    with_retries(|| client.upload(cred, task, &params, samples, loss, upload_id)).await?;
+    if task.upload != crate::protocol::UploadForm::CompressedDifference {
+        with_retries(|| client.upload(cred, task, &params, samples, loss, upload_id)).await?;
+        return Ok(());
+    }
+    let Some(compression) = &task.compression else {
+        return Err(AgentError::Task(
+            "the task asks for a compressed difference without its compression settings".into(),
+        ));
+    };
+    // From the model this client received (its own decoded copy of a compressed one).
+    let difference: Vec<f32> = params
+        .values()
+        .iter()
+        .zip(base.values())
+        .map(|(p, g)| p - g)
+        .collect();
+    let body = crate::upload_compression::compress_upload(
+        state_dir,
+        task.experiment_id,
+        compression,
+        &difference,
+        task_seed(seed, -2),
+    )
+    .map_err(|e| AgentError::Task(e.to_string()))?;
+    with_retries(|| client.upload_body(cred, task, body.clone(), samples, loss, upload_id)).await?;
     Ok(())
 }
 
@@ -1016,6 +1044,7 @@ mod tests {
             upload: crate::protocol::UploadForm::MaskedDifference,
             hyperparameters: None,
             report_metrics: false,
+            compression: None,
         };
         let config = |experiment: &str, round: u64, attempt: u64, session: u8| {
             cohort_aggregation::secagg::RoundConfig {

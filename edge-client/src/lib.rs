@@ -18,6 +18,8 @@
 //! - [`agent`]: the edge loop: enrol once, then check in, train, upload, with retries.
 //! - [`trainer`]: who trains a task: the built-in models, the user's own program
 //!   (`--trainer`), or an app's callback; and the checks on what they return.
+//! - [`upload_compression`]: a compressed upload and its error-feedback residual, kept
+//!   in the state directory.
 //! - [`ffi`]: the C API (`cdylib`, `staticlib`, header `include/cohort_edge.h`), for
 //!   apps that train inside their own process.
 
@@ -36,3 +38,5 @@ pub mod protocol;
 pub mod train;
 #[cfg(feature = "agent")]
 pub mod trainer;
+#[cfg(feature = "agent")]
+pub mod upload_compression;

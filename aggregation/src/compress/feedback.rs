@@ -52,7 +52,7 @@ impl ErrorFeedback {
         let bytes = scheme.encode(&carried, rotation_seed, rounding_seed)?;
         let expected = Expected {
             dimension: update.len(),
-            rotation_seed,
+            rotation_seed: Some(rotation_seed),
         };
         let sent = scheme.decode(&bytes, &expected)?;
         self.residual = carried.iter().zip(&sent).map(|(c, s)| c - s).collect();

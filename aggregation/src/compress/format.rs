@@ -39,8 +39,10 @@ const VERSION: u8 = 1;
 pub struct Expected {
     /// Parameters of the model.
     pub dimension: usize,
-    /// The rotation seed the round assigned to this sender (ignored by `topk`).
-    pub rotation_seed: u64,
+    /// The rotation seed the round assigned to this sender (ignored by `topk`); `None`
+    /// takes the header's (a client decoding the model it downloaded: a coordinator's
+    /// choice of rotation can only hurt its own model).
+    pub rotation_seed: Option<u64>,
 }
 
 /// Why a body is not a valid compressed vector of what was expected.
@@ -202,7 +204,7 @@ impl Header {
         }
         let seed = u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes"));
         let want = if scheme.rotates() {
-            expected.rotation_seed
+            expected.rotation_seed.unwrap_or(seed)
         } else {
             0
         };

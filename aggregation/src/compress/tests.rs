@@ -11,7 +11,7 @@ use super::*;
 fn expected(d: usize, seed: u64) -> Expected {
     Expected {
         dimension: d,
-        rotation_seed: seed,
+        rotation_seed: Some(seed),
     }
 }
 

@@ -323,6 +323,7 @@ fn bench_spec(args: &DashboardBenchArgs) -> Result<ExperimentSpec, String> {
         concurrency: None,
         staleness_exponent: None,
         max_staleness: None,
+        compression: None,
     })
 }
 

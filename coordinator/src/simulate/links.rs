@@ -89,7 +89,7 @@ impl Links {
         }
         let expected = |rotation_seed| Expected {
             dimension: global.len(),
-            rotation_seed,
+            rotation_seed: Some(rotation_seed),
         };
         let received = ids
             .par_iter()
@@ -156,7 +156,7 @@ impl Links {
             .and_then(|bytes| {
                 let expected = Expected {
                     dimension: update.len(),
-                    rotation_seed: rotation,
+                    rotation_seed: Some(rotation),
                 };
                 Ok((self.up.decode(&bytes, &expected)?, bytes.len()))
             });

@@ -193,6 +193,11 @@ pub struct Participation {
     /// Secure aggregation: the stage it dropped out at (`advertise`, `share`, `masked`,
     /// `unmask`).
     pub dropped_stage: Option<String>,
+    /// Bytes of its upload as sent (compressed, masked or plain floats); `None` before
+    /// it uploads.
+    pub bytes_up: Option<i64>,
+    /// Bytes of the models it downloaded while selected; `None` before its first.
+    pub bytes_down: Option<i64>,
 }
 
 /// One client selected for one round attempt.
@@ -207,7 +212,7 @@ pub struct Selection {
 }
 
 /// A participation row: client_id, state, selected_at, uploaded_at, num_samples,
-/// train_loss, secagg_index, secagg_stage, dropped_stage.
+/// train_loss, secagg_index, secagg_stage, dropped_stage, bytes_up, bytes_down.
 type ParticipationRow = (
     String,
     String,
@@ -218,6 +223,8 @@ type ParticipationRow = (
     Option<i64>,
     Option<String>,
     Option<String>,
+    Option<i64>,
+    Option<i64>,
 );
 
 /// An upload to record, its blob already durable at `blob_path`.
@@ -242,6 +249,9 @@ pub struct NewUpload<'a> {
     /// The id the client chose for this upload, if it sent one: a retry with the same id
     /// finds the stored upload through [`Store::upload_by_client_id`].
     pub client_upload_id: Option<Uuid>,
+    /// Bytes the client sent, when they are not the blob's (a compressed upload, stored
+    /// decoded); `None`: `bytes`.
+    pub wire_bytes: Option<i64>,
 }
 
 /// A recorded upload.
@@ -532,7 +542,7 @@ impl Store {
             let rows: Vec<ParticipationRow> =
                 sqlx::query_as(
                     "SELECT client_id, state, selected_at, uploaded_at, num_samples, train_loss, \
-                     secagg_index, secagg_stage, dropped_stage \
+                     secagg_index, secagg_stage, dropped_stage, bytes_up, bytes_down \
                      FROM participations WHERE experiment_id = $1 AND round = $2 AND attempt = $3 \
                      ORDER BY client_id",
                 )
@@ -543,6 +553,47 @@ impl Store {
                 .await?;
             rows.into_iter().map(participation_from_row).collect()
         })
+    }
+
+    /// Bytes each round attempt's clients moved, all together: `(round, attempt)` to
+    /// `(uploaded, downloaded)`.
+    pub async fn traffic(
+        &self,
+        experiment_id: Uuid,
+    ) -> Result<std::collections::HashMap<(i64, i64), (i64, i64)>, StoreError> {
+        with_pool!(self, p => {
+            let rows: Vec<(i64, i64, i64, i64)> = sqlx::query_as(
+                "SELECT round, attempt, CAST(COALESCE(SUM(bytes_up), 0) AS BIGINT), \
+                 CAST(COALESCE(SUM(bytes_down), 0) AS BIGINT) FROM participations \
+                 WHERE experiment_id = $1 GROUP BY round, attempt",
+            )
+            .bind(experiment_id.to_string())
+            .fetch_all(p)
+            .await?;
+            Ok(rows.into_iter().map(|(r, a, up, down)| ((r, a), (up, down))).collect())
+        })
+    }
+
+    /// Counts `bytes` of model downloaded by `client` towards the round attempt it is
+    /// selected for and has not uploaded to yet (none: nothing is counted).
+    pub async fn note_download(
+        &self,
+        experiment_id: Uuid,
+        client_id: Uuid,
+        bytes: i64,
+    ) -> Result<(), StoreError> {
+        with_pool!(self, p => {
+            sqlx::query(
+                "UPDATE participations SET bytes_down = COALESCE(bytes_down, 0) + $1 \
+                 WHERE experiment_id = $2 AND client_id = $3 AND state = 'selected'",
+            )
+            .bind(bytes)
+            .bind(experiment_id.to_string())
+            .bind(client_id.to_string())
+            .execute(p)
+            .await?;
+        });
+        Ok(())
     }
 
     /// Who was selected for every attempt of an experiment, in round and attempt order:
@@ -583,7 +634,7 @@ impl Store {
             let row: Option<ParticipationRow> =
                 sqlx::query_as(
                     "SELECT client_id, state, selected_at, uploaded_at, num_samples, train_loss, \
-                     secagg_index, secagg_stage, dropped_stage \
+                     secagg_index, secagg_stage, dropped_stage, bytes_up, bytes_down \
                      FROM participations WHERE experiment_id = $1 AND round = $2 AND attempt = $3 \
                      AND client_id = $4",
                 )
@@ -682,8 +733,8 @@ impl Store {
             let moved = sqlx::query(
                 "UPDATE participations SET state = 'uploaded', uploaded_at = $1, num_samples = $2, \
                  train_loss = $3, secagg_stage = CASE WHEN secagg_index IS NULL THEN NULL \
-                 ELSE 'masked' END WHERE experiment_id = $4 AND round = $5 AND attempt = $6 \
-                 AND client_id = $7 AND state = 'selected'",
+                 ELSE 'masked' END, bytes_up = $8 WHERE experiment_id = $4 AND round = $5 \
+                 AND attempt = $6 AND client_id = $7 AND state = 'selected'",
             )
             .bind(now)
             .bind(samples)
@@ -692,6 +743,7 @@ impl Store {
             .bind(round)
             .bind(attempt)
             .bind(&client)
+            .bind(upload.wire_bytes.unwrap_or(upload.bytes))
             .execute(&mut *tx)
             .await?;
             if moved.rows_affected() != 1 {
@@ -1136,9 +1188,11 @@ pub(crate) fn capped_detail(round: i64, attempt: i64, claimed: i64, counted: i64
 }
 
 fn participation_from_row(
-    (c, s, sel, up, n, loss, index, stage, dropped): ParticipationRow,
+    (c, s, sel, up, n, loss, index, stage, dropped, bytes_up, bytes_down): ParticipationRow,
 ) -> Result<Participation, StoreError> {
     Ok(Participation {
+        bytes_up,
+        bytes_down,
         client_id: parse_uuid(&c)?,
         state: parse_participation(&s)?,
         selected_at: sel,

@@ -310,9 +310,35 @@ impl CoordinatorClient {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<i64>().ok())
             .ok_or_else(|| ProtocolError::Protocol("global model without x-cohort-round".into()))?;
+        let compression = match r.headers().get("x-cohort-compression") {
+            None => None,
+            Some(v) => Some(
+                v.to_str()
+                    .ok()
+                    .and_then(|v| v.parse::<cohort_aggregation::compress::Compression>().ok())
+                    .ok_or_else(|| {
+                        ProtocolError::Protocol(format!("global model compressed as {v:?}"))
+                    })?,
+            ),
+        };
         let bytes = r.bytes().await?;
-        let model = wire::decode(layout, &bytes)
-            .map_err(|e| ProtocolError::Protocol(format!("global model: {e}")))?;
+        let model = match compression {
+            None => wire::decode(layout, &bytes)
+                .map_err(|e| ProtocolError::Protocol(format!("global model: {e}")))?,
+            // Compressed with a rotation the coordinator picked (the header says which):
+            // a coordinator could only spoil its own model with another.
+            Some(scheme) => {
+                let expected = cohort_aggregation::compress::Expected {
+                    dimension: layout.len(),
+                    rotation_seed: None,
+                };
+                let values = scheme
+                    .decode(&bytes, &expected)
+                    .map_err(|e| ProtocolError::Protocol(format!("global model: {e}")))?;
+                ModelVector::new(layout.clone(), values)
+                    .map_err(|e| ProtocolError::Protocol(format!("global model: {e}")))?
+            }
+        };
         Ok((model, version))
     }
 
@@ -509,12 +535,28 @@ impl CoordinatorClient {
             "{}?upload_id={upload_id}",
             routes::for_attempt(routes::UPDATE, task.experiment_id, task.round, task.attempt)
         );
+        // The model words travel in the round's width (narrower than 32 bits when the
+        // experiment compresses uploads), the weight and loss words in 32.
+        let (dimension, word_bits) = match &task.secure_aggregation {
+            Some(secure) => (
+                secure.config.dimension,
+                secure.config.validate().map_or(32, |q| q.word_bits()),
+            ),
+            None => (
+                masked
+                    .len()
+                    .saturating_sub(cohort_aggregation::secagg::EXTRA_WORDS),
+                32,
+            ),
+        };
         let r = self
             .http
             .post(self.url(&url))
             .bearer_auth(cred.bearer())
             .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
-            .body(cohort_aggregation::secagg::messages::encode_words(masked))
+            .body(cohort_aggregation::secagg::messages::encode_masked(
+                masked, dimension, word_bits,
+            ))
             .send()
             .await?;
         checked(r).await?;
@@ -582,6 +624,29 @@ impl CoordinatorClient {
         train_loss: f64,
         upload_id: Uuid,
     ) -> Result<(), ProtocolError> {
+        self.upload_body(
+            cred,
+            task,
+            wire::encode(params),
+            num_samples,
+            train_loss,
+            upload_id,
+        )
+        .await
+    }
+
+    /// Uploads a body the caller encoded as the task's `upload` says (a compressed
+    /// difference, for `compressed_difference`), with the same query as
+    /// [`upload`](Self::upload).
+    pub async fn upload_body(
+        &self,
+        cred: &Credential,
+        task: &Task,
+        body: Vec<u8>,
+        num_samples: usize,
+        train_loss: f64,
+        upload_id: Uuid,
+    ) -> Result<(), ProtocolError> {
         let mut url = format!(
             "{}?num_samples={num_samples}&upload_id={upload_id}",
             routes::for_attempt(routes::UPDATE, task.experiment_id, task.round, task.attempt)
@@ -594,7 +659,7 @@ impl CoordinatorClient {
             .post(self.url(&url))
             .bearer_auth(cred.bearer())
             .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
-            .body(wire::encode(params))
+            .body(body)
             .send()
             .await?;
         checked(r).await?;

@@ -87,6 +87,34 @@ pub struct Task {
     /// (`POST .../evaluations`): file models without differential privacy.
     #[serde(default)]
     pub report_metrics: bool,
+    /// How the model download and the upload are compressed; absent: 32-bit floats both
+    /// ways.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compression: Option<TaskCompression>,
+}
+
+/// A task's compression. A compressed model download says so in its
+/// `x-cohort-compression` header, and its body is that scheme's (it starts with `CZ`,
+/// see `cohort_aggregation::compress::format`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct TaskCompression {
+    /// The upload's scheme: `none`, `quantize:B`, `sign` or `topk:F`. On a plain round
+    /// (`upload: compressed_difference`) the body is the difference from the received
+    /// model in this scheme; on a secure round the masked words carry `quantize:B`'s
+    /// bits (the round's settings say how).
+    #[cfg_attr(feature = "openapi", schema(value_type = String, example = "quantize:4"))]
+    pub upload: cohort_aggregation::compress::Compression,
+    /// The rotation seed the upload's header must carry (the coordinator checks it).
+    #[cfg_attr(
+        feature = "openapi",
+        schema(minimum = 0, maximum = 9007199254740991_i64)
+    )]
+    pub upload_rotation_seed: u64,
+    /// The model download's scheme: `none`, `quantize:4` or `quantize:8`.
+    #[cfg_attr(feature = "openapi", schema(value_type = String, example = "quantize:8"))]
+    pub download: cohort_aggregation::compress::Compression,
 }
 
 /// What a task asks for.
@@ -111,9 +139,14 @@ pub enum UploadForm {
     #[default]
     Weights,
     /// Secure rounds: the difference from the model the client received, clipped,
-    /// quantized and masked as the round's settings say (`d + 2` little-endian `u32`
-    /// words: the `d` values, then the weight and the weighted loss).
+    /// quantized and masked as the round's settings say (`d` little-endian words of the
+    /// round's width, 32 bits unless compressed, then the weight and the weighted loss
+    /// as 32-bit words).
     MaskedDifference,
+    /// Plain rounds with compression: the difference from the model the client
+    /// received, compressed as the task's `compression.upload` says (a `CZ` body), with
+    /// `num_samples` in the query. The coordinator adds what it decodes to the model.
+    CompressedDifference,
 }
 
 /// A client's part in a secure round.

@@ -529,6 +529,7 @@ fn default_spec() -> ExperimentSpec {
         concurrency: None,
         staleness_exponent: None,
         max_staleness: None,
+        compression: None,
     }
 }
 
@@ -977,6 +978,8 @@ pub fn parse(fields: &[(String, String)]) -> Parsed {
             }
             m
         }),
+        // The form has no compression fields yet: the API sets it.
+        compression: None,
     };
     if spec.name.is_empty() {
         r.errors.insert("name", "required".into());

@@ -398,6 +398,16 @@ fn capitalise(text: &str) -> String {
     out
 }
 
+/// A byte count as people read it: `–` for none, else B, kB or MB (decimal).
+fn bytes(n: i64) -> String {
+    match n {
+        0 => "–".into(),
+        n if n < 1_000 => format!("{n} B"),
+        n if n < 1_000_000 => format!("{:.1} kB", n as f64 / 1e3),
+        n => format!("{:.2} MB", n as f64 / 1e6),
+    }
+}
+
 /// A row of the rounds table.
 #[derive(Debug, Clone)]
 pub struct RoundRow {
@@ -418,6 +428,10 @@ pub struct RoundRow {
     failure: String,
     /// Tasks of this attempt that clients reported they could not complete.
     failed_tasks: usize,
+    /// Bytes the attempt's clients uploaded, all together.
+    bytes_up: String,
+    /// Bytes of model the attempt's clients downloaded, all together.
+    bytes_down: String,
 }
 
 /// A task a client reported it could not complete.
@@ -605,6 +619,7 @@ pub async fn experiment(
         _ => None,
     };
     let privacy_report = PrivacyCard::of(&state, &exp, &rounds).await?;
+    let traffic = state.store.traffic(exp.id).await?;
     // Newest first, paged.
     let round_pages = rounds.len().div_ceil(ROUNDS_PER_PAGE).max(1);
     let round_page = query.number().min(round_pages);
@@ -613,7 +628,7 @@ pub async fn experiment(
         .rev()
         .skip((round_page - 1) * ROUNDS_PER_PAGE)
         .take(ROUNDS_PER_PAGE)
-        .map(|r| RoundRow::of(r, &shown, &privacy_report, &task_failures))
+        .map(|r| RoundRow::of(r, &shown, &privacy_report, &task_failures, &traffic))
         .collect();
     let best = published
         .iter()
@@ -836,8 +851,15 @@ impl RoundRow {
         shown: &Shown<'_>,
         privacy: &PrivacyCard,
         task_failures: &[crate::store::TaskFailure],
+        traffic: &HashMap<(i64, i64), (i64, i64)>,
     ) -> Self {
+        let (up, down) = traffic
+            .get(&(r.round, r.attempt))
+            .copied()
+            .unwrap_or_default();
         RoundRow {
+            bytes_up: bytes(up),
+            bytes_down: bytes(down),
             round: r.round,
             attempt: r.attempt,
             stage: r.stage.as_str(),

@@ -473,7 +473,10 @@ async fn open(
             let mut session = [0u8; 32];
             rand::RngExt::fill(&mut rand::rng(), &mut session);
             let context = round_context(exp, round, attempt);
-            let config = match secure.round_config(k, model.num_params(), session, context) {
+            let config = secure
+                .round_config(k, model.num_params(), session, context)
+                .and_then(|config| with_compression(config, spec, exp.id, round, attempt));
+            let config = match config {
                 Ok(config) => config,
                 Err(why) => {
                     // Fewer clients than wanted: try again on a later tick.
@@ -508,6 +511,30 @@ async fn open(
 /// The generator an attempt's cohort is drawn from: the operating system's, or one
 /// seeded from `--selection-seed` and the attempt, so that replicas and restarts draw
 /// the same cohort for it.
+/// A secure round's settings with the experiment's upload compression: fixed bits, the
+/// word width, and the attempt's one rotation seed (checked again for this many parties).
+fn with_compression(
+    mut config: cohort_aggregation::secagg::RoundConfig,
+    spec: &ExperimentSpec,
+    experiment: Uuid,
+    round: i64,
+    attempt: i64,
+) -> Result<cohort_aggregation::secagg::RoundConfig, String> {
+    let Some(compression) = spec.compression else {
+        return Ok(config);
+    };
+    let seed = cohort_core::compression::rotation_seed(
+        experiment,
+        round,
+        attempt,
+        None,
+        cohort_core::compression::SeedUse::SecureRound,
+    );
+    config.quantization = compression.secure_quantization(config.quantization, seed);
+    config.validate().map_err(|e| e.to_string())?;
+    Ok(config)
+}
+
 fn selection_rng(state: &AppState, round: i64, attempt: i64) -> rand_chacha::ChaCha8Rng {
     use rand::SeedableRng;
     match state.settings.selection_seed {

@@ -481,6 +481,7 @@ pub async fn unmask_round(
     let survivors: std::collections::BTreeSet<u32> = session.masked().collect();
     let blobs = state.blobs.clone();
     let words = session.input_words();
+    let (dimension, word_bits) = (session.config().dimension, session.quantizer().word_bits());
     let reducer = state.reducer.clone();
     session.set_reducer(reducer.clone());
     tokio::task::spawn_blocking(move || {
@@ -503,7 +504,10 @@ pub async fn unmask_round(
                     )));
                 }
                 let bytes = blobs.get_verified(&upload.blob_path, &upload.sha256)?;
-                inputs.push(secagg::messages::decode_words(&bytes, words).map_err(|e| bad(&e))?);
+                inputs.push(
+                    secagg::messages::decode_masked(&bytes, dimension, word_bits)
+                        .map_err(|e| bad(&e))?,
+                );
             }
             let refs: Vec<&[u32]> = inputs.iter().map(Vec::as_slice).collect();
             sum.add(&refs).map_err(|e| bad(&e))?;

@@ -864,6 +864,7 @@ pub(crate) fn routes() -> Router<AppState> {
         NewEnrolmentToken,
         IssuedEnrolmentToken,
         cohort_core::SecureAggregationSpec,
+        cohort_core::CompressionSpec,
         cohort_core::privacy::PrivacySpec,
         cohort_core::privacy::BudgetAgainst,
         PrivacyReport,

@@ -197,7 +197,7 @@ pub(crate) fn routes() -> Router<AppState> {
 #[derive(utoipa::OpenApi)]
 #[openapi(
     paths(enrol, me, register_identity, checkin, model, upload),
-    components(schemas(EnrolRequest, IdentityRequest, IdentityRegistered, Enrolled, ClientIdentity, CheckIn, Task, TaskKind, UploadForm, SecureTask, CheckInReply)),
+    components(schemas(EnrolRequest, IdentityRequest, IdentityRegistered, Enrolled, ClientIdentity, CheckIn, Task, TaskKind, UploadForm, SecureTask, cohort_edge::protocol::TaskCompression, CheckInReply)),
     tags((name = "client", description = "Edge clients (enrolment, then the client credential)"))
 )]
 pub(crate) struct ClientDoc;
@@ -221,14 +221,22 @@ async fn task_for(state: &AppState, client: Uuid) -> Result<Option<Task>, ApiErr
         }),
         _ => None,
     };
+    let compression = spec
+        .compression
+        .and_then(|c| c.task(exp.id, pending.round, pending.attempt, client));
     let upload = if secure_aggregation.is_some() {
         UploadForm::MaskedDifference
+    } else if compression.is_some() {
+        // Even with only the download compressed: the client trained from its decoded
+        // copy, and its difference from that copy is what the exact model must move by.
+        UploadForm::CompressedDifference
     } else {
         UploadForm::Weights
     };
     Ok(Some(Task {
         secure_aggregation,
         upload,
+        compression,
         ..spec.plain_task(exp.id, pending.round, pending.attempt, pending.deadline)
     }))
 }
@@ -294,12 +302,17 @@ async fn checkin(
 ///
 /// The body is the model's `d` parameters as little-endian IEEE-754 `f32` (`4 d`
 /// bytes), in the order of the task's `tensors`, each tensor row-major; the round that
-/// published it is in the `x-cohort-round` header (0: the initial model). Only for a
-/// client that takes part in the experiment; to any other, the experiment does not exist.
+/// published it is in the `x-cohort-round` header (0: the initial model). While an
+/// experiment with a `compression.download` scheme runs, the body is the model in that
+/// scheme instead (a `CZ` header then the scheme's body, rotated with a seed of this
+/// client's own, which the header carries), and the `x-cohort-compression` header names
+/// the scheme. Only for a client that takes part in the experiment; to any other, the
+/// experiment does not exist.
 #[utoipa::path(get, path = "/api/v1/clients/experiments/{id}/model", tag = "client",
     security(("client_credential" = [])), params(("id" = uuid::Uuid, Path, description = "Experiment id")),
     responses((status = 200, description = "The model", content_type = "application/octet-stream",
-               headers(("x-cohort-round" = i64, description = "The round that published this model (0: the initial model)"))),
+               headers(("x-cohort-round" = i64, description = "The round that published this model (0: the initial model)"),
+                       ("x-cohort-compression" = String, description = "The scheme the body is compressed with (`quantize:4`, `quantize:8`); absent: plain `f32`"))),
               (status = 401, body = ErrorBody),
               (status = 404, description = "No such experiment, or the client takes no part in it", body = ErrorBody)))]
 async fn model(
@@ -312,7 +325,61 @@ async fn model(
     let (exp, round, bytes) = crate::server::http::extract::current_model(&state, &id).await?;
     client.seen(&state).await?;
     crate::server::http::fedbuff::note_download(&state, &exp, client.0.id, round).await;
-    crate::server::http::extract::octets(bytes, round, None)
+    let (bytes, scheme) = compressed_model(&exp, round, client.0.id, bytes).await?;
+    if let Err(e) = state
+        .store
+        .note_download(exp.id, client.0.id, bytes.len() as i64)
+        .await
+    {
+        // The count is for the record; the model is what the client needs.
+        tracing::warn!(error = %e, "could not count a model download");
+    }
+    let mut response = crate::server::http::extract::octets(bytes, round, None)?;
+    if let Some(scheme) = scheme {
+        response.headers_mut().insert(
+            "x-cohort-compression",
+            axum::http::HeaderValue::from_str(&scheme.to_string()).map_err(ApiError::internal)?,
+        );
+    }
+    Ok(response)
+}
+
+/// The model `bytes` (model version `version`) as `client` downloads it: compressed with
+/// the experiment's download scheme, rotated with the client's own seed for the version,
+/// while the experiment runs (a finished experiment's final model goes whole to the
+/// clients evaluating it); the scheme, when compressed.
+async fn compressed_model(
+    exp: &crate::store::Experiment,
+    version: i64,
+    client: Uuid,
+    bytes: Vec<u8>,
+) -> Result<(Vec<u8>, Option<cohort_aggregation::compress::Compression>), ApiError> {
+    use cohort_aggregation::compress::Compression;
+    let spec: cohort_core::ExperimentSpec =
+        serde_json::from_value(exp.spec.clone()).map_err(ApiError::internal)?;
+    let scheme = spec.compression.map_or(Compression::None, |c| c.download);
+    if scheme == Compression::None || exp.state != crate::store::ExperimentState::Running {
+        return Ok((bytes, None));
+    }
+    let seed = cohort_core::compression::rotation_seed(
+        exp.id,
+        version,
+        0,
+        Some(client),
+        cohort_core::compression::SeedUse::Download,
+    );
+    let compressed = tokio::task::spawn_blocking(move || {
+        let values: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        // The rounding needs no secret: the client decodes the same either way.
+        scheme.encode(&values, seed, seed ^ 0x5eed)
+    })
+    .await
+    .map_err(ApiError::internal)?
+    .map_err(ApiError::internal)?;
+    Ok((compressed, Some(scheme)))
 }
 
 /// The most samples an upload may claim. The weight counted is capped lower still (the
@@ -346,11 +413,16 @@ pub struct UploadQuery {
 /// The body (`application/octet-stream`) is what the task's `upload` says. `weights`: the
 /// locally trained model's `d` parameters as little-endian IEEE-754 `f32` (`4 d` bytes),
 /// in the order of the task's `tensors`, each tensor row-major, every value finite, with
-/// `num_samples` (and optionally `train_loss`) in the query. `masked_difference` (secure
-/// rounds): `d + 2` little-endian `u32` words (`4 (d + 2)` bytes), the masked quantized
-/// difference from the received model followed by the masked weight and weighted loss,
-/// and no `num_samples` or `train_loss`. The upload is on disk and recorded before the
-/// answer is sent.
+/// `num_samples` (and optionally `train_loss`) in the query. `compressed_difference`
+/// (plain rounds of an experiment with `compression`): the difference from the model the
+/// client received, in the task's `compression.upload` scheme (a `CZ` header then the
+/// scheme's body; plain little-endian `f32`s for `none`), rotated with the task's
+/// `upload_rotation_seed`, with `num_samples` in the query; the coordinator adds what it
+/// decodes to the model. `masked_difference` (secure rounds): the masked quantized
+/// difference from the received model, `d` little-endian words in the round's width
+/// (32 bits, or 8 or 16 under compression) followed by the masked weight and weighted
+/// loss in 32-bit words, and no `num_samples` or `train_loss`. The upload is on disk and
+/// recorded before the answer is sent; the participation records its bytes as sent.
 #[utoipa::path(post, path = "/api/v1/clients/experiments/{id}/rounds/{round}/attempts/{attempt}/update",
     tag = "client", security(("client_credential" = [])),
     params(("id" = uuid::Uuid, Path, description = "Experiment id"), ("round" = i64, Path, description = "Round"),
@@ -385,15 +457,19 @@ async fn upload(
     let exp = state.store.experiment(id).await?;
     let (spec, model) =
         crate::server::driver::experiment_model(&exp).map_err(ApiError::internal)?;
-    // A secure round takes only masked words; a plain round takes floats and a weight.
-    let secure = match state.store.round(id, round, attempt).await {
+    // A secure round takes only masked words (in its width); a plain round takes floats
+    // and a weight, or a compressed difference from the model it received.
+    let word_bits = match state.store.round(id, round, attempt).await {
         Ok(r) => crate::server::driver::secure_rounds::round_config(&r)
             .map_err(ApiError::internal)?
-            .is_some(),
+            .map(|c| c.validate().map(|q| q.word_bits()))
+            .transpose()
+            .map_err(ApiError::internal)?,
         Err(crate::store::StoreError::NotFound(what)) => return Err(ApiError::NotFound(what)),
         Err(e) => return Err(e.into()),
     };
-    let expected = expected_body(secure, &query, model.layout().len())?;
+    let secure = word_bits.is_some();
+    let expected = expected_body(word_bits, &query, model.layout().len())?;
     // Each upload gets a blob of its own name, so a refused replay can never overwrite
     // the bytes of an acknowledged upload.
     let path = format!(
@@ -401,7 +477,29 @@ async fn upload(
         client.id,
         Uuid::new_v4().simple()
     );
-    let info = receive_update(&state, &headers, body, expected, &path).await?;
+    let compressed = spec.compression.filter(|c| !secure && c.is_on());
+    let (info, wire_bytes) = match compressed {
+        Some(c) => {
+            let seed = cohort_core::compression::rotation_seed(
+                id,
+                round,
+                attempt,
+                Some(client.id),
+                cohort_core::compression::SeedUse::Upload,
+            );
+            let received = ReceivedDifference {
+                scheme: c.upload,
+                rotation_seed: seed,
+                experiment: id,
+            };
+            let (info, wire) = received.store(&state, &headers, body, &path).await?;
+            (info, Some(wire as i64))
+        }
+        None => (
+            receive_update(&state, &headers, body, expected, &path).await?,
+            None,
+        ),
+    };
     let path = info.path.clone();
     // A secure upload's weight is masked; the row records none. A plain one's is the
     // client's own claim, counted up to the experiment's cap.
@@ -420,6 +518,7 @@ async fn upload(
         claimed_samples: (num_samples != claimed).then_some(claimed),
         train_loss: query.train_loss,
         client_upload_id: query.upload_id,
+        wire_bytes,
     };
     let recorded = match spec.fedbuff() {
         // FedBuff takes the upload into the buffer open now, whichever round its task
@@ -502,10 +601,15 @@ fn check_upload_request(
     Ok(())
 }
 
-/// The body a round takes from this request: masked words under secure aggregation (with
-/// no weight or loss beside them, they travel masked), else floats with a sample count.
-fn expected_body(secure: bool, query: &UploadQuery, params: usize) -> Result<Body, ApiError> {
-    Ok(if secure {
+/// The body a round takes from this request: masked words under secure aggregation, of
+/// `word_bits` each (with no weight or loss beside them, they travel masked), else floats
+/// with a sample count.
+fn expected_body(
+    word_bits: Option<u32>,
+    query: &UploadQuery,
+    params: usize,
+) -> Result<Body, ApiError> {
+    Ok(if let Some(word_bits) = word_bits {
         if query.num_samples.is_some() || query.train_loss.is_some() {
             return Err(ApiError::unprocessable(
                 ErrorCode::InvalidQuery,
@@ -513,7 +617,10 @@ fn expected_body(secure: bool, query: &UploadQuery, params: usize) -> Result<Bod
                  travel masked inside it, so num_samples and train_loss must not be sent",
             ));
         }
-        Body::MaskedWords(params + cohort_aggregation::secagg::EXTRA_WORDS)
+        Body::MaskedWords {
+            bytes: params * (word_bits / 8) as usize + cohort_aggregation::secagg::EXTRA_WORDS * 4,
+            word_bits,
+        }
     } else {
         if query.num_samples.is_none() {
             return Err(ApiError::unprocessable(
@@ -564,24 +671,35 @@ const UPLOAD_WRITE_CHUNK: usize = 64 * 1024;
 enum Body {
     /// A plain update: this many finite little-endian `f32`s.
     Floats(usize),
-    /// A secure round's masked input: this many little-endian `u32` words (any value:
-    /// masked words are uniform, and many look like NaN as floats).
-    MaskedWords(usize),
+    /// A secure round's masked input: this many bytes of little-endian words, the
+    /// model's in `word_bits` and the weight and loss in 32 (any value: masked words are
+    /// uniform, and many look like NaN as floats).
+    MaskedWords {
+        /// The input's length.
+        bytes: usize,
+        /// Width of the model words.
+        word_bits: u32,
+    },
 }
 
 /// Checks a body as it streams in.
 enum BodyCheck {
     Floats(cohort_aggregation::wire::StreamCheck),
-    Words { expected: usize, seen: usize },
+    Words {
+        expected: usize,
+        seen: usize,
+        word_bits: u32,
+    },
 }
 
 impl BodyCheck {
     fn new(body: Body) -> Self {
         match body {
             Body::Floats(n) => BodyCheck::Floats(cohort_aggregation::wire::StreamCheck::new(n)),
-            Body::MaskedWords(n) => BodyCheck::Words {
-                expected: n * 4,
+            Body::MaskedWords { bytes, word_bits } => BodyCheck::Words {
+                expected: bytes,
                 seen: 0,
+                word_bits,
             },
         }
     }
@@ -589,7 +707,7 @@ impl BodyCheck {
     fn feed(&mut self, chunk: &[u8]) -> Result<(), ()> {
         match self {
             BodyCheck::Floats(c) => c.feed(chunk).map_err(|_| ()),
-            BodyCheck::Words { expected, seen } => {
+            BodyCheck::Words { expected, seen, .. } => {
                 *seen += chunk.len();
                 if *seen > *expected { Err(()) } else { Ok(()) }
             }
@@ -599,13 +717,91 @@ impl BodyCheck {
     fn finish(self) -> Result<(), String> {
         match self {
             BodyCheck::Floats(c) => c.finish().map_err(|e| e.to_string()),
-            BodyCheck::Words { expected, seen } if seen != expected => Err(format!(
-                "a masked input of this round is {expected} bytes ({} words: the model's \
-                 parameters, its weight and its loss), got {seen} bytes or more",
-                expected / 4
+            BodyCheck::Words {
+                expected,
+                seen,
+                word_bits,
+            } if seen != expected => Err(format!(
+                "a masked input of this round is {expected} bytes (the model's parameters in \
+                 {word_bits}-bit words, then its weight and its loss in 32-bit words), got \
+                 {seen} bytes or more"
             )),
             BodyCheck::Words { .. } => Ok(()),
         }
+    }
+}
+
+/// A plain round's compressed upload: the difference from the model the client
+/// received, in `scheme`, rotated with `rotation_seed`.
+struct ReceivedDifference {
+    scheme: cohort_aggregation::compress::Compression,
+    rotation_seed: u64,
+    experiment: Uuid,
+}
+
+impl ReceivedDifference {
+    /// Reads the body (it is small: that is the point), checks and decodes it, adds it to
+    /// the experiment's current model and stores the result as a plain update's blob
+    /// (little-endian `f32`), so that aggregation takes it as any other. Returns the
+    /// blob and the bytes the client sent. A body that is not what the experiment asked
+    /// for is refused (422 `invalid_update`) with the decoder's reason.
+    async fn store(
+        self,
+        state: &AppState,
+        headers: &axum::http::HeaderMap,
+        body: axum::body::Body,
+        path: &str,
+    ) -> Result<(crate::blobs::BlobInfo, usize), ApiError> {
+        let limit = state.settings.max_body_bytes;
+        let too_large = || {
+            ApiError::PayloadTooLarge(format!(
+                "the body is larger than the limit of {limit} bytes"
+            ))
+        };
+        if crate::server::http::extract::declared_length(headers).is_some_and(|n| n > limit as u64)
+        {
+            return Err(too_large());
+        }
+        let bytes = axum::body::to_bytes(body, limit)
+            .await
+            .map_err(|_| too_large())?;
+        let (_, _, model) =
+            crate::server::http::extract::current_model(state, &self.experiment.to_string())
+                .await?;
+        let blobs = state.blobs.clone();
+        let path = path.to_string();
+        let wire = bytes.len();
+        let info = tokio::task::spawn_blocking(move || {
+            let global: Vec<f32> = model
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            let expected = cohort_aggregation::compress::Expected {
+                dimension: global.len(),
+                rotation_seed: Some(self.rotation_seed),
+            };
+            let difference = self
+                .scheme
+                .decode(&bytes, &expected)
+                .map_err(|e| ApiError::unprocessable(ErrorCode::InvalidUpdate, e.to_string()))?;
+            let mut weights = Vec::with_capacity(global.len() * 4);
+            for (g, d) in global.iter().zip(&difference) {
+                let w = g + d;
+                if !w.is_finite() {
+                    return Err(ApiError::unprocessable(
+                        ErrorCode::InvalidUpdate,
+                        "the difference takes a parameter past the range of f32",
+                    ));
+                }
+                weights.extend_from_slice(&w.to_le_bytes());
+            }
+            let mut writer = blobs.writer(&path).map_err(ApiError::internal)?;
+            writer.write(&weights).map_err(ApiError::internal)?;
+            writer.commit().map_err(ApiError::internal)
+        })
+        .await
+        .map_err(ApiError::internal)??;
+        Ok((info, wire))
     }
 }
 
