@@ -153,6 +153,15 @@ struct SimulateArgs {
     /// Compress downloads: none | quantize:4 | quantize:8 (overrides --compress)
     #[arg(long, value_name = "SCHEME")]
     compress_down: Option<cohort_aggregation::compress::Compression>,
+    /// Personalised models: fedper:LAYERS | fedrep:LAYERS (those layers stay on each
+    /// client: layers.0, layers.1, ... or tensor names) | ditto:LAMBDA | finetune:EPOCHS;
+    /// reports each client's personal and global accuracy on its own held-out split
+    #[arg(long, value_name = "SCHEME")]
+    personalise: Option<cohort_edge::personal::Personalisation>,
+    /// Fraction of each client's data held out to score the models on, per client
+    /// [default: 0.2 with --personalise, else 0 (off)]
+    #[arg(long, value_name = "F")]
+    client_holdout: Option<f64>,
     /// Secure aggregation with quantize:B uploads: masked word width, 8 | 16 | 32
     /// [default: the narrowest that holds the round's sum]
     #[arg(long, value_name = "W")]
@@ -330,7 +339,7 @@ impl SimulateArgs {
             };
         }
         set!(compress_up, compress_down);
-        set_some!(word_bits);
+        set_some!(word_bits, personalise, client_holdout);
         if let [only] = strategies.as_slice() {
             cfg.strategy = *only;
         }

@@ -395,7 +395,7 @@ fn a_tasks_model_layout_and_upload_form_are_documented() {
     let upload = property(&doc, "Task", "upload");
     assert_eq!(
         upload["enum"],
-        serde_json::json!(["weights", "masked_difference"])
+        serde_json::json!(["weights", "masked_difference", "compressed_difference"])
     );
     let described = schema(&doc, "Task")["properties"]["tensors"]["description"]
         .as_str()

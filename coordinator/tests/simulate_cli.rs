@@ -1066,3 +1066,118 @@ fn compression_settings_that_cannot_work_are_rejected() {
         &[],
     );
 }
+
+/// A personalised run scores every client's global and personal model on its own
+/// held-out split: per-round means and 10th percentiles in metrics.csv, each client's
+/// final figures in clients.csv; on two classes a client, its own head beats the
+/// shared model's.
+#[test]
+fn personalised_runs_score_each_client_on_its_own_split() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("fedper");
+    simulate_ok(
+        tmp.path(),
+        &out,
+        &[
+            "--dataset",
+            "digits",
+            "--clients",
+            "20",
+            "--clients-per-round",
+            "10",
+            "--rounds",
+            "8",
+            "--partition",
+            "shards:2",
+            "--personalise",
+            "fedper:layers.1",
+            "--seed",
+            "4",
+        ],
+    );
+    let personal = column(&out, "personal_accuracy_mean");
+    let global = column(&out, "client_accuracy_mean");
+    assert_eq!(personal.len(), 8);
+    let last = personal.len() - 1;
+    assert!(
+        personal[last] > global[last] + 0.05,
+        "{personal:?} vs {global:?}"
+    );
+    assert!(column(&out, "personal_accuracy_p10")[last] <= personal[last]);
+    let clients = fs::read_to_string(out.join("clients.csv")).unwrap();
+    let mut lines = clients.lines();
+    assert_eq!(
+        lines.next().unwrap(),
+        "client,train_samples,holdout_samples,global_accuracy,personal_accuracy"
+    );
+    let rows: Vec<Vec<f64>> = lines
+        .map(|l| l.split(',').map(|v| v.parse().unwrap()).collect())
+        .collect();
+    assert_eq!(rows.len(), 20, "every client holds some out");
+    for r in &rows {
+        // A fifth of the client's samples, at least one.
+        assert!(
+            r[2] >= 1.0 && (r[2] - 0.2 * (r[1] + r[2])).abs() <= 1.0,
+            "{r:?}"
+        );
+        assert!((0.0..=1.0).contains(&r[3]) && (0.0..=1.0).contains(&r[4]));
+    }
+    let mean = rows.iter().map(|r| r[4]).sum::<f64>() / rows.len() as f64;
+    assert!((mean - personal[last]).abs() < 1e-9);
+    // Without --personalise the columns are empty, unless the clients hold data out.
+    let plain = small_run(tmp.path(), "plain", &[]);
+    assert!(
+        fs::read_to_string(plain.join("metrics.csv"))
+            .unwrap()
+            .contains(",,,,")
+    );
+    assert!(!plain.join("clients.csv").exists());
+}
+
+#[test]
+fn personalisation_settings_that_cannot_work_are_rejected() {
+    assert_rejected(
+        &["--personalise", "fedper:fc2"],
+        &[
+            "--personalise fedper:fc2",
+            "no layer or tensor `fc2`",
+            "layers.0, layers.1",
+        ],
+        &[],
+    );
+    assert_rejected(
+        &["--personalise", "fedrep:layers.0,layers.1"],
+        &["nothing would be shared"],
+        &[],
+    );
+    assert_rejected(
+        &["--personalise", "ditto:0"],
+        &["LAMBDA must be a number above 0"],
+        &[],
+    );
+    assert_rejected(
+        &["--personalise", "finetune:0"],
+        &["EPOCHS must be a whole number"],
+        &[],
+    );
+    assert_rejected(
+        &["--personalise", "local"],
+        &["unknown personalisation `local`"],
+        &[],
+    );
+    assert_rejected(
+        &["--personalise", "finetune:2", "--client-holdout", "0"],
+        &["--client-holdout must be above 0"],
+        &[],
+    );
+    assert_rejected(
+        &["--client-holdout", "0.95"],
+        &["--client-holdout must be in [0, 0.9)"],
+        &[],
+    );
+    assert_rejected(
+        &["--personalise", "finetune:2", "--mode", "fedbuff"],
+        &["--personalise finetune:2 is for synchronous rounds"],
+        &[],
+    );
+}

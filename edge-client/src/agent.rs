@@ -782,7 +782,7 @@ async fn serve_task(
     let body = crate::upload_compression::compress_upload(
         state_dir,
         task.experiment_id,
-        compression,
+        (compression.upload, compression.upload_rotation_seed),
         &difference,
         task_seed(seed, -2),
     )

@@ -11,6 +11,8 @@
 //!   (with the `agent` feature, on by default) the HTTP client.
 //! - [`identity`]: this client's long-term Ed25519 identity, kept in the state
 //!   directory and registered with the coordinator.
+//! - [`personal`]: personalised federated learning (FedPer, FedRep, Ditto, fine-tuning):
+//!   which parameters stay on the client, and how a client trains its own model.
 //! - [`local_dp`]: optional local differential privacy: clip and noise before upload,
 //!   with the client's own ledger and budget.
 //!
@@ -34,6 +36,7 @@ pub mod identity;
 pub mod local_dp;
 pub mod model;
 pub mod partition;
+pub mod personal;
 pub mod protocol;
 pub mod train;
 #[cfg(feature = "agent")]

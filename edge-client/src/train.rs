@@ -174,6 +174,91 @@ impl LocalModel {
     pub fn spec(&self) -> &ModelSpec {
         &self.spec
     }
+
+    /// Trains from `start` with `config` (its `proximal_mu` is not read: `pull` says
+    /// which vector a proximal term `mu/2 |w - anchor|^2` pulls towards, if any, as
+    /// FedProx pulls to the global model and Ditto's personal model to it); only the
+    /// parameters `trainable` marks move (all, without it), as FedRep trains its head
+    /// and its body in turn. `seed` fixes the shuffling.
+    pub fn train_from(
+        &self,
+        start: &ModelVector,
+        pull: Option<(&[f32], f32)>,
+        trainable: Option<&[bool]>,
+        config: &TrainConfig,
+        seed: u64,
+    ) -> Result<LocalUpdate, TrainError> {
+        config.validate()?;
+        let spec = &self.spec;
+        let n = spec.num_params();
+        if start.len() != n || pull.is_some_and(|(a, _)| a.len() != n) {
+            return Err(ModelError::ParameterCount {
+                expected: n,
+                found: start.len(),
+            }
+            .into());
+        }
+        if trainable.is_some_and(|t| t.len() != n) {
+            return Err(TrainError::InvalidConfig(format!(
+                "the trainable mask has {} entries, the model {n} parameters",
+                trainable.map_or(0, <[bool]>::len)
+            )));
+        }
+        let (anchor, mu) = pull.unwrap_or((start.values(), 0.0));
+        let mut w = start.values().to_vec();
+        let mut grad = vec![0.0f32; w.len()];
+        let mut velocity = vec![0.0f32; w.len()];
+        let mut order: Vec<usize> = (0..self.labels.len()).collect();
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut batch_y = Vec::with_capacity(config.batch_size);
+        let mut steps = 0;
+        let mut epoch_loss = 0.0;
+        for _ in 0..config.local_epochs {
+            order.shuffle(&mut rng);
+            let mut loss_sum = 0.0f64;
+            for batch in order.chunks(config.batch_size) {
+                let x = self.features.select(Axis(0), batch);
+                batch_y.clear();
+                batch_y.extend(batch.iter().map(|&i| self.labels[i]));
+                let loss = spec.loss_and_gradient(&w, x.view(), &batch_y, &mut grad)?;
+                loss_sum += f64::from(loss) * batch.len() as f64;
+                if let Some(trainable) = trainable {
+                    for (g, t) in grad.iter_mut().zip(trainable) {
+                        if !t {
+                            *g = 0.0;
+                        }
+                    }
+                }
+                for (i, (((wi, gi), vi), &ai)) in w
+                    .iter_mut()
+                    .zip(&grad)
+                    .zip(velocity.iter_mut())
+                    .zip(anchor)
+                    .enumerate()
+                {
+                    if trainable.is_some_and(|t| !t[i]) {
+                        continue;
+                    }
+                    let g = gi + config.weight_decay * *wi + mu * (*wi - ai);
+                    *vi = config.momentum * *vi + g;
+                    *wi -= config.lr * *vi;
+                }
+                steps += 1;
+            }
+            epoch_loss = loss_sum / order.len().max(1) as f64;
+        }
+        if !w.iter().all(|v| v.is_finite()) {
+            return Err(TrainError::Diverged);
+        }
+        let params = ModelVector::new(start.layout().clone(), w)
+            .expect("trained vector keeps the start's layout");
+        Ok(LocalUpdate {
+            params,
+            num_samples: self.labels.len(),
+            train_loss: epoch_loss,
+            steps,
+        })
+    }
 }
 
 impl Trainer for LocalModel {
@@ -187,56 +272,8 @@ impl Trainer for LocalModel {
         config: &TrainConfig,
         seed: u64,
     ) -> Result<LocalUpdate, TrainError> {
-        config.validate()?;
-        let spec = &self.spec;
-        if global.len() != spec.num_params() {
-            return Err(ModelError::ParameterCount {
-                expected: spec.num_params(),
-                found: global.len(),
-            }
-            .into());
-        }
-        let anchor = global.values();
-        let mut w = anchor.to_vec();
-        let mut grad = vec![0.0f32; w.len()];
-        let mut velocity = vec![0.0f32; w.len()];
-        let mut order: Vec<usize> = (0..self.labels.len()).collect();
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let mut batch_y = Vec::with_capacity(config.batch_size);
-        let mut steps = 0;
-        let mut epoch_loss = 0.0;
-        let mu = config.proximal_mu.unwrap_or(0.0);
-        for _ in 0..config.local_epochs {
-            order.shuffle(&mut rng);
-            let mut loss_sum = 0.0f64;
-            for batch in order.chunks(config.batch_size) {
-                let x = self.features.select(Axis(0), batch);
-                batch_y.clear();
-                batch_y.extend(batch.iter().map(|&i| self.labels[i]));
-                let loss = spec.loss_and_gradient(&w, x.view(), &batch_y, &mut grad)?;
-                loss_sum += f64::from(loss) * batch.len() as f64;
-                for (((wi, gi), vi), &ai) in
-                    w.iter_mut().zip(&grad).zip(velocity.iter_mut()).zip(anchor)
-                {
-                    let g = gi + config.weight_decay * *wi + mu * (*wi - ai);
-                    *vi = config.momentum * *vi + g;
-                    *wi -= config.lr * *vi;
-                }
-                steps += 1;
-            }
-            epoch_loss = loss_sum / order.len().max(1) as f64;
-        }
-        if !w.iter().all(|v| v.is_finite()) {
-            return Err(TrainError::Diverged);
-        }
-        let params = ModelVector::new(global.layout().clone(), w)
-            .expect("trained vector keeps the global layout");
-        Ok(LocalUpdate {
-            params,
-            num_samples: self.labels.len(),
-            train_loss: epoch_loss,
-            steps,
-        })
+        let pull = config.proximal_mu.map(|mu| (global.values(), mu));
+        self.train_from(global, pull, None, config, seed)
     }
 
     fn evaluate(&self, params: &ModelVector) -> Result<Evaluation, TrainError> {

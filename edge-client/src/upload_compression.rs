@@ -4,9 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use cohort_aggregation::compress::{CompressError, ErrorFeedback};
-
-use crate::protocol::TaskCompression;
+use cohort_aggregation::compress::{CompressError, Compression, ErrorFeedback};
 
 /// Where the residual of `experiment` is kept: little-endian `f32`s.
 pub fn residual_path(state_dir: &Path, experiment: uuid::Uuid) -> PathBuf {
@@ -29,18 +27,17 @@ pub enum UploadCompressionError {
     },
 }
 
-/// Compresses `difference` (the trained model minus the model received) as the task
-/// says, adding the residual kept for the experiment and keeping the new one. A residual
-/// of another length (the model changed) starts again from zero. `rounding_seed` drives
-/// the stochastic rounding (it needs no secrecy).
+/// Compresses `difference` (the trained model minus the model received) in `scheme`
+/// with the rotation the task assigned, adding the residual kept for the experiment and
+/// keeping the new one. A residual of another length (the model changed) starts again
+/// from zero. `rounding_seed` drives the stochastic rounding (it needs no secrecy).
 pub fn compress_upload(
     state_dir: &Path,
     experiment: uuid::Uuid,
-    compression: &TaskCompression,
+    (scheme, rotation_seed): (Compression, u64),
     difference: &[f32],
     rounding_seed: u64,
 ) -> Result<Vec<u8>, UploadCompressionError> {
-    let scheme = compression.upload;
     let path = residual_path(state_dir, experiment);
     let state = |source| UploadCompressionError::State {
         path: path.clone(),
@@ -62,12 +59,7 @@ pub fn compress_upload(
             Err(e) => return Err(state(e)),
         }
     }
-    let body = feedback.compress(
-        scheme,
-        difference,
-        compression.upload_rotation_seed,
-        rounding_seed,
-    )?;
+    let body = feedback.compress(scheme, difference, rotation_seed, rounding_seed)?;
     if scheme.uses_error_feedback() {
         let bytes: Vec<u8> = feedback
             .residual()
@@ -92,7 +84,7 @@ pub fn compress_upload(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cohort_aggregation::compress::{Compression, Expected};
+    use cohort_aggregation::compress::Expected;
 
     /// The residual survives a restart: what two uploads sent plus what is kept is what
     /// was fed in, though the second upload ran in a "new process" that read the file.
@@ -100,22 +92,18 @@ mod tests {
     fn the_residual_is_kept_between_uploads_and_restarts() {
         let dir = tempfile::tempdir().unwrap();
         let experiment = uuid::Uuid::from_u128(5);
-        let c = TaskCompression {
-            upload: Compression::TopK { fraction: 0.25 },
-            upload_rotation_seed: 0,
-            download: Compression::None,
-        };
+        let scheme = Compression::TopK { fraction: 0.25 };
         let rounds = [vec![1.0f32, -2.0, 0.5, 0.25], vec![0.1f32, 0.2, -3.0, 0.4]];
         let mut sent = [0.0f32; 4];
         for d in &rounds {
-            let body = compress_upload(dir.path(), experiment, &c, d, 1).unwrap();
+            let body = compress_upload(dir.path(), experiment, (scheme, 0), d, 1).unwrap();
             let expected = Expected {
                 dimension: 4,
                 rotation_seed: Some(0),
             };
             for (s, v) in sent
                 .iter_mut()
-                .zip(c.upload.decode(&body, &expected).unwrap())
+                .zip(scheme.decode(&body, &expected).unwrap())
             {
                 *s += v;
             }
@@ -129,7 +117,7 @@ mod tests {
             let fed = rounds[0][i] + rounds[1][i];
             assert!((fed - sent[i] - kept[i]).abs() < 1e-6, "{i}");
         }
-        // Only one coordinate went up each time: the rest waited.
-        assert_eq!(kept.iter().filter(|v| **v != 0.0).count(), 2);
+        // One coordinate of four went up in the last upload: the other three wait.
+        assert_eq!(kept.iter().filter(|v| **v != 0.0).count(), 3);
     }
 }

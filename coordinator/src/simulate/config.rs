@@ -174,6 +174,14 @@ pub struct SimulationConfig {
     /// or 32); `None` is the narrowest that holds the round's sum.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub word_bits: Option<u32>,
+    /// Personalisation: `fedper:LAYERS`, `fedrep:LAYERS`, `ditto:LAMBDA` or
+    /// `finetune:EPOCHS` (built-in models; see [`cohort_edge::personal`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub personalise: Option<cohort_edge::personal::Personalisation>,
+    /// Fraction of each client's data it holds out to score the global (and its
+    /// personalised) model on; `None` is 0.2 with `personalise`, else 0 (off).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client_holdout: Option<f64>,
     /// Where aggregation runs: `auto` (the GPU when one is usable), `cpu` or `cuda`.
     pub reducer: cohort_aggregation::reduce::ReducerChoice,
     /// Fraction of the data held out as the global test set.
@@ -275,6 +283,8 @@ impl Default for SimulationConfig {
             compress_up: cohort_aggregation::compress::Compression::None,
             compress_down: cohort_aggregation::compress::Compression::None,
             word_bits: None,
+            personalise: None,
+            client_holdout: None,
             reducer: cohort_aggregation::reduce::ReducerChoice::Auto,
             test_fraction: 0.2,
             aggregator: None,
@@ -445,6 +455,7 @@ impl SimulationConfig {
         self.validate_aggregator(k)?;
         self.validate_dropout_and_secure(k)?;
         self.validate_compression(k)?;
+        self.validate_personalisation()?;
         if !(self.test_fraction.is_finite() && self.test_fraction > 0.0 && self.test_fraction < 1.0)
         {
             return bad(format!(
@@ -625,6 +636,44 @@ impl SimulationConfig {
                      {keff} (between {} and {keff}), got {threshold}",
                     keff / 2 + 1
                 ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The fraction of each client's data held out to score models on.
+    pub fn client_holdout(&self) -> f64 {
+        self.client_holdout
+            .unwrap_or(if self.personalise.is_some() { 0.2 } else { 0.0 })
+    }
+
+    /// `--personalise` and `--client-holdout`: ranges, and what they cannot run with
+    /// (the layer names are checked against the model once it is known).
+    fn validate_personalisation(&self) -> Result<(), ConfigError> {
+        let holdout = self.client_holdout();
+        if !(holdout.is_finite() && (0.0..0.9).contains(&holdout)) {
+            return Err(ConfigError(format!(
+                "--client-holdout must be in [0, 0.9), got {holdout}"
+            )));
+        }
+        if let Some(scheme) = &self.personalise {
+            if holdout == 0.0 {
+                return Err(ConfigError(format!(
+                    "--personalise {scheme} needs a held-out split per client to score the \
+                     personal models on: --client-holdout must be above 0"
+                )));
+            }
+            if self.mode == Mode::Fedbuff {
+                return Err(ConfigError(format!(
+                    "--personalise {scheme} is for synchronous rounds, not --mode fedbuff"
+                )));
+            }
+            if self.dp_noise_multiplier.is_some() {
+                return Err(ConfigError(format!(
+                    "--personalise {scheme} with differential privacy: a personal model \
+                     trained on the client's data is not covered by the guarantee, and its \
+                     accuracy is reported in the clear"
+                )));
             }
         }
         Ok(())

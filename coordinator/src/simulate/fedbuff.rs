@@ -326,6 +326,11 @@ impl StepTally {
             // once, every update folded was uploaded once.
             bytes_up: (self.updates * parameters * 4) as u64,
             bytes_down: ((self.updates + self.dropped) * parameters * 4) as u64,
+            client_accuracy_mean: None,
+            client_accuracy_p10: None,
+            personal_accuracy_mean: None,
+            personal_accuracy_p10: None,
+            clients: None,
         }
     }
 }

@@ -11,6 +11,7 @@ mod config;
 mod fedbuff;
 mod links;
 mod output;
+mod personal;
 pub mod plot;
 mod population;
 pub mod python;
@@ -39,6 +40,7 @@ pub use config::{
     Attack, DEFAULT_BUFFER_SIZE, DEFAULT_STALENESS_EXPONENT, DatasetSpec, Mode, SimulationConfig,
 };
 pub use output::{MetricsWriter, StagedDir};
+pub use personal::ClientAccuracy;
 pub use plot::{Series, write_plots};
 pub use population::{ClientFailure, ClientTask, DataFacts, Population, TaskResult};
 pub use record::{RoundRecord, SimulationResult};
@@ -351,6 +353,14 @@ fn run_into(
     mut on_round: impl FnMut(&RoundRecord),
 ) -> Result<(Summary, SimulationResult), SimulationError> {
     let strategy = cfg.strategy.to_string();
+    if (cfg.personalise.is_some() || cfg.client_holdout() > 0.0) && pop.trainer() != "built-in" {
+        return Err(ConfigError(
+            "--personalise and --client-holdout are for the built-in models: a Python train \
+             keeps no personal layers and holds nothing out"
+                .into(),
+        )
+        .into());
+    }
     let mut metrics = MetricsWriter::create(dir)?;
     let result = run_rounds(cfg, pop, |record| {
         metrics.write(record, &strategy)?;
@@ -365,6 +375,9 @@ fn run_into(
     resolved.out = Some(out.to_path_buf());
     let summary = Summary::new(&resolved, &result, pop.trainer());
     write_json(&dir.join("summary.json"), &summary)?;
+    if let Some(clients) = result.rounds.last().and_then(|r| r.clients.as_ref()) {
+        write_clients_csv(&dir.join("clients.csv"), clients)?;
+    }
     let title = if pop.trainer() == "python" {
         // The data and the model are the user's: name what Cohort knows of the run.
         format!(
@@ -383,6 +396,26 @@ fn run_into(
         }],
     )?;
     Ok((summary, result))
+}
+
+/// `clients.csv`: every client's accuracy on its own held-out split after the last
+/// round, for the global model and (with personalisation) its own.
+fn write_clients_csv(path: &Path, clients: &[ClientAccuracy]) -> Result<(), SimulationError> {
+    let mut text =
+        String::from("client,train_samples,holdout_samples,global_accuracy,personal_accuracy\n");
+    for c in clients {
+        text.push_str(&format!(
+            "{},{},{},{},{}\n",
+            c.client,
+            c.train_samples,
+            c.holdout_samples,
+            c.global_accuracy,
+            c.personal_accuracy
+                .map(|a| a.to_string())
+                .unwrap_or_default()
+        ));
+    }
+    std::fs::write(path, text).map_err(|e| output::output_error(path, e))
 }
 
 /// Runs a whole simulation and writes its outputs into `cfg.out`. `on_round` sees each

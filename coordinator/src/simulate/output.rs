@@ -11,7 +11,7 @@ use super::SimulationError;
 use super::config::ConfigError;
 use super::record::RoundRecord;
 
-fn output_error(path: &Path, e: impl std::fmt::Display) -> SimulationError {
+pub(super) fn output_error(path: &Path, e: impl std::fmt::Display) -> SimulationError {
     SimulationError::Output {
         path: path.to_path_buf(),
         message: e.to_string(),
@@ -97,6 +97,11 @@ impl Drop for StagedDir {
     }
 }
 
+/// An optional figure as a CSV cell: empty when absent.
+fn optional(v: Option<f64>) -> String {
+    v.map(|v| v.to_string()).unwrap_or_default()
+}
+
 /// Writes `metrics.csv` and `metrics.jsonl` one round at a time, flushed after each row
 /// so a long run can be watched while it goes.
 pub struct MetricsWriter {
@@ -110,7 +115,7 @@ pub struct MetricsWriter {
 /// New columns go before `epsilon_coordinator`: `epsilon_coordinator`, `sim_seconds`,
 /// `epsilon` and `strategy` stay the last four, as tools that read them from the end
 /// expect.
-pub const METRICS_COLUMNS: [&str; 16] = [
+pub const METRICS_COLUMNS: [&str; 20] = [
     "round",
     "test_accuracy",
     "test_loss",
@@ -123,6 +128,10 @@ pub const METRICS_COLUMNS: [&str; 16] = [
     "status",
     "bytes_up",
     "bytes_down",
+    "client_accuracy_mean",
+    "client_accuracy_p10",
+    "personal_accuracy_mean",
+    "personal_accuracy_p10",
     "epsilon_coordinator",
     "sim_seconds",
     "epsilon",
@@ -171,7 +180,7 @@ impl MetricsWriter {
     /// Appends one round of `strategy` to both files.
     pub fn write(&mut self, r: &RoundRecord, strategy: &str) -> Result<(), SimulationError> {
         let line = format!(
-            "{},{},{},{},{},{:.6},{},{},{},{},{},{},{},{},{},{}",
+            "{},{},{},{},{},{:.6},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
             r.round,
             r.test_accuracy,
             r.test_loss,
@@ -184,6 +193,10 @@ impl MetricsWriter {
             r.status.as_str(),
             r.bytes_up,
             r.bytes_down,
+            optional(r.client_accuracy_mean),
+            optional(r.client_accuracy_p10),
+            optional(r.personal_accuracy_mean),
+            optional(r.personal_accuracy_p10),
             // `inf` under central noise: the coordinator sees every update.
             r.epsilon_coordinator
                 .map(|e| e.to_string())

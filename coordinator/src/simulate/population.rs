@@ -166,6 +166,16 @@ pub trait Population: Sync {
 
     /// What trains the clients, for the summary (`built-in` or `python`).
     fn trainer(&self) -> &'static str;
+
+    /// Each client's accuracy on its own held-out split, for the global model and (with
+    /// personalisation) its personalised one; `None` when the population holds nothing
+    /// out per client.
+    fn client_accuracies(
+        &self,
+        _global: &ModelVector,
+    ) -> Result<Option<Vec<super::personal::ClientAccuracy>>, SimulationError> {
+        Ok(None)
+    }
 }
 
 /// Facts about the data a run used, for the summary.

@@ -48,6 +48,18 @@ pub struct RoundRecord {
     pub bytes_up: u64,
     /// Bytes the round's clients downloaded, all together: the model each trained from.
     pub bytes_down: u64,
+    /// The global model's accuracy on each client's own held-out split: the mean over
+    /// the clients (`--client-holdout`, on with `--personalise`).
+    pub client_accuracy_mean: Option<f64>,
+    /// ... and its 10th percentile (nearest rank).
+    pub client_accuracy_p10: Option<f64>,
+    /// Each client's personalised model on its own held-out split: the mean.
+    pub personal_accuracy_mean: Option<f64>,
+    /// ... and the 10th percentile.
+    pub personal_accuracy_p10: Option<f64>,
+    /// Every client's figures after this round (written to `clients.csv` for the last).
+    #[serde(skip)]
+    pub clients: Option<Vec<super::personal::ClientAccuracy>>,
 }
 
 /// Everything a finished run measured.

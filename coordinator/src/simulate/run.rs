@@ -7,6 +7,7 @@ use cohort_edge::data::{self, Dataset, Standardizer, SyntheticConfig};
 use cohort_edge::model::{Evaluation, ModelSpec};
 use cohort_edge::partition::partition;
 use cohort_edge::train::{LocalModel, TrainError, Trainer};
+use rand::seq::SliceRandom;
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
@@ -36,6 +37,13 @@ pub struct Prepared {
     test: Dataset,
     spec: ModelSpec,
     facts: DataFacts,
+    /// Each client's held-out split (`None`: it holds none out), when the run scores
+    /// the models on them; empty otherwise.
+    holdouts: Vec<Option<LocalModel>>,
+    /// The personalisation scheme and the clients' state.
+    personal: Option<super::personal::PersonalRun>,
+    /// Local training settings and seed for fine-tuning a personal model to score it.
+    tuning: (cohort_edge::train::TrainConfig, u64),
 }
 
 impl Prepared {
@@ -108,8 +116,51 @@ pub fn prepare(cfg: &SimulationConfig) -> Result<Prepared, SimulationError> {
         derive_seed(cfg.seed, Stream::Partition, 0, 0),
     )?;
     let spec = ModelSpec::new(&cfg.model, train.num_features(), train.num_classes())?;
-    let clients = parts.iter().map(|idx| train.subset(idx)).collect();
-    Prepared::new(spec, clients, test, &scheme.to_string())
+    let personal = match &cfg.personalise {
+        Some(scheme) => {
+            scheme
+                .personal_mask(spec.layout())
+                .map_err(|e| ConfigError(format!("--personalise {scheme}: {e}")))?;
+            Some(super::personal::PersonalRun::new(scheme.clone()))
+        }
+        None => None,
+    };
+    // Each client's own held-out split, drawn from its partition with a seed of its own.
+    let holdout = cfg.client_holdout();
+    let mut clients = Vec::with_capacity(parts.len());
+    let mut holdouts = Vec::new();
+    for (i, idx) in parts.iter().enumerate() {
+        if holdout == 0.0 {
+            clients.push(train.subset(idx));
+            continue;
+        }
+        let mut idx = idx.clone();
+        idx.shuffle(&mut ChaCha8Rng::seed_from_u64(derive_seed(
+            cfg.seed,
+            Stream::Split,
+            1,
+            i as u64,
+        )));
+        let held = if idx.len() >= 2 {
+            ((holdout * idx.len() as f64).round() as usize).clamp(1, idx.len() - 1)
+        } else {
+            0
+        };
+        let (out, kept) = idx.split_at(held);
+        clients.push(train.subset(kept));
+        holdouts.push((!out.is_empty()).then(|| train.subset(out)));
+    }
+    let mut prepared = Prepared::new(spec.clone(), clients, test, &scheme.to_string())?;
+    prepared.holdouts = holdouts
+        .into_iter()
+        .map(|h| h.map(|d| LocalModel::new(spec.clone(), &d)).transpose())
+        .collect::<Result<_, TrainError>>()?;
+    prepared.personal = personal;
+    prepared.tuning = (
+        cfg.train_config(),
+        derive_seed(cfg.seed, Stream::LocalTraining, 0, 0),
+    );
+    Ok(prepared)
 }
 
 impl Prepared {
@@ -153,6 +204,9 @@ impl Prepared {
             test,
             spec,
             facts,
+            holdouts: Vec::new(),
+            personal: None,
+            tuning: (cohort_edge::train::TrainConfig::default(), 0),
         })
     }
 }
@@ -182,14 +236,17 @@ impl Population for Prepared {
         tasks
             .par_iter()
             .map(|t| {
-                self.clients[t.client.0 as usize]
-                    .train(t.global, t.train, t.seed)
-                    .map(Ok)
-                    .map_err(|source| SimulationError::Client {
-                        client: t.client,
-                        round: t.round,
-                        source,
-                    })
+                let model = &self.clients[t.client.0 as usize];
+                match &self.personal {
+                    Some(run) => run.train(t.client.0, model, t.global, t.train, t.seed),
+                    None => model.train(t.global, t.train, t.seed),
+                }
+                .map(Ok)
+                .map_err(|source| SimulationError::Client {
+                    client: t.client,
+                    round: t.round,
+                    source,
+                })
             })
             .collect()
     }
@@ -208,6 +265,25 @@ impl Population for Prepared {
 
     fn trainer(&self) -> &'static str {
         "built-in"
+    }
+
+    fn client_accuracies(
+        &self,
+        global: &cohort_aggregation::ModelVector,
+    ) -> Result<Option<Vec<super::personal::ClientAccuracy>>, SimulationError> {
+        if self.holdouts.is_empty() {
+            return Ok(None);
+        }
+        let (config, seed) = &self.tuning;
+        super::personal::evaluate_clients(
+            &self.clients,
+            &self.holdouts,
+            self.personal.as_ref(),
+            global,
+            config,
+            *seed,
+        )
+        .map(Some)
     }
 }
 
@@ -956,7 +1032,21 @@ fn record_round(
     traffic: super::links::Traffic,
 ) -> Result<RoundRecord, SimulationError> {
     let eval = pop.evaluate(outcome.round, engine.global())?;
+    let per_client = pop.client_accuracies(engine.global())?;
+    let summary = |pick: fn(&super::personal::ClientAccuracy) -> Option<f64>| {
+        per_client.as_ref().and_then(|all| {
+            let values: Vec<f64> = all.iter().filter_map(pick).collect();
+            super::personal::mean_and_p10(&values)
+        })
+    };
+    let global = summary(|c| Some(c.global_accuracy));
+    let personal = summary(|c| c.personal_accuracy);
     Ok(RoundRecord {
+        client_accuracy_mean: global.map(|g| g.0),
+        client_accuracy_p10: global.map(|g| g.1),
+        personal_accuracy_mean: personal.map(|p| p.0),
+        personal_accuracy_p10: personal.map(|p| p.1),
+        clients: per_client,
         round: outcome.round,
         test_accuracy: eval.accuracy,
         test_loss: eval.loss,
@@ -987,6 +1077,43 @@ struct SecureSettings {
         cohort_aggregation::privacy::distributed::DistributedNoise,
         f64,
     )>,
+}
+
+/// The settings of a simulated secure round (with the run's upload compression and the
+/// round's one rotation), checked, and the bytes of one client's masked input: the model
+/// words in the round's width, the weight and loss words in 32 bits.
+fn secure_config(
+    cfg: &SimulationConfig,
+    plan: &RoundPlan,
+    round_no: u32,
+    (neighbours, threshold): (usize, usize),
+    quantization: secagg::QuantizationParams,
+) -> Result<(secagg::RoundConfig, usize), SimulationError> {
+    let config = secagg::RoundConfig {
+        session: derive_seed_bytes(cfg.seed, Stream::SecureAggregation, round_no),
+        context: secagg::RoundContext {
+            experiment: String::new(),
+            round: round_no as u64,
+            attempt: 1,
+        },
+        // In process the coordinator is this program: the check costs a signature per
+        // client, and runs the protocol as `cohort serve` does.
+        consistency_check: true,
+        parties: plan.selected.len() as u32,
+        threshold,
+        neighbours,
+        dimension: plan.task.global.len(),
+        quantization: cfg.compression().secure_quantization(
+            quantization,
+            derive_seed(cfg.seed, Stream::SecureRotation, round_no, 0),
+        ),
+    };
+    let quantizer = config
+        .validate()
+        .map_err(|e| ConfigError(format!("secure aggregation: {e}")))?;
+    let masked_bytes =
+        config.dimension * (quantizer.word_bits() / 8) as usize + secagg::EXTRA_WORDS * 4;
+    Ok((config, masked_bytes))
 }
 
 /// One round under secure aggregation: the selected clients train and run the SecAgg+
@@ -1050,37 +1177,14 @@ fn secure_round(
     })?;
     // Asked after training: a Python population learns its clients' sizes then.
     let max_weight = cfg.max_weight.unwrap_or_else(|| pop.max_weight());
-    let config = secagg::RoundConfig {
-        session: derive_seed_bytes(cfg.seed, Stream::SecureAggregation, round_no),
-        context: secagg::RoundContext {
-            experiment: String::new(),
-            round: round_no as u64,
-            attempt: 1,
-        },
-        // In process the coordinator is this program: the check costs a signature per
-        // client, and runs the protocol as `cohort serve` does.
-        consistency_check: true,
-        parties: plan.selected.len() as u32,
-        threshold,
-        neighbours,
-        dimension: plan.task.global.len(),
-        quantization: cfg.compression().secure_quantization(
-            secagg::QuantizationParams {
-                clip: cfg.clip,
-                max_weight,
-                distributed_noise: noise.map(|(n, _)| n),
-                ..secagg::QuantizationParams::default()
-            },
-            derive_seed(cfg.seed, Stream::SecureRotation, round_no, 0),
-        ),
+    let quantization = secagg::QuantizationParams {
+        clip: cfg.clip,
+        max_weight,
+        distributed_noise: noise.map(|(n, _)| n),
+        ..secagg::QuantizationParams::default()
     };
-    let quantizer = config
-        .validate()
-        .map_err(|e| ConfigError(format!("secure aggregation: {e}")))?;
-    // Every client with an update sends its masked input: the model words in the
-    // round's width, the weight and loss words in 32 bits.
-    let masked_bytes =
-        config.dimension * (quantizer.word_bits() / 8) as usize + secagg::EXTRA_WORDS * 4;
+    let (config, masked_bytes) =
+        secure_config(cfg, plan, round_no, (neighbours, threshold), quantization)?;
     links.count_upload(inputs.len() * masked_bytes);
     let mut keys = derive_seed_bytes(cfg.seed, Stream::SecureAggregation, round_no);
     keys[0] ^= 1; // the clients' key stream, apart from the public session id

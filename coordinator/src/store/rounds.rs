@@ -254,6 +254,20 @@ pub struct NewUpload<'a> {
     pub wire_bytes: Option<i64>,
 }
 
+impl NewUpload<'_> {
+    /// The upload as recorded under `id`.
+    fn recorded(&self, id: Uuid) -> Upload {
+        Upload {
+            id,
+            client_id: self.client_id,
+            blob_path: self.blob_path.to_string(),
+            bytes: self.bytes,
+            sha256: self.sha256.to_vec(),
+            num_samples: self.num_samples,
+        }
+    }
+}
+
 /// A recorded upload.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Upload {
@@ -782,14 +796,7 @@ impl Store {
             }
             tx.commit().await?;
         });
-        Ok(Upload {
-            id,
-            client_id: upload.client_id,
-            blob_path: upload.blob_path.to_string(),
-            bytes: upload.bytes,
-            sha256: upload.sha256.to_vec(),
-            num_samples: upload.num_samples,
-        })
+        Ok(upload.recorded(id))
     }
 
     /// Closes collection: clients that did not upload are dropped, and the attempt moves

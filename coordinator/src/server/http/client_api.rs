@@ -457,17 +457,7 @@ async fn upload(
     let exp = state.store.experiment(id).await?;
     let (spec, model) =
         crate::server::driver::experiment_model(&exp).map_err(ApiError::internal)?;
-    // A secure round takes only masked words (in its width); a plain round takes floats
-    // and a weight, or a compressed difference from the model it received.
-    let word_bits = match state.store.round(id, round, attempt).await {
-        Ok(r) => crate::server::driver::secure_rounds::round_config(&r)
-            .map_err(ApiError::internal)?
-            .map(|c| c.validate().map(|q| q.word_bits()))
-            .transpose()
-            .map_err(ApiError::internal)?,
-        Err(crate::store::StoreError::NotFound(what)) => return Err(ApiError::NotFound(what)),
-        Err(e) => return Err(e.into()),
-    };
+    let word_bits = masked_word_bits(&state, id, round, attempt).await?;
     let secure = word_bits.is_some();
     let expected = expected_body(word_bits, &query, model.layout().len())?;
     // Each upload gets a blob of its own name, so a refused replay can never overwrite
@@ -477,19 +467,17 @@ async fn upload(
         client.id,
         Uuid::new_v4().simple()
     );
-    let compressed = spec.compression.filter(|c| !secure && c.is_on());
-    let (info, wire_bytes) = match compressed {
+    let (info, wire_bytes) = match spec.compression.filter(|c| !secure && c.is_on()) {
         Some(c) => {
-            let seed = cohort_core::compression::rotation_seed(
-                id,
-                round,
-                attempt,
-                Some(client.id),
-                cohort_core::compression::SeedUse::Upload,
-            );
             let received = ReceivedDifference {
                 scheme: c.upload,
-                rotation_seed: seed,
+                rotation_seed: cohort_core::compression::rotation_seed(
+                    id,
+                    round,
+                    attempt,
+                    Some(client.id),
+                    cohort_core::compression::SeedUse::Upload,
+                ),
                 experiment: id,
             };
             let (info, wire) = received.store(&state, &headers, body, &path).await?;
@@ -565,6 +553,24 @@ async fn upload(
             }
             Err(e)
         }
+    }
+}
+
+/// The width of a secure round attempt's masked model words; `None` for a plain round.
+async fn masked_word_bits(
+    state: &AppState,
+    id: Uuid,
+    round: i64,
+    attempt: i64,
+) -> Result<Option<u32>, ApiError> {
+    match state.store.round(id, round, attempt).await {
+        Ok(r) => crate::server::driver::secure_rounds::round_config(&r)
+            .map_err(ApiError::internal)?
+            .map(|c| c.validate().map(|q| q.word_bits()))
+            .transpose()
+            .map_err(ApiError::internal),
+        Err(crate::store::StoreError::NotFound(what)) => Err(ApiError::NotFound(what)),
+        Err(e) => Err(e.into()),
     }
 }
 
