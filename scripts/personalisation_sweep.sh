@@ -3,7 +3,7 @@
 # split: digits and mnist10k, the built-in MLP, 50 clients, 10 a round, 50 rounds,
 # partitions shards:2 (two classes a client) and dirichlet:0.1, seeds 1 to 3; FedAvg
 # (with --client-holdout 0.2, the split every personalised run holds out) and fedper,
-# fedrep (the output layer personal), ditto:0.01 and finetune:5. Writes the runs under
+# fedrep (the output layer personal), ditto:0.001 and finetune:5. Writes the runs under
 # OUT (default target/personalisation-sweep) and prints a Markdown table: per scheme,
 # the mean over clients of the personalised accuracy and its 10th percentile after the
 # last round, next to FedAvg's global model on the same splits, each the mean over the
@@ -15,7 +15,7 @@ SEEDS=${SEEDS:-"1 2 3"}
 ROUNDS=${ROUNDS:-50}
 cargo build --quiet --release --locked --bin cohort
 COHORT=target/release/cohort
-schemes=(fedavg fedper:layers.1 fedrep:layers.1 ditto:0.01 finetune:5)
+schemes=(fedavg fedper:layers.1 fedrep:layers.1 ditto:0.001 finetune:5)
 for dataset in digits mnist10k; do
   for partition in shards:2 dirichlet:0.1; do
     for scheme in "${schemes[@]}"; do
