@@ -392,7 +392,7 @@ impl ExperimentSpec {
         };
         if compression.is_on() && self.fedbuff().is_some() {
             bad(
-                "compression",
+                "compression.upload",
                 "compression is for synchronous rounds: mode fedbuff sends plain floats".into(),
             );
         }

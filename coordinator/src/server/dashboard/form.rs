@@ -339,6 +339,35 @@ const GROUPS: &[(&str, &[FieldDef])] = &[
         ],
     ),
     (
+        "Compression",
+        &[
+            def(
+                "compression.upload",
+                "Uploads",
+                "none; quantize:B (B = 1, 2, 4 or 8 bits a parameter, rotated, unbiased); sign (1 bit, with error feedback); topk:F (the largest fraction F, with error feedback; not with secure aggregation).",
+                Text,
+                false,
+                false,
+            ),
+            def(
+                "compression.download",
+                "Model downloads",
+                "none, quantize:4 or quantize:8: each client gets its own compressed copy of the model.",
+                Text,
+                false,
+                false,
+            ),
+            def(
+                "compression.word_bits",
+                "Masked word width",
+                "Secure aggregation with quantize:B uploads: 8, 16 or 32 bits; empty for the narrowest that holds the round's sum.",
+                Number,
+                false,
+                false,
+            ),
+        ],
+    ),
+    (
         "Secure aggregation (SecAgg+)",
         &[
             def(
@@ -486,6 +515,35 @@ const GROUPS: &[(&str, &[FieldDef])] = &[
     ),
 ];
 
+/// The compression group: `None` when both directions are `none` (or empty) and no
+/// width is named.
+fn compression_fields(r: &mut Reader) -> Option<cohort_core::CompressionSpec> {
+    use cohort_aggregation::compress::Compression;
+    let scheme = |r: &mut Reader, name| {
+        if r.text(name).trim().is_empty() {
+            Some(Compression::None)
+        } else {
+            r.parsed::<Compression>(name)
+        }
+    };
+    let upload = scheme(r, "compression.upload").unwrap_or_default();
+    let download = scheme(r, "compression.download").unwrap_or_default();
+    let word_bits = r.optional("compression.word_bits").flatten().and_then(|w| {
+        let w = u32::try_from(w).ok();
+        if w.is_none() {
+            r.errors
+                .insert("compression.word_bits", "must be 8, 16 or 32".into());
+        }
+        w
+    });
+    let spec = cohort_core::CompressionSpec {
+        upload,
+        download,
+        word_bits,
+    };
+    (spec.is_on() || word_bits.is_some()).then_some(spec)
+}
+
 /// The privacy settings a ticked box starts from.
 fn default_privacy() -> PrivacySpec {
     PrivacySpec {
@@ -570,6 +628,9 @@ fn defaults() -> HashMap<&'static str, String> {
         ("concurrency", String::new()),
         ("staleness_exponent", String::new()),
         ("max_staleness", String::new()),
+        ("compression.upload", "none".into()),
+        ("compression.download", "none".into()),
+        ("compression.word_bits", String::new()),
         ("secure_aggregation", String::new()),
         ("secure_aggregation.threshold", String::new()),
         ("secure_aggregation.neighbours", String::new()),
@@ -978,8 +1039,7 @@ pub fn parse(fields: &[(String, String)]) -> Parsed {
             }
             m
         }),
-        // The form has no compression fields yet: the API sets it.
-        compression: None,
+        compression: compression_fields(&mut r),
     };
     if spec.name.is_empty() {
         r.errors.insert("name", "required".into());
@@ -1154,6 +1214,52 @@ mod tests {
             }
             Parsed::Invalid(sets) => panic!("{sets:?}"),
         }
+    }
+
+    /// Compression comes from its group: `none` both ways is no compression, a scheme
+    /// is parsed, and the core's refusals show next to their fields.
+    #[test]
+    fn compression_comes_from_the_form_and_is_checked() {
+        match parse(&submitted(&[])) {
+            Parsed::Spec(spec) => assert_eq!(spec.compression, None),
+            Parsed::Invalid(sets) => panic!("{sets:?}"),
+        }
+        match parse(&submitted(&[
+            ("compression.upload", "quantize:4"),
+            ("compression.download", "quantize:8"),
+        ])) {
+            Parsed::Spec(spec) => {
+                let c = spec.compression.unwrap();
+                assert_eq!(
+                    (c.upload.to_string(), c.download.to_string()),
+                    ("quantize:4".into(), "quantize:8".into())
+                );
+            }
+            Parsed::Invalid(sets) => panic!("{sets:?}"),
+        }
+        let errs = errors(parse(&submitted(&[("compression.upload", "quantize:3")])));
+        assert!(
+            errs["compression.upload"].contains("1, 2, 4 or 8"),
+            "{errs:?}"
+        );
+        let errs = errors(parse(&submitted(&[
+            ("compression.upload", "topk:0.01"),
+            ("secure_aggregation", "on"),
+        ])));
+        assert!(
+            errs["compression.upload"].contains("secure aggregation"),
+            "{errs:?}"
+        );
+        let errs = errors(parse(&submitted(&[("compression.download", "sign")])));
+        assert!(
+            errs["compression.download"].contains("uploads only"),
+            "{errs:?}"
+        );
+        let errs = errors(parse(&submitted(&[("compression.word_bits", "16")])));
+        assert!(
+            errs["compression.word_bits"].contains("secure_aggregation"),
+            "{errs:?}"
+        );
     }
 
     /// The plain rounds' weight cap: empty is the default, a number is the cap, and the
