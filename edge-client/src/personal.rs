@@ -261,6 +261,13 @@ fn shared_only(trained: &ModelVector, global: &ModelVector, mask: &[bool]) -> Mo
     ModelVector::new(global.layout().clone(), values).expect("the global's own layout")
 }
 
+/// [`Personalisation::personal_mask`] of `global`'s layout, as a training error.
+fn mask_of(scheme: &Personalisation, global: &ModelVector) -> Result<Vec<bool>, TrainError> {
+    scheme
+        .personal_mask(global.layout())
+        .map_err(|e| TrainError::InvalidConfig(e.to_string()))
+}
+
 /// Runs one training task of `scheme` on `model` from the `global` model received,
 /// with the client's `state` from earlier rounds (`None` the first time).
 pub fn train(
@@ -271,9 +278,7 @@ pub fn train(
     config: &TrainConfig,
     seed: u64,
 ) -> Result<PersonalisedUpdate, TrainError> {
-    let mask = scheme
-        .personal_mask(global.layout())
-        .map_err(|e| TrainError::InvalidConfig(e.to_string()))?;
+    let mask = mask_of(scheme, global)?;
     let fedavg = |config: &TrainConfig| {
         let pull = config.proximal_mu.map(|mu| (global.values(), mu));
         model.train_from(global, pull, None, config, seed)
@@ -351,9 +356,7 @@ pub fn personal_model(
     config: &TrainConfig,
     seed: u64,
 ) -> Result<ModelVector, TrainError> {
-    let mask = scheme
-        .personal_mask(global.layout())
-        .map_err(|e| TrainError::InvalidConfig(e.to_string()))?;
+    let mask = mask_of(scheme, global)?;
     match scheme {
         Personalisation::FedPer { .. } | Personalisation::FedRep { .. } => {
             Ok(with_personal(global, &mask, state))

@@ -414,7 +414,9 @@ impl Quantizer {
         (floor + u32::from(up)).min(self.levels)
     }
 
-    /// Decodes the unmasked sum of `survivors` clients' vectors.
+    /// Decodes the unmasked sum of `survivors` clients' vectors, its model words in
+    /// their ring ([`narrow_words`](Self::narrow_words), as the server's session leaves
+    /// them; a word past the ring is out of range).
     pub fn decode(&self, sum: &[u32], survivors: usize) -> Result<Decoded, QuantizeError> {
         if sum.len() < EXTRA_WORDS {
             return Err(QuantizeError::WrongLength {
@@ -432,15 +434,6 @@ impl Quantizer {
         if let Some(noise) = &self.noise {
             return Self::decode_noisy(noise, sum, survivors);
         }
-        let narrowed: Vec<u32>;
-        let sum = if self.word_bits < 32 {
-            let mut copy = sum.to_vec();
-            self.narrow_words(&mut copy);
-            narrowed = copy;
-            &narrowed[..]
-        } else {
-            sum
-        };
         let max_word = survivors as u64 * u64::from(self.levels);
         if let Some(index) = sum.par_iter().enumerate().position_first(|(i, &q)| {
             let limit = if i == d {

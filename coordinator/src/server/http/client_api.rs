@@ -354,9 +354,8 @@ async fn compressed_model(
     client: Uuid,
     bytes: Vec<u8>,
 ) -> Result<(Vec<u8>, Option<cohort_aggregation::compress::Compression>), ApiError> {
-    use cohort_aggregation::compress::Compression;
-    let spec: cohort_core::ExperimentSpec =
-        serde_json::from_value(exp.spec.clone()).map_err(ApiError::internal)?;
+    use cohort_aggregation::compress::{Compression, Expected};
+    let spec = crate::server::driver::experiment_spec(exp).map_err(ApiError::internal)?;
     let scheme = spec.compression.map_or(Compression::None, |c| c.download);
     if scheme == Compression::None || exp.state != crate::store::ExperimentState::Running {
         return Ok((bytes, None));
@@ -369,10 +368,11 @@ async fn compressed_model(
         cohort_core::compression::SeedUse::Download,
     );
     let compressed = tokio::task::spawn_blocking(move || {
-        let values: Vec<f32> = bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        let plain = Expected {
+            dimension: bytes.len() / 4,
+            rotation_seed: None,
+        };
+        let values = Compression::None.decode(&bytes, &plain)?;
         // The rounding needs no secret: the client decodes the same either way.
         scheme.encode(&values, seed, seed ^ 0x5eed)
     })
@@ -479,6 +479,7 @@ async fn upload(
                     cohort_core::compression::SeedUse::Upload,
                 ),
                 experiment: id,
+                layout: model.layout().clone(),
             };
             let (info, wire) = received.store(&state, &headers, body, &path).await?;
             (info, Some(wire as i64))
@@ -743,6 +744,7 @@ struct ReceivedDifference {
     scheme: cohort_aggregation::compress::Compression,
     rotation_seed: u64,
     experiment: Uuid,
+    layout: std::sync::Arc<cohort_aggregation::Layout>,
 }
 
 impl ReceivedDifference {
@@ -771,17 +773,15 @@ impl ReceivedDifference {
         let bytes = axum::body::to_bytes(body, limit)
             .await
             .map_err(|_| too_large())?;
-        let (_, _, model) =
-            crate::server::http::extract::current_model(state, &self.experiment.to_string())
-                .await?;
+        let (_, model) =
+            crate::server::http::extract::latest_model_bytes(state, self.experiment).await?;
         let blobs = state.blobs.clone();
         let path = path.to_string();
         let wire = bytes.len();
         let info = tokio::task::spawn_blocking(move || {
-            let global: Vec<f32> = model
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
+            let global = cohort_aggregation::wire::decode(&self.layout, &model)
+                .map_err(ApiError::internal)?;
+            let global = global.values();
             let expected = cohort_aggregation::compress::Expected {
                 dimension: global.len(),
                 rotation_seed: Some(self.rotation_seed),

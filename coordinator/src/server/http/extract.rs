@@ -113,6 +113,15 @@ pub(crate) async fn current_model(
 ) -> Result<(Experiment, i64, Vec<u8>), ApiError> {
     let id = parse_id(id, "experiment")?;
     let exp = state.store.experiment(id).await?;
+    let (round, bytes) = latest_model_bytes(state, id).await?;
+    Ok((exp, round, bytes))
+}
+
+/// The round and bytes of experiment `id`'s latest model (404 before it has one).
+pub(crate) async fn latest_model_bytes(
+    state: &AppState,
+    id: Uuid,
+) -> Result<(i64, Vec<u8>), ApiError> {
     let model = state
         .store
         .latest_model(id)
@@ -123,7 +132,7 @@ pub(crate) async fn current_model(
         .await
         .map_err(ApiError::internal)?
         .map_err(ApiError::internal)?;
-    Ok((exp, model.round, bytes))
+    Ok((model.round, bytes))
 }
 
 /// An `application/octet-stream` answer carrying a model of `round`.
