@@ -469,18 +469,12 @@ async fn upload(
     );
     let (info, wire_bytes) = match spec.compression.filter(|c| !secure && c.is_on()) {
         Some(c) => {
-            let received = ReceivedDifference {
-                scheme: c.upload,
-                rotation_seed: cohort_core::compression::rotation_seed(
-                    id,
-                    round,
-                    attempt,
-                    Some(client.id),
-                    cohort_core::compression::SeedUse::Upload,
-                ),
-                experiment: id,
-                layout: model.layout().clone(),
-            };
+            let received = ReceivedDifference::new(
+                c.upload,
+                (id, round, attempt),
+                client.id,
+                model.layout().clone(),
+            );
             let (info, wire) = received.store(&state, &headers, body, &path).await?;
             (info, Some(wire as i64))
         }
@@ -748,6 +742,29 @@ struct ReceivedDifference {
 }
 
 impl ReceivedDifference {
+    /// The upload of `client` in `experiment`'s round attempt `(round, attempt)`: its
+    /// rotation seed is the one the task gave it.
+    fn new(
+        scheme: cohort_aggregation::compress::Compression,
+        (experiment, round, attempt): (Uuid, i64, i64),
+        client: Uuid,
+        layout: std::sync::Arc<cohort_aggregation::Layout>,
+    ) -> Self {
+        let rotation_seed = cohort_core::compression::rotation_seed(
+            experiment,
+            round,
+            attempt,
+            Some(client),
+            cohort_core::compression::SeedUse::Upload,
+        );
+        Self {
+            scheme,
+            rotation_seed,
+            experiment,
+            layout,
+        }
+    }
+
     /// Reads the body (it is small: that is the point), checks and decodes it, adds it to
     /// the experiment's current model and stores the result as a plain update's blob
     /// (little-endian `f32`), so that aggregation takes it as any other. Returns the
