@@ -24,8 +24,8 @@ order).
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
-import socket
 import sys
 import tempfile
 
@@ -56,27 +56,30 @@ def processes() -> int:
     return max(1, int(os.environ.get("SITE_PROCESSES") or 2))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _backend(world: int) -> str:
     """NCCL with a GPU for every rank, gloo (CPUs) otherwise."""
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
 
 
-def _train_rank(rank, world, port, state, data, config, seed, out_path):
+def _train_rank(rank, world, store, state, data, config, seed, out_path):
     """One rank's local training. ``world == 1`` is the plain single-process loop (no
-    process group): the reference the data-parallel run must match."""
+    process group): the reference the data-parallel run must match.
+
+    The ranks meet through a file store in the task's own folder rather than a TCP
+    port: no port to find free (and lose to another process before it is bound), and no
+    store server thread in rank 0 that a helper could still be talking to when rank 0
+    tears it down, which aborted helpers on loaded machines."""
     torch.set_num_threads(1)
     backend = _backend(world)
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
     if world > 1:
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(minutes=5),
+        )
     try:
         model = MLP().to(device)
         model.load_state_dict(state)
@@ -114,8 +117,11 @@ def _train_rank(rank, world, port, state, data, config, seed, out_path):
             loss_sum = total.item()
         if rank == 0:
             torch.save({"state": model.state_dict(), "loss": loss_sum / max(n, 1)}, out_path)
-    finally:
         if world > 1:
+            # Nobody leaves while another rank may still need it.
+            dist.barrier()
+    finally:
+        if world > 1 and rank > 0:
             dist.destroy_process_group()
 
 
@@ -129,21 +135,24 @@ def train_site(weights, data, config, seed, world):
     data = (np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(y, dtype=np.int64))
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "rank0.pt")
-        port = _free_port() if world > 1 else 0
+        store = os.path.join(tmp, "store")
         context = mp.get_context("spawn")
         helpers = [
             context.Process(
-                target=_train_rank, args=(rank, world, port, state, data, config, seed, out_path)
+                target=_train_rank, args=(rank, world, store, state, data, config, seed, out_path)
             )
             for rank in range(1, world)
         ]
         for p in helpers:
             p.start()
         try:
-            _train_rank(0, world, port, state, data, config, seed, out_path)
+            _train_rank(0, world, store, state, data, config, seed, out_path)
         finally:
             for p in helpers:
                 p.join()
+            # Rank 0 leaves the group last, once every helper has exited.
+            if world > 1 and dist.is_initialized():
+                dist.destroy_process_group()
         if any(p.exitcode != 0 for p in helpers):
             raise RuntimeError(f"a data-parallel rank failed: exit codes {[p.exitcode for p in helpers]}")
         out = torch.load(out_path)
