@@ -263,6 +263,8 @@ fn demo_spec(args: &DemoArgs, test: &Dataset) -> ExperimentSpec {
         staleness_exponent: None,
         max_staleness: None,
         compression: None,
+        personalisation: None,
+        client_holdout: None,
     }
 }
 

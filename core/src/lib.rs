@@ -22,6 +22,7 @@
 pub mod compression;
 pub mod mode;
 pub mod model;
+pub mod personalisation;
 pub mod privacy;
 pub mod round;
 pub mod secure;

@@ -181,6 +181,17 @@ pub struct ExperimentSpec {
     /// floats both ways.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compression: Option<crate::CompressionSpec>,
+    /// Personalisation (synchronous rounds): `fedper:LAYERS`, `fedrep:LAYERS`,
+    /// `ditto:LAMBDA` or `finetune:EPOCHS`. Each client keeps its personal part (never
+    /// uploaded) in its state directory, and reports the global and its personalised
+    /// model's accuracy on a held-out split of its data.
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, example = "fedper:layers.1"))]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub personalisation: Option<cohort_edge::personal::Personalisation>,
+    /// With personalisation: the fraction of each client's examples held out to score
+    /// the models on (built-in models; default 0.2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_holdout: Option<f64>,
 }
 
 /// The most clients a round may need: beyond this one coordinator's round is not the
@@ -269,6 +280,7 @@ impl ExperimentSpec {
         }
         self.weighting_problems(&mut bad);
         self.compression_problems(&mut bad);
+        self.personalisation_problems(&mut bad);
         crate::mode::problems(self, &mut bad);
         self.train_problems(&mut bad);
         if problems.is_empty() {

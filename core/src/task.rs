@@ -44,6 +44,7 @@ impl ExperimentSpec {
             hyperparameters: self.hyperparameters.clone(),
             report_metrics: self.evaluation_refusal().is_none(),
             compression: None,
+            personalisation: self.task_personalisation(),
         }
     }
 
@@ -60,14 +61,17 @@ impl ExperimentSpec {
     }
 
     /// Why the experiment takes no client evaluations, if it does not: only file models
-    /// (whose metrics come from nowhere else); never with differential privacy, whose
+    /// (whose metrics come from nowhere else) and personalised experiments (whose
+    /// clients score their models on their own held-out data); never with differential privacy, whose
     /// guarantee covers the model and not per-client metrics sent in the clear; and
     /// never with secure aggregation, which hides each client's update from the
     /// coordinator: a client's metrics in the clear beside its masked update would tell
     /// what the masking hides (the weight and loss it needs travel inside the masked
     /// vector instead).
     pub fn evaluation_refusal(&self) -> Option<String> {
-        if self.model != SpecModel::File {
+        // A personalised client's accuracies come from its own held-out data, which the
+        // coordinator's test set cannot stand in for, whatever the model.
+        if self.model != SpecModel::File && self.personalisation.is_none() {
             return Some(
                 "client evaluations are taken for file models only; the coordinator evaluates built-in ones".into(),
             );

@@ -238,6 +238,7 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
     let trainer = TrackedTrainer {
         trainer: config.trainer.clone(),
         runs: runs.clone(),
+        state_dir: Arc::new(config.state_dir.clone()),
     };
     let joined = std::sync::Mutex::new(std::collections::HashSet::new());
     let mut idle_since = Instant::now();
@@ -534,6 +535,8 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 struct TrackedTrainer {
     trainer: SharedTrainer,
     runs: TrainerRuns,
+    /// Where a personalised task keeps the client's personal part.
+    state_dir: Arc<std::path::PathBuf>,
 }
 
 /// Starts the trainer off the async threads; its output is checked before it is
@@ -549,14 +552,26 @@ fn spawn_trainer(
     let run = trainer.runs.start();
     tokio::task::spawn_blocking(move || {
         let _run = run;
-        let trainer = trainer.trainer;
         let job = TrainerJob {
             task: &task,
             global: &global,
             model_version: version,
             seed,
+            trainable: None,
+            anchor: None,
         };
-        let output = trainer.run(&job)?;
+        let output = if task.personalisation.is_some() {
+            crate::personal_task::run(
+                trainer.trainer.as_ref(),
+                &task,
+                &global,
+                version,
+                seed,
+                &trainer.state_dir,
+            )?
+        } else {
+            trainer.trainer.run(&job)?
+        };
         crate::trainer::check_output(&job, &output)?;
         Ok(output)
     })
@@ -1045,6 +1060,7 @@ mod tests {
             hyperparameters: None,
             report_metrics: false,
             compression: None,
+            personalisation: None,
         };
         let config = |experiment: &str, round: u64, attempt: u64, session: u8| {
             cohort_aggregation::secagg::RoundConfig {
@@ -1142,6 +1158,7 @@ mod tests {
         let tracked = TrackedTrainer {
             trainer: slow.clone(),
             runs: TrainerRuns::default(),
+            state_dir: Arc::new(std::env::temp_dir()),
         };
         let returned = || slow.0.load(std::sync::atomic::Ordering::SeqCst);
 

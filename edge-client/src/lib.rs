@@ -22,6 +22,9 @@
 //!   (`--trainer`), or an app's callback; and the checks on what they return.
 //! - [`upload_compression`]: a compressed upload and its error-feedback residual, kept
 //!   in the state directory.
+//! - [`personal_task`]: a personalised task with whatever trainer the client runs, its
+//!   personal part kept in the state directory, and its two evaluations.
+//! - [`state_file`]: the vectors kept in the state directory, replaced whole.
 //! - [`ffi`]: the C API (`cdylib`, `staticlib`, header `include/cohort_edge.h`), for
 //!   apps that train inside their own process.
 
@@ -37,7 +40,11 @@ pub mod local_dp;
 pub mod model;
 pub mod partition;
 pub mod personal;
+#[cfg(feature = "agent")]
+pub mod personal_task;
 pub mod protocol;
+#[cfg(feature = "agent")]
+pub mod state_file;
 pub mod train;
 #[cfg(feature = "agent")]
 pub mod trainer;

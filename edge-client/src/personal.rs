@@ -268,16 +268,51 @@ fn mask_of(scheme: &Personalisation, global: &ModelVector) -> Result<Vec<bool>, 
         .map_err(|e| TrainError::InvalidConfig(e.to_string()))
 }
 
+/// One local training run, as personalisation needs it: from `start`, with an optional
+/// proximal pull (anchor, strength) and an optional mask of the parameters that may
+/// move, for `config`'s epochs, seeded by the last argument. The built-in models do this
+/// with [`LocalModel::train_from`]; the agent does it with whatever trainer the client
+/// runs.
+pub trait TrainFrom {
+    /// Why a run failed (a scheme that does not fit the model is a [`TrainError`]).
+    type Error: From<TrainError>;
+
+    /// Trains once; see the trait.
+    fn train_from(
+        &self,
+        start: &ModelVector,
+        pull: Option<(&[f32], f32)>,
+        trainable: Option<&[bool]>,
+        config: &TrainConfig,
+        seed: u64,
+    ) -> Result<LocalUpdate, Self::Error>;
+}
+
+impl TrainFrom for LocalModel {
+    type Error = TrainError;
+
+    fn train_from(
+        &self,
+        start: &ModelVector,
+        pull: Option<(&[f32], f32)>,
+        trainable: Option<&[bool]>,
+        config: &TrainConfig,
+        seed: u64,
+    ) -> Result<LocalUpdate, TrainError> {
+        LocalModel::train_from(self, start, pull, trainable, config, seed)
+    }
+}
+
 /// Runs one training task of `scheme` on `model` from the `global` model received,
 /// with the client's `state` from earlier rounds (`None` the first time).
-pub fn train(
+pub fn train<M: TrainFrom>(
     scheme: &Personalisation,
-    model: &LocalModel,
+    model: &M,
     global: &ModelVector,
     state: Option<&[f32]>,
     config: &TrainConfig,
     seed: u64,
-) -> Result<PersonalisedUpdate, TrainError> {
+) -> Result<PersonalisedUpdate, M::Error> {
     let mask = mask_of(scheme, global)?;
     let fedavg = |config: &TrainConfig| {
         let pull = config.proximal_mu.map(|mu| (global.values(), mu));
@@ -348,14 +383,14 @@ pub fn train(
 /// The client's personalised model now: the `global` model with its personal layers
 /// (FedPer, FedRep), its personal model (Ditto; the global model before its first
 /// round), or the global model fine-tuned on its data (fine-tuning).
-pub fn personal_model(
+pub fn personal_model<M: TrainFrom>(
     scheme: &Personalisation,
-    model: &LocalModel,
+    model: &M,
     global: &ModelVector,
     state: Option<&[f32]>,
     config: &TrainConfig,
     seed: u64,
-) -> Result<ModelVector, TrainError> {
+) -> Result<ModelVector, M::Error> {
     let mask = mask_of(scheme, global)?;
     match scheme {
         Personalisation::FedPer { .. } | Personalisation::FedRep { .. } => {

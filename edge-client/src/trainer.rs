@@ -30,6 +30,14 @@ pub struct TrainerJob<'a> {
     pub model_version: i64,
     /// Seed for the trainer's randomness in this task.
     pub seed: u64,
+    /// Personalisation only (FedRep): the parameters that may move, the others frozen.
+    /// A trainer that cannot honour it says so ([`TaskTrainer::trains_partially`]) and
+    /// is never given one.
+    pub trainable: Option<&'a [bool]>,
+    /// Personalisation only (Ditto): the model the task's proximal term
+    /// (`task.train.proximal_mu`) pulls towards, when it is not `global`. Never given to
+    /// a trainer that cannot honour it, as `trainable`.
+    pub anchor: Option<&'a [f32]>,
 }
 
 /// What a trainer returns.
@@ -84,6 +92,14 @@ impl std::error::Error for TrainerFailure {}
 pub trait TaskTrainer: Send + Sync + fmt::Debug {
     /// Runs `job`. An `Ok` is checked again by [`check_output`] before it is used.
     fn run(&self, job: &TrainerJob<'_>) -> Result<TrainerOutput, TrainerFailure>;
+
+    /// Whether [`run`](Self::run) honours [`TrainerJob::trainable`] and
+    /// [`TrainerJob::anchor`], which FedRep and Ditto need. The built-in models do; a
+    /// trainer of one's own does not by default, and those schemes then fail its tasks
+    /// with the reason.
+    fn trains_partially(&self) -> bool {
+        false
+    }
 }
 
 /// A shared trainer.
@@ -188,16 +204,65 @@ impl BuiltInTrainer {
     }
 }
 
+impl BuiltInTrainer {
+    /// The task's model on this client's training examples, and on its held-out ones
+    /// when the task is personalised (a split fixed by the experiment, the same every
+    /// round and after a restart).
+    fn models(
+        &self,
+        task: &crate::protocol::Task,
+    ) -> Result<(crate::train::LocalModel, Option<crate::train::LocalModel>), TrainerFailure> {
+        let failure = |e: &dyn fmt::Display| TrainerFailure::new(e.to_string());
+        let Some(personal) = &task.personalisation else {
+            let local = crate::agent::local_model(&self.data, task).map_err(|e| failure(&e))?;
+            return Ok((local.1, None));
+        };
+        let (train, held) = holdout_split(&self.data, task.experiment_id, personal.holdout);
+        let train = crate::agent::local_model(&train, task).map_err(|e| failure(&e))?;
+        if held.is_empty() {
+            return Ok((train.1, None));
+        }
+        let held = crate::agent::local_model(&held, task).map_err(|e| failure(&e))?;
+        Ok((train.1, Some(held.1)))
+    }
+}
+
+/// `data` split into the examples a client trains on and those it holds out
+/// (`fraction` of them, at least one of each when it has two), shuffled by the
+/// experiment's id so that the split never changes between rounds.
+pub fn holdout_split(
+    data: &crate::data::Dataset,
+    experiment: uuid::Uuid,
+    fraction: f64,
+) -> (crate::data::Dataset, crate::data::Dataset) {
+    use rand::SeedableRng;
+    use rand::seq::SliceRandom;
+    let n = data.len();
+    let mut idx: Vec<usize> = (0..n).collect();
+    let (hi, lo) = experiment.as_u64_pair();
+    idx.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(
+        hi ^ lo.rotate_left(17),
+    ));
+    let held = if n >= 2 {
+        ((fraction * n as f64).round() as usize).clamp(1, n - 1)
+    } else {
+        0
+    };
+    let (out, kept) = idx.split_at(held);
+    (data.subset(kept), data.subset(out))
+}
+
 impl TaskTrainer for BuiltInTrainer {
     fn run(&self, job: &TrainerJob<'_>) -> Result<TrainerOutput, TrainerFailure> {
         use crate::train::Trainer;
-        let local = crate::agent::local_model(&self.data, job.task)
-            .map_err(|e| TrainerFailure::new(e.to_string()))?
-            .1;
+        let (local, held) = self.models(job.task)?;
         match job.task.kind {
             TaskKind::Train => {
+                let config = &job.task.train;
+                let anchor = job.anchor.unwrap_or(job.global.values());
+                let pull = config.proximal_mu.map(|mu| (anchor, mu));
                 let update = local
-                    .train(job.global, &job.task.train, job.seed)
+                    .train_from(job.global, pull, job.trainable, config, job.seed)
                     .map_err(|e| TrainerFailure::new(e.to_string()))?;
                 Ok(TrainerOutput {
                     update: Some(update.params),
@@ -207,7 +272,9 @@ impl TaskTrainer for BuiltInTrainer {
                 })
             }
             TaskKind::Evaluate => {
-                let e = local
+                let e = held
+                    .as_ref()
+                    .unwrap_or(&local)
                     .evaluate(job.global)
                     .map_err(|e| TrainerFailure::new(e.to_string()))?;
                 Ok(TrainerOutput {
@@ -224,5 +291,9 @@ impl TaskTrainer for BuiltInTrainer {
                 })
             }
         }
+    }
+
+    fn trains_partially(&self) -> bool {
+        true
     }
 }

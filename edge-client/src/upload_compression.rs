@@ -44,39 +44,15 @@ pub fn compress_upload(
         source,
     };
     let mut feedback = ErrorFeedback::new();
-    if scheme.uses_error_feedback() {
-        match std::fs::read(&path) {
-            Ok(bytes) => {
-                let residual: Vec<f32> = bytes
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect();
-                if residual.len() == difference.len() && residual.iter().all(|v| v.is_finite()) {
-                    feedback = ErrorFeedback::from_residual(residual);
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(state(e)),
-        }
+    if scheme.uses_error_feedback()
+        && let Some(residual) =
+            crate::state_file::read_f32s(&path, difference.len()).map_err(state)?
+    {
+        feedback = ErrorFeedback::from_residual(residual);
     }
     let body = feedback.compress(scheme, difference, rotation_seed, rounding_seed)?;
     if scheme.uses_error_feedback() {
-        let bytes: Vec<u8> = feedback
-            .residual()
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
-        let dir = path.parent().expect("a file in the feedback directory");
-        let tmp = path.with_extension("f32.tmp");
-        let write = || -> std::io::Result<()> {
-            use std::io::Write;
-            std::fs::create_dir_all(dir)?;
-            let mut f = std::fs::File::create(&tmp)?;
-            f.write_all(&bytes)?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, &path)
-        };
-        write().map_err(state)?;
+        crate::state_file::write_f32s(&path, feedback.residual()).map_err(state)?;
     }
     Ok(body)
 }

@@ -324,6 +324,8 @@ fn bench_spec(args: &DashboardBenchArgs) -> Result<ExperimentSpec, String> {
         staleness_exponent: None,
         max_staleness: None,
         compression: None,
+        personalisation: None,
+        client_holdout: None,
     })
 }
 

@@ -76,17 +76,7 @@ pub struct ClientAccuracy {
     pub personal_accuracy: Option<f64>,
 }
 
-/// Mean and 10th percentile (nearest rank) of `values`; `None` when empty.
-pub fn mean_and_p10(values: &[f64]) -> Option<(f64, f64)> {
-    if values.is_empty() {
-        return None;
-    }
-    let mut sorted = values.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    let rank = ((0.1 * sorted.len() as f64).ceil() as usize).max(1);
-    let mean = sorted.iter().sum::<f64>() / sorted.len() as f64;
-    Some((mean, sorted[rank - 1]))
-}
+pub use cohort_core::personalisation::mean_and_p10;
 
 /// Scores `global` (and each client's personalised model) on every client's held-out
 /// split, in parallel. `clients[i]` trains client `i`, `holdouts[i]` holds its split
@@ -135,7 +125,6 @@ pub(super) fn evaluate_clients(
 
 #[cfg(test)]
 mod tests {
-    use super::*;
     use crate::simulate::{SimulationConfig, prepare, run_rounds};
 
     /// FedPer's personal layers never reach an upload: after a whole run (every round's
@@ -172,13 +161,5 @@ mod tests {
             }
         }
         assert!(shared_moved);
-    }
-
-    #[test]
-    fn the_tenth_percentile_is_the_nearest_rank() {
-        let v: Vec<f64> = (1..=20).map(f64::from).collect();
-        assert_eq!(mean_and_p10(&v), Some((10.5, 2.0)));
-        assert_eq!(mean_and_p10(&[0.5]), Some((0.5, 0.5)));
-        assert_eq!(mean_and_p10(&[]), None);
     }
 }

@@ -91,6 +91,25 @@ pub struct Task {
     /// ways.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compression: Option<TaskCompression>,
+    /// The experiment's personalisation: the client keeps a part of the model (or a
+    /// model) of its own, never uploaded, and reports both models' accuracy on a
+    /// held-out split of its data.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub personalisation: Option<TaskPersonalisation>,
+}
+
+/// A task's personalisation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct TaskPersonalisation {
+    /// `fedper:LAYERS`, `fedrep:LAYERS`, `ditto:LAMBDA` or `finetune:EPOCHS`
+    /// ([`crate::personal::Personalisation`]).
+    #[cfg_attr(feature = "openapi", schema(value_type = String, example = "fedper:layers.1"))]
+    pub scheme: crate::personal::Personalisation,
+    /// The fraction of its examples a built-in model's client holds out to score the
+    /// global and its personalised model on (a trainer of its own holds out its own).
+    pub holdout: f64,
 }
 
 /// A task's compression. A compressed model download says so in its

@@ -443,6 +443,8 @@ mod tests {
             global: &global,
             model_version: 1,
             seed: 7,
+            trainable: None,
+            anchor: None,
         };
         (trainer.run(&job), root)
     }

@@ -368,6 +368,27 @@ const GROUPS: &[(&str, &[FieldDef])] = &[
         ],
     ),
     (
+        "Personalisation",
+        &[
+            def(
+                "personalisation",
+                "Scheme",
+                "Empty for one global model; fedper:LAYERS or fedrep:LAYERS (those layers or tensors stay on each client, e.g. layers.1), ditto:LAMBDA (a personal model pulled towards the global one), finetune:EPOCHS.",
+                Text,
+                false,
+                false,
+            ),
+            def(
+                "client_holdout",
+                "Held-out fraction",
+                "The share of each client's examples it scores the global and its personalised model on; empty for 0.2.",
+                Number,
+                false,
+                false,
+            ),
+        ],
+    ),
+    (
         "Secure aggregation (SecAgg+)",
         &[
             def(
@@ -588,6 +609,8 @@ fn default_spec() -> ExperimentSpec {
         staleness_exponent: None,
         max_staleness: None,
         compression: None,
+        personalisation: None,
+        client_holdout: None,
     }
 }
 
@@ -631,6 +654,8 @@ fn defaults() -> HashMap<&'static str, String> {
         ("compression.upload", "none".into()),
         ("compression.download", "none".into()),
         ("compression.word_bits", String::new()),
+        ("personalisation", String::new()),
+        ("client_holdout", String::new()),
         ("secure_aggregation", String::new()),
         ("secure_aggregation.threshold", String::new()),
         ("secure_aggregation.neighbours", String::new()),
@@ -1040,6 +1065,12 @@ pub fn parse(fields: &[(String, String)]) -> Parsed {
             m
         }),
         compression: compression_fields(&mut r),
+        personalisation: if r.text("personalisation").is_empty() {
+            None
+        } else {
+            r.parsed("personalisation")
+        },
+        client_holdout: r.optional_number("client_holdout").flatten(),
     };
     if spec.name.is_empty() {
         r.errors.insert("name", "required".into());
@@ -1218,6 +1249,29 @@ mod tests {
 
     /// Compression comes from its group: `none` both ways is no compression, a scheme
     /// is parsed, and the core's refusals show next to their fields.
+    #[test]
+    fn personalisation_comes_from_the_form_and_is_checked() {
+        match parse(&submitted(&[("personalisation", "fedper:layers.1")])) {
+            Parsed::Spec(spec) => {
+                assert_eq!(spec.personalisation.unwrap().to_string(), "fedper:layers.1");
+                assert_eq!(spec.client_holdout, None);
+            }
+            Parsed::Invalid(_) => panic!("a valid personalisation"),
+        }
+        let errs = errors(parse(&submitted(&[("personalisation", "fedper:fc9")])));
+        assert!(
+            errs["personalisation"].contains("no layer or tensor `fc9`"),
+            "{errs:?}"
+        );
+        let errs = errors(parse(&submitted(&[("personalisation", "ditto:-1")])));
+        assert!(errs["personalisation"].contains("LAMBDA"), "{errs:?}");
+        let errs = errors(parse(&submitted(&[("client_holdout", "0.3")])));
+        assert!(
+            errs["client_holdout"].contains("set personalisation"),
+            "{errs:?}"
+        );
+    }
+
     #[test]
     fn compression_comes_from_the_form_and_is_checked() {
         match parse(&submitted(&[])) {

@@ -527,6 +527,85 @@ struct ExperimentPage {
     /// Whether to show task failures: always for a file model, whose clients run their
     /// own trainers; for a built-in one only once a client has reported one.
     show_failures: bool,
+    /// A personalised experiment's per-client accuracies.
+    personal: Option<PersonalPanel>,
+}
+
+/// A personalised experiment's panel: the global and the personalised models'
+/// accuracy over the clients, per model version, and each client's for the latest.
+struct PersonalPanel {
+    scheme: String,
+    /// Newest first, at most [`PERSONAL_VERSIONS_SHOWN`].
+    versions: Vec<PersonalVersionRow>,
+    latest_version: i64,
+    clients: Vec<PersonalClientRow>,
+}
+
+/// Model versions the personalisation panel lists.
+pub const PERSONAL_VERSIONS_SHOWN: usize = 20;
+
+struct PersonalVersionRow {
+    version: i64,
+    clients: usize,
+    global_mean: String,
+    global_p10: String,
+    personal_mean: String,
+    personal_p10: String,
+}
+
+struct PersonalClientRow {
+    client: String,
+    examples: i64,
+    global: String,
+    personal: String,
+}
+
+impl PersonalPanel {
+    fn of(
+        scheme: Option<&cohort_edge::personal::Personalisation>,
+        summaries: &BTreeMap<i64, EvaluationSummary>,
+        evaluations: &[crate::store::ClientEvaluation],
+    ) -> Option<Self> {
+        let spread = |s: &EvaluationSummary, name: &str| {
+            let m = s.per_client.get(name);
+            (percent(m.map(|m| m.mean)), percent(m.map(|m| m.p10)))
+        };
+        let versions = summaries
+            .iter()
+            .rev()
+            .filter(|(_, s)| s.clients > 0)
+            .take(PERSONAL_VERSIONS_SHOWN)
+            .map(|(version, s)| {
+                let (global_mean, global_p10) = spread(s, "accuracy");
+                let (personal_mean, personal_p10) = spread(s, "personal_accuracy");
+                PersonalVersionRow {
+                    version: *version,
+                    clients: s.clients,
+                    global_mean,
+                    global_p10,
+                    personal_mean,
+                    personal_p10,
+                }
+            })
+            .collect::<Vec<_>>();
+        let latest_version = versions.first().map_or(0, |v| v.version);
+        let clients = evaluations
+            .iter()
+            .filter(|e| e.model_version == latest_version && e.withheld.is_none())
+            .map(|e| PersonalClientRow {
+                client: e.client_id.to_string(),
+                examples: e.num_examples,
+                global: percent(e.metrics.get("accuracy").copied()),
+                personal: percent(e.metrics.get("personal_accuracy").copied()),
+            })
+            .collect();
+        Some(Self {
+            scheme: scheme?.to_string(),
+            versions,
+            latest_version,
+            clients,
+        })
+    }
 }
 
 /// Task failures the experiment page lists (newest first).
@@ -688,6 +767,11 @@ pub async fn experiment(
             .take(FAILURES_SHOWN)
             .map(FailureRow::of)
             .collect(),
+        personal: PersonalPanel::of(
+            spec.as_ref().and_then(|s| s.personalisation.as_ref()),
+            &client_metrics,
+            &evaluations,
+        ),
     };
     Ok(render(&page))
 }
@@ -1489,6 +1573,46 @@ pub async fn create_token(
 mod tests {
     use super::*;
 
+    /// A personalised experiment's panel: both models over the clients per version,
+    /// newest first, and each client of the latest version.
+    #[test]
+    fn the_personalisation_panel_shows_both_models_over_the_clients() {
+        let report = |version: i64, global: f64, mine: f64| crate::store::ClientEvaluation {
+            model_version: version,
+            client_id: Uuid::new_v4(),
+            num_examples: 10,
+            metrics: BTreeMap::from([
+                ("accuracy".into(), global),
+                ("personal_accuracy".into(), mine),
+            ]),
+            at: 0,
+            withheld: None,
+        };
+        let evaluations = vec![
+            report(0, 0.1, 0.1),
+            report(1, 0.5, 0.9),
+            report(1, 0.7, 0.8),
+        ];
+        let summaries = summarise(&evaluations);
+        let scheme: cohort_edge::personal::Personalisation = "fedper:layers.1".parse().unwrap();
+        assert!(PersonalPanel::of(None, &summaries, &evaluations).is_none());
+        let panel = PersonalPanel::of(Some(&scheme), &summaries, &evaluations).unwrap();
+        assert_eq!(panel.scheme, "fedper:layers.1");
+        assert_eq!(panel.latest_version, 1);
+        let v = &panel.versions[0];
+        assert_eq!((v.version, v.clients), (1, 2));
+        assert_eq!(
+            (v.global_mean.as_str(), v.global_p10.as_str()),
+            ("60.0%", "50.0%")
+        );
+        assert_eq!(
+            (v.personal_mean.as_str(), v.personal_p10.as_str()),
+            ("85.0%", "80.0%")
+        );
+        assert_eq!(panel.versions[1].version, 0);
+        assert_eq!(panel.clients.len(), 2);
+    }
+
     #[test]
     fn a_file_model_shows_the_clients_evaluation_of_the_version_a_round_published() {
         let clients = BTreeMap::from([(
@@ -1498,6 +1622,7 @@ mod tests {
                 num_examples: 50,
                 metrics: BTreeMap::from([("accuracy".into(), 0.8), ("loss".into(), 0.4)]),
                 withheld: 0,
+                per_client: BTreeMap::new(),
             },
         )]);
         let server = (Some(0.1), Some(2.0));

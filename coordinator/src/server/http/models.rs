@@ -216,6 +216,10 @@ pub(crate) fn admin_routes() -> Router<AppState> {
         .route("/models", post(upload_model).get(list_models))
         .route("/models/{id}", get(get_model))
         .route("/experiments/{id}/evaluations", get(list_evaluations))
+        .route(
+            "/experiments/{id}/evaluations/{version}",
+            get(version_evaluations),
+        )
 }
 
 /// Longest failure reason kept; a trainer's log tail is cut to this.
@@ -394,7 +398,8 @@ pub(crate) fn client_routes() -> Router<AppState> {
         .route(cohort_edge::protocol::routes::FAILURE, post(report_failure))
 }
 
-/// The clients' evaluations of one model version: sample-weighted means.
+/// The clients' evaluations of one model version: sample-weighted means, and how each
+/// metric spreads over the clients.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct EvaluationSummary {
     /// Clients that reported metrics.
@@ -407,44 +412,127 @@ pub struct EvaluationSummary {
     /// the client), counted in nothing above.
     #[serde(default)]
     pub withheld: usize,
+    /// Each metric over the clients, each client counting once: what a personalised
+    /// experiment compares (`personal_accuracy` against the global model's `accuracy`
+    /// on the same clients' held-out data).
+    #[serde(default)]
+    pub per_client: BTreeMap<String, MetricSpread>,
+}
+
+/// One metric over the clients that reported it, each counting once.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct MetricSpread {
+    /// Clients that reported it.
+    pub clients: usize,
+    /// Their unweighted mean.
+    pub mean: f64,
+    /// The 10th percentile (nearest rank): the clients the model serves worst.
+    pub p10: f64,
+    /// The lowest.
+    pub min: f64,
+    /// The highest.
+    pub max: f64,
+}
+
+impl MetricSpread {
+    /// The spread of `values`; `None` when there are none.
+    pub fn of(values: &[f64]) -> Option<Self> {
+        let (mean, p10) = cohort_core::personalisation::mean_and_p10(values)?;
+        Some(Self {
+            clients: values.len(),
+            mean,
+            p10,
+            min: values.iter().copied().fold(f64::INFINITY, f64::min),
+            max: values.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        })
+    }
 }
 
 /// The weighted means of every model version's evaluations.
 pub fn summarise(evaluations: &[ClientEvaluation]) -> BTreeMap<i64, EvaluationSummary> {
     /// Per metric: the example-weighted sum and the weight.
     type MetricSums = BTreeMap<String, (f64, f64)>;
-    let mut sums: BTreeMap<i64, (usize, i64, MetricSums, usize)> = BTreeMap::new();
+    #[derive(Default)]
+    struct Version {
+        clients: usize,
+        num_examples: i64,
+        sums: MetricSums,
+        withheld: usize,
+        values: BTreeMap<String, Vec<f64>>,
+    }
+    let mut versions: BTreeMap<i64, Version> = BTreeMap::new();
     for e in evaluations {
-        let entry = sums.entry(e.model_version).or_default();
+        let entry = versions.entry(e.model_version).or_default();
         if e.withheld.is_some() {
-            entry.3 += 1;
+            entry.withheld += 1;
             continue;
         }
-        entry.0 += 1;
-        entry.1 += e.num_examples;
+        entry.clients += 1;
+        entry.num_examples += e.num_examples;
         for (name, value) in &e.metrics {
-            let m = entry.2.entry(name.clone()).or_default();
+            let m = entry.sums.entry(name.clone()).or_default();
             m.0 += value * e.num_examples as f64;
             m.1 += e.num_examples as f64;
+            entry.values.entry(name.clone()).or_default().push(*value);
         }
     }
-    sums.into_iter()
-        .map(|(version, (clients, num_examples, metrics, withheld))| {
+    versions
+        .into_iter()
+        .map(|(version, v)| {
             (
                 version,
                 EvaluationSummary {
-                    clients,
-                    num_examples,
-                    metrics: metrics
+                    clients: v.clients,
+                    num_examples: v.num_examples,
+                    metrics: v
+                        .sums
                         .into_iter()
                         .filter(|(_, (_, weight))| *weight > 0.0)
                         .map(|(name, (sum, weight))| (name, sum / weight))
                         .collect(),
-                    withheld,
+                    withheld: v.withheld,
+                    per_client: v
+                        .values
+                        .into_iter()
+                        .filter_map(|(name, values)| MetricSpread::of(&values).map(|s| (name, s)))
+                        .collect(),
                 },
             )
         })
         .collect()
+}
+
+/// Every client's evaluation of one model version of an experiment (a personalised
+/// experiment's per-client accuracies: each client's global and personalised model on
+/// its own held-out data).
+#[utoipa::path(get, path = "/api/v1/admin/experiments/{id}/evaluations/{version}", tag = "admin",
+    security(("admin_token" = [])),
+    params(("id" = uuid::Uuid, Path, description = "Experiment id"),
+           ("version" = i64, Path, description = "Model version (0: the initial model)")),
+    responses((status = 200, description = "One row per client, by client id", body = Vec<ClientEvaluation>),
+              (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+              (status = 422, body = ErrorBody)))]
+async fn version_evaluations(
+    State(state): State<AppState>,
+    Path((id, version)): Path<(String, String)>,
+) -> Result<Json<Vec<ClientEvaluation>>, ApiError> {
+    let id = parse_id(&id, "experiment")?;
+    let version: i64 = version.parse().ok().filter(|v| *v >= 0).ok_or_else(|| {
+        ApiError::unprocessable(
+            ErrorCode::InvalidEvaluation,
+            format!(
+                "version must be a model version, 0 or more, got `{}`",
+                version.chars().take(40).collect::<String>()
+            ),
+        )
+    })?;
+    state.store.experiment(id).await?;
+    let rows = state.store.client_evaluations(id).await?;
+    Ok(Json(
+        rows.into_iter()
+            .filter(|e| e.model_version == version)
+            .collect(),
+    ))
 }
 
 /// The handlers above, for the OpenAPI document.
@@ -455,6 +543,7 @@ pub fn summarise(evaluations: &[ClientEvaluation]) -> BTreeMap<i64, EvaluationSu
         list_models,
         get_model,
         list_evaluations,
+        version_evaluations,
         report_evaluation,
         report_failure
     ),
@@ -463,6 +552,7 @@ pub fn summarise(evaluations: &[ClientEvaluation]) -> BTreeMap<i64, EvaluationSu
         WithheldReason,
         FailureReport,
         EvaluationSummary,
+        MetricSpread,
         VersionEvaluation
     ))
 )]
