@@ -7,7 +7,8 @@
 # OUT (default target/personalisation-sweep) and prints a Markdown table: per scheme,
 # the mean over clients of the personalised accuracy and its 10th percentile after the
 # last round, next to FedAvg's global model on the same splits, each the mean over the
-# seeds.
+# seeds. SCHEMES, DATASETS and PARTITIONS (space-separated) run a subset; FedAvg, the
+# baseline, always runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-target/personalisation-sweep}
@@ -15,15 +16,17 @@ SEEDS=${SEEDS:-"1 2 3"}
 ROUNDS=${ROUNDS:-50}
 cargo build --quiet --release --locked --bin cohort
 COHORT=target/release/cohort
-schemes=(fedavg fedper:layers.1 fedrep:layers.1 ditto:0.001 finetune:5)
-for dataset in digits mnist10k; do
-  for partition in shards:2 dirichlet:0.1; do
+read -r -a schemes <<< "fedavg ${SCHEMES:-fedper:layers.1 fedrep:layers.1 ditto:0.001 finetune:5}"
+for dataset in ${DATASETS:-digits mnist10k}; do
+  for partition in ${PARTITIONS:-shards:2 dirichlet:0.1}; do
     for scheme in "${schemes[@]}"; do
       for seed in $SEEDS; do
         if [ "$scheme" = fedavg ]; then how=(--client-holdout 0.2); else how=(--personalise "$scheme"); fi
+        run="$OUT/$dataset/${partition/:/-}/${scheme//[:,]/-}/seed$seed"
+        [ -f "$run/metrics.jsonl" ] && continue
         $COHORT simulate --dataset "$dataset" --model mlp --clients 50 --clients-per-round 10 \
           --rounds "$ROUNDS" --partition "$partition" --seed "$seed" "${how[@]}" \
-          --out "$OUT/$dataset/${partition/:/-}/${scheme//[:,]/-}/seed$seed" >/dev/null 2>&1
+          --out "$run" >/dev/null 2>&1
       done
     done
   done

@@ -552,14 +552,17 @@ class Admin:
 
     def evaluations(self, experiment_id: Id) -> List[Dict[str, Any]]:
         """The clients' evaluations of every model version of an experiment with a file
-        model, each metric weighted by the examples behind it.
+        model or personalisation, each metric weighted by the examples behind it.
 
         Args:
             experiment_id: The experiment's id.
 
         Returns:
             One entry per model version (``model_version``, ``clients``,
-            ``num_examples``, ``metrics``).
+            ``num_examples``, ``metrics``, and ``per_client``: each metric's ``mean``,
+            ``p10``, ``min`` and ``max`` over the clients, each counting once; a
+            personalised experiment's ``personal_accuracy`` beside the global model's
+            ``accuracy``).
 
         Raises:
             ApiError: 404 for an unknown id.
@@ -567,6 +570,28 @@ class Admin:
         """
         return self._admin(
             "GET", f"/experiments/{_segment(experiment_id, 'experiment_id')}/evaluations"
+        )
+
+    def client_evaluations(self, experiment_id: Id, model_version: int) -> List[Dict[str, Any]]:
+        """Each client's evaluation of one model version (a personalised experiment's
+        per-client accuracies: the global and the client's own model on its data).
+
+        Args:
+            experiment_id: The experiment's id.
+            model_version: The model version (0: the initial model).
+
+        Returns:
+            One entry per client (``client_id``, ``num_examples``, ``metrics``).
+
+        Raises:
+            ApiError: 404 for an unknown id, 422 for a negative version.
+            UnreachableError: No answer.
+        """
+        if isinstance(model_version, bool) or not isinstance(model_version, int):
+            raise ConfigError(f"model_version must be an integer, got {model_version!r}")
+        return self._admin(
+            "GET",
+            f"/experiments/{_segment(experiment_id, 'experiment_id')}/evaluations/{model_version}",
         )
 
     def watch(

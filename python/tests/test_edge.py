@@ -104,6 +104,56 @@ def test_the_simulation_train_runs_unchanged_under_secure_aggregation(own_serve,
     assert score.metrics["accuracy"] > 0.85
 
 
+def test_a_personalised_experiment_keeps_each_sites_tensor_at_the_site(own_serve, tmp_path):
+    """The same ``train`` and ``evaluate`` under FedPer: the bias ``b`` is each site's
+    own, kept in its state directory, never in an upload; every site reports the global
+    model's and its own model's accuracy for every model version."""
+    cohort_serve, admin = own_serve
+    exp = experiment(admin, "python sites, fedper", rounds=2, clients=3,
+                     personalisation="fedper:b")
+    sites = [start_site(cohort_serve, admin, tmp_path, p) for p in range(3)]
+    admin.start(exp["id"])
+    try:
+        seen = [r["round"] for r in admin.watch(exp["id"], poll=0.3, timeout=240)]
+    except BaseException:
+        for _, log in sites:
+            print(log.read_text(errors="replace")[-3000:])
+        print(cohort_serve.log_tail())
+        raise
+    for process, _ in sites:
+        process.wait(timeout=60)
+    assert seen == [1, 2]
+    reports = [report_of(log) for _, log in sites]
+    assert all(r["uploads"] == 2 and r["failed"] == 0 for r in reports), reports
+    final = admin.download_model(exp["id"])
+    # The global bias never moved (every upload carried the global's own) ...
+    assert np.array_equal(final["b"], np.zeros(10, np.float32))
+    # Where each tensor lies in the flat vector: the model file's order.
+    at, where = 0, {}
+    for t in admin.experiment(exp["id"])["spec"]["tensors"]:
+        n = int(np.prod(t["shape"]))
+        where[t["name"]] = slice(at, at + n)
+        at += n
+    uploads = sorted((cohort_serve.data_dir / "blobs" / "uploads" / exp["id"]).rglob("*.bin"))
+    assert len(uploads) == 6, uploads
+    for path in uploads:
+        values = np.frombuffer(path.read_bytes(), dtype="<f4")
+        assert values.shape == (650,)
+        assert np.array_equal(values[where["b"]], np.zeros(10, np.float32)), path
+        assert np.any(values[where["w"]] != 0.0)
+    # ... while each site trained a bias of its own and keeps it.
+    for p in range(3):
+        kept = np.fromfile(tmp_path / f"state-{p}" / "personal" / f"{exp['id']}.f32", dtype="<f4")
+        assert kept.shape == (650,) and np.any(kept[where["b"]] != 0.0)
+    versions = admin.evaluations(exp["id"])
+    assert [v["model_version"] for v in versions] == [0, 1, 2]
+    for v in versions:
+        assert v["per_client"]["accuracy"]["clients"] == 3, v
+        assert v["per_client"]["personal_accuracy"]["clients"] == 3, v
+    rows = admin.client_evaluations(exp["id"], 2)
+    assert len(rows) == 3 and all("personal_accuracy" in r["metrics"] for r in rows), rows
+
+
 def test_an_exception_in_train_is_reported_and_the_client_carries_on(own_serve, tmp_path):
     cohort_serve, admin = own_serve
     # A failed task does not end the collect stage early: a short deadline keeps the
