@@ -544,6 +544,7 @@ fn run_simulate(args: SimulateArgs) -> ExitCode {
             hyperparameters: serde_json::Map::new(),
             env: Vec::new(),
             shared_memory: std::env::var("COHORT_WORKER_TRANSPORT").as_deref() != Ok("pipes"),
+            clients_split: cohort_coordinator::simulate::python::ClientSplit::of(&cfg),
         };
         run_python(&cfg, settings, |r| report("", r))
     } else if strategies.len() > 1 {

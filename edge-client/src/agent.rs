@@ -561,7 +561,7 @@ fn spawn_trainer(
             anchor: None,
         };
         let output = if task.personalisation.is_some() {
-            crate::personal_task::run(
+            crate::trainer::personalised::run(
                 trainer.trainer.as_ref(),
                 &task,
                 &global,

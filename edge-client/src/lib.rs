@@ -19,11 +19,10 @@
 //! With the `agent` feature (the default):
 //! - [`agent`]: the edge loop: enrol once, then check in, train, upload, with retries.
 //! - [`trainer`]: who trains a task: the built-in models, the user's own program
-//!   (`--trainer`), or an app's callback; and the checks on what they return.
+//!   (`--trainer`), or an app's callback; the checks on what they return; and a
+//!   personalised task with any of them ([`trainer::personalised`]).
 //! - [`upload_compression`]: a compressed upload and its error-feedback residual, kept
 //!   in the state directory.
-//! - [`personal_task`]: a personalised task with whatever trainer the client runs, its
-//!   personal part kept in the state directory, and its two evaluations.
 //! - [`state_file`]: the vectors kept in the state directory, replaced whole.
 //! - [`ffi`]: the C API (`cdylib`, `staticlib`, header `include/cohort_edge.h`), for
 //!   apps that train inside their own process.
@@ -40,8 +39,6 @@ pub mod local_dp;
 pub mod model;
 pub mod partition;
 pub mod personal;
-#[cfg(feature = "agent")]
-pub mod personal_task;
 pub mod protocol;
 #[cfg(feature = "agent")]
 pub mod state_file;

@@ -18,6 +18,7 @@ use serde::Serialize;
 use crate::protocol::{Task, TaskKind};
 
 pub mod external;
+pub mod personalised;
 
 /// One task as a trainer sees it.
 #[derive(Debug, Clone, Copy)]

@@ -172,6 +172,10 @@ class _Code:
         else:
             raise RuntimeError("neither COHORT_WORKER_PAYLOAD nor COHORT_WORKER_TARGET is set")
         self._data_cache: Dict[int, Any] = {}
+        # With a held-out split per client (``--client-holdout``), ``train`` gets the
+        # rest of the client's data and ``evaluate`` the held-out part of it.
+        self.holdout = float(os.environ.get("COHORT_WORKER_HOLDOUT") or 0.0)
+        self.split_seed = int(os.environ.get("COHORT_WORKER_SPLIT_SEED") or 0)
 
     def _load_payload(self, path: str) -> None:
         with open(path, "rb") as f:
@@ -221,6 +225,15 @@ class _Code:
         return _to_numpy_dict(init, "initial_weights")
 
     def data_for(self, client: int) -> Any:
+        """The data ``train`` gets for ``client``: all of it, or what it does not hold
+        out."""
+        return self._split(client)[0]
+
+    def held_out(self, client: int) -> Any:
+        """The part of ``client``'s data it holds out (``None``: nothing)."""
+        return self._split(client)[1]
+
+    def _split(self, client: int) -> Tuple[Any, Any]:
         if client in self._data_cache:
             return self._data_cache[client]
         if self.partitions is not None and self.dataset is not None:
@@ -231,12 +244,13 @@ class _Code:
             data = self.client_data(client)
         else:
             data = None
+        parts = _hold_out(data, self.holdout, self.split_seed, client) if self.holdout > 0 else (data, None)
         # A handful of clients per worker is the common case; a cohort of thousands
         # keeps the most recent ones only, so memory stays bounded.
         if len(self._data_cache) >= 256:
             self._data_cache.pop(next(iter(self._data_cache)))
-        self._data_cache[client] = data
-        return data
+        self._data_cache[client] = parts
+        return parts
 
     def test(self) -> Any:
         data = self.test_data
@@ -244,6 +258,28 @@ class _Code:
             data = data()
             self.test_data = data
         return data
+
+
+def _hold_out(data: Any, fraction: float, seed: int, client: int) -> Tuple[Any, Any]:
+    """``data`` (a tuple or list of arrays of one length, such as ``(x, y)``) split into
+    what the client trains on and what it holds out: ``fraction`` of its rows (at least
+    one of each when it has two), drawn by the run's seed and the client, so the split
+    is the same every round and in every worker."""
+    if not isinstance(data, (tuple, list)) or not data:
+        raise TypeError(
+            "a held-out split per client (client_holdout, personalise) needs each client's "
+            f"data as a tuple of arrays such as (x, y), got {type(data).__name__}"
+        )
+    arrays = [np.asarray(a) for a in data]
+    n = len(arrays[0])
+    if any(len(a) != n for a in arrays):
+        raise ValueError("a client's data arrays must have one length to hold part of them out")
+    held = min(max(int(round(fraction * n)), 1), n - 1) if n >= 2 else 0
+    order = np.random.default_rng([seed, client]).permutation(n)
+    keep, out = order[held:], order[:held]
+    kind = type(data)
+    train = kind(a[keep] for a in arrays)
+    return train, (kind(a[out] for a in arrays) if held else None)
 
 
 def _import_main(path: str) -> None:
@@ -339,6 +375,30 @@ def main() -> None:
                     config={},
                     hyperparameters=header.get("hyperparameters") or {},
                     data=code.test(),
+                    worker=index,
+                )
+                result = _check_result(code.evaluate(global_weights, task), EvalResult, "evaluate")
+                channel.write(
+                    {
+                        "ok": True,
+                        "loss": float(result.loss),
+                        "num_examples": int(result.num_examples),
+                        "metrics": _finite_metrics(result.metrics),
+                    }
+                )
+            elif op == "evaluate_client":
+                client = int(header["client"])
+                held = code.held_out(client)
+                if code.evaluate is None or held is None:
+                    channel.write({"ok": True, "none": True})
+                    continue
+                task = Task(
+                    round=0,
+                    seed=0,
+                    partition_id=client,
+                    config={},
+                    hyperparameters=header.get("hyperparameters") or {},
+                    data=held,
                     worker=index,
                 )
                 result = _check_result(code.evaluate(global_weights, task), EvalResult, "evaluate")

@@ -166,7 +166,14 @@ def simulate(
             ``compress_up="quantize:4"`` (or ``"sign"``, ``"topk:0.01"``),
             ``compress_down="quantize:4"``, ``word_bits=16`` (secure rounds); the
             update your ``train`` returns is compressed after it returns, and it
-            trains from the model as the client decoded it.
+            trains from the model as the client decoded it. Personalisation:
+            ``personalise="fedper:fc2.weight,fc2.bias"`` (those tensors stay each
+            client's own and never reach the aggregate) or ``"finetune:EPOCHS"``, with
+            ``client_holdout=0.2``: each client's ``(x, y)`` keeps that fraction out of
+            ``task.data``, and ``evaluate`` scores the global and the personalised model
+            on it every round (``personal_accuracy_mean`` and ``_p10`` beside
+            ``client_accuracy_*`` in ``result.rounds``, every client in
+            ``clients.csv``).
 
     Returns:
         A :class:`SimulationResult`.

@@ -138,12 +138,16 @@ fn simulate<'py>(
         // `COHORT_WORKER_TRANSPORT=pipes` sends tensors over the workers' pipes (the
         // fallback where shared memory is unavailable), for tests and troubleshooting.
         shared_memory: std::env::var("COHORT_WORKER_TRANSPORT").as_deref() != Ok("pipes"),
+        clients_split: cohort_coordinator::simulate::python::ClientSplit::of(&cfg),
     };
     settings
         .validate()
         .map_err(|e| cohort_error(py, "ConfigError", e.to_string()))?;
     cfg.validate()
         .map_err(|e| cohort_error(py, "ConfigError", e.to_string()))?;
+    if let Some(why) = settings.clients_split.refusal() {
+        return Err(cohort_error(py, "ConfigError", why.to_string()));
+    }
     let cancel = Arc::new(AtomicBool::new(false));
     let rounds = cfg.rounds;
     let (tx, rx) = std::sync::mpsc::channel();

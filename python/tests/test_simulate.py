@@ -105,6 +105,33 @@ def test_fedbuff_runs_with_python_clients(tmp_path):
     assert len(result.rounds) == 4 and result.summary["mean_staleness"] is not None
 
 
+def test_fedper_keeps_each_clients_tensor_off_the_aggregate_and_beats_the_global_model(tmp_path):
+    """Personalisation with the same ``train``: FedPer's personal tensor (the bias) never
+    reaches the aggregate, so the global bias stays the initial one; every client is
+    scored on its own held-out split, and on two classes a client its own bias beats
+    the global model by far."""
+    result = run(tmp_path, partition="shards:2", personalise="fedper:b", client_holdout=0.25,
+                 clients_per_round=10, rounds=4)
+    assert np.array_equal(result.weights["b"], np.zeros(10, np.float32))
+    assert np.any(result.weights["w"] != 0.0)
+    last = result.rounds[-1]
+    assert last["personal_accuracy_mean"] > last["client_accuracy_mean"] + 0.05, last
+    assert last["personal_accuracy_p10"] >= last["client_accuracy_p10"], last
+    lines = open(os.path.join(result.out, "clients.csv")).read().splitlines()
+    assert lines[0] == "client,train_samples,holdout_samples,global_accuracy,personal_accuracy"
+    assert len(lines) == 11
+
+
+def test_fine_tuning_runs_and_schemes_a_python_train_cannot_run_are_refused(tmp_path):
+    result = run(tmp_path, partition="shards:2", personalise="finetune:2", rounds=2)
+    assert result.rounds[-1]["personal_accuracy_mean"] > result.rounds[-1]["client_accuracy_mean"]
+    for scheme in ("fedrep:b", "ditto:0.1"):
+        with pytest.raises(cohort.ConfigError, match="use fedper:TENSORS or finetune:EPOCHS"):
+            run(tmp_path / scheme.replace(":", "-"), personalise=scheme)
+    with pytest.raises(cohort.ConfigError, match="no layer or tensor `fc9`"):
+        run(tmp_path / "bad", personalise="fedper:fc9")
+
+
 @pytest.mark.parametrize(
     "train, words",
     [

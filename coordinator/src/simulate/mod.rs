@@ -15,6 +15,7 @@ mod personal;
 pub mod plot;
 mod population;
 pub mod python;
+mod python_clients;
 mod record;
 mod run;
 mod shared_memory;
@@ -353,14 +354,6 @@ fn run_into(
     mut on_round: impl FnMut(&RoundRecord),
 ) -> Result<(Summary, SimulationResult), SimulationError> {
     let strategy = cfg.strategy.to_string();
-    if (cfg.personalise.is_some() || cfg.client_holdout() > 0.0) && pop.trainer() != "built-in" {
-        return Err(ConfigError(
-            "--personalise and --client-holdout are for the built-in models: a Python train \
-             keeps no personal layers and holds nothing out"
-                .into(),
-        )
-        .into());
-    }
     let mut metrics = MetricsWriter::create(dir)?;
     let result = run_rounds(cfg, pop, |record| {
         metrics.write(record, &strategy)?;

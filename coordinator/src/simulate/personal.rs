@@ -33,14 +33,14 @@ impl PersonalRun {
     }
 
     /// Client `client`'s training task: its personalised update, its state kept.
-    pub(super) fn train(
+    pub(super) fn train<M: personal::TrainFrom>(
         &self,
         client: u64,
-        model: &LocalModel,
+        model: &M,
         global: &ModelVector,
         config: &TrainConfig,
         seed: u64,
-    ) -> Result<cohort_edge::train::LocalUpdate, cohort_edge::train::TrainError> {
+    ) -> Result<cohort_edge::train::LocalUpdate, M::Error> {
         let state = self.state(client);
         let out = personal::train(&self.scheme, model, global, state.as_deref(), config, seed)?;
         if let Some(kept) = out.state {
@@ -52,7 +52,7 @@ impl PersonalRun {
         Ok(out.upload)
     }
 
-    fn state(&self, client: u64) -> Option<PersonalState> {
+    pub(super) fn state(&self, client: u64) -> Option<PersonalState> {
         self.states
             .lock()
             .expect("no panics while held")

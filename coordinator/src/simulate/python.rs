@@ -84,11 +84,57 @@ pub struct PythonSettings {
     /// Models and updates go through memory shared with the workers (Linux) instead of
     /// their pipes. Where it cannot be set up, the pipes carry them.
     pub shared_memory: bool,
+    /// Each client's held-out split and the run's personalisation.
+    pub clients_split: ClientSplit,
+}
+
+/// How a run scores each client on its own data, and what it personalises: the run's
+/// `--client-holdout` and `--personalise`.
+#[derive(Debug, Clone, Default)]
+pub struct ClientSplit {
+    /// The fraction of each client's examples held out (0: none, and no per-client
+    /// scores).
+    pub holdout: f64,
+    /// Seeds each client's split.
+    pub seed: u64,
+    /// The personalisation scheme, if any.
+    pub personalise: Option<cohort_edge::personal::Personalisation>,
+    /// Training settings for fine-tuning a personal model to score it.
+    pub tuning: cohort_edge::train::TrainConfig,
+}
+
+impl ClientSplit {
+    /// The split and personalisation `cfg` asks for.
+    pub fn of(cfg: &super::config::SimulationConfig) -> Self {
+        Self {
+            holdout: cfg.client_holdout(),
+            seed: crate::seeds::derive_seed(cfg.seed, crate::seeds::Stream::Split, 2, 0),
+            personalise: cfg.personalise.clone(),
+            tuning: cfg.train_config(),
+        }
+    }
+
+    /// Why a Python `train` cannot run this split's scheme, if it cannot.
+    pub fn refusal(&self) -> Option<ConfigError> {
+        match &self.personalise {
+            Some(
+                p @ (cohort_edge::personal::Personalisation::FedRep { .. }
+                | cohort_edge::personal::Personalisation::Ditto { .. }),
+            ) => Some(ConfigError(format!(
+                "--personalise {p} freezes layers or pulls a model towards another, which a \
+                     Python train does not do: use fedper:TENSORS or finetune:EPOCHS with it"
+            ))),
+            _ => None,
+        }
+    }
 }
 
 impl PythonSettings {
     /// Checks what can be checked before any process starts.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(why) = self.clients_split.refusal() {
+            return Err(why);
+        }
         if self.workers == 0 {
             return Err(ConfigError("workers must be at least 1".into()));
         }
@@ -142,14 +188,14 @@ struct Running {
 
 /// The Python workers and what the run has learnt about the clients.
 pub struct PythonPopulation {
-    settings: PythonSettings,
+    pub(super) settings: PythonSettings,
     layout: Arc<Layout>,
     initial: ModelVector,
     /// One slot per worker; `None` until started or after a crash.
     workers: Vec<Mutex<Option<Worker>>>,
     running: Arc<Vec<Mutex<Running>>>,
     /// Each client's sample count, from its last report (0: not yet trained).
-    samples: Vec<AtomicUsize>,
+    pub(super) samples: Vec<AtomicUsize>,
     cancel: Arc<AtomicBool>,
     watchdog_stop: Arc<AtomicBool>,
     watchdog: Option<std::thread::JoinHandle<()>>,
@@ -157,11 +203,17 @@ pub struct PythonPopulation {
     started: AtomicUsize,
     /// Whether the user's code has an `evaluate` (a population without one is not asked,
     /// so no round waits for a model sent for nothing).
-    has_evaluate: AtomicBool,
+    pub(super) has_evaluate: AtomicBool,
     /// The memory shared with the workers, once the model's size is known.
     shared: Option<Shared>,
     /// The shared file, from before the first worker starts (workers inherit it).
     shared_file: Option<SharedFile>,
+    /// With `--personalise`: the scheme and every client's personal state.
+    pub(super) personal: Option<super::personal::PersonalRun>,
+    /// Model versions for models that are no round's global (a client's personalised
+    /// model, the global scored on the clients' splits): counted down from the top, far
+    /// from the rounds'.
+    pub(super) next_private_version: std::sync::atomic::AtomicU64,
 }
 
 /// The parts of the shared memory.
@@ -173,16 +225,16 @@ struct Shared {
 }
 
 /// A task's update before it is handed over: in its slot, or copied out of the reply.
-struct Outcome<'s> {
-    landed: Landed<'s>,
-    num_samples: usize,
-    train_loss: f64,
-    client: u64,
-    round: u32,
+pub(super) struct Outcome<'s> {
+    pub(super) landed: Landed<'s>,
+    pub(super) num_samples: usize,
+    pub(super) train_loss: f64,
+    pub(super) client: u64,
+    pub(super) round: u32,
 }
 
 /// Where an update landed.
-enum Landed<'s> {
+pub(super) enum Landed<'s> {
     /// Copied out of the reply (over the pipe, or in another order or dtype) and
     /// checked on the way.
     Owned(Vec<f32>),
@@ -198,7 +250,7 @@ enum Landed<'s> {
 impl<'s> Outcome<'s> {
     /// The update as the round loop reads it, or the task's failure when a value is not
     /// finite (named by the general check).
-    fn check(self, layout: &Arc<Layout>) -> Result<Trained<'s>, ClientFailure> {
+    pub(super) fn check(self, layout: &Arc<Layout>) -> Result<Trained<'s>, ClientFailure> {
         let params = match self.landed {
             Landed::Owned(values) => Params::Owned(values),
             Landed::InSlot { values, tensors } => match Finite::check(values) {
@@ -239,7 +291,7 @@ impl std::fmt::Debug for PythonPopulation {
 }
 
 /// A failure inside one worker exchange.
-enum WorkerError {
+pub(super) enum WorkerError {
     /// The user's code failed or returned something unusable: the task fails.
     Task(String),
     /// The process died, hung or broke the protocol: it is replaced and the task fails.
@@ -295,8 +347,21 @@ impl PythonPopulation {
             has_evaluate: AtomicBool::new(true),
             shared: None,
             shared_file,
+            personal: None,
+            next_private_version: std::sync::atomic::AtomicU64::new(u64::MAX),
         };
+        pop.personal = pop
+            .settings
+            .clients_split
+            .personalise
+            .clone()
+            .map(super::personal::PersonalRun::new);
         let initial = pop.fetch_initial()?;
+        if let Some(scheme) = &pop.settings.clients_split.personalise {
+            scheme
+                .personal_mask(initial.layout())
+                .map_err(|e| ConfigError(format!("--personalise {scheme}: {e}")))?;
+        }
         pop.layout = initial.layout().clone();
         pop.initial = initial;
         pop.shared = pop.map_shared();
@@ -347,6 +412,8 @@ impl PythonPopulation {
             .stderr(Stdio::inherit())
             .env("COHORT_WORKER_INDEX", index.to_string())
             .env("COHORT_WORKER_CLIENTS", s.clients.to_string())
+            .env("COHORT_WORKER_HOLDOUT", s.clients_split.holdout.to_string())
+            .env("COHORT_WORKER_SPLIT_SEED", s.clients_split.seed.to_string())
             .env("PYTHONUNBUFFERED", "1");
         match &s.code {
             PythonCode::Payload(path) => cmd.env("COHORT_WORKER_PAYLOAD", path),
@@ -451,7 +518,7 @@ impl PythonPopulation {
 
     /// Runs one request on worker `index`, starting it first if it is not running, and
     /// sending it `global` (as `version`) if it holds another model.
-    fn exchange(
+    pub(super) fn exchange(
         &self,
         index: usize,
         version: u64,
@@ -548,7 +615,7 @@ impl PythonPopulation {
     }
 
     /// Trains one task on `worker`; its update goes to `slot` when there is one.
-    fn train_one<'s>(
+    pub(super) fn train_one<'s>(
         &self,
         worker: usize,
         task: &ClientTask<'_>,
@@ -652,22 +719,34 @@ impl PythonPopulation {
     ) -> Result<Vec<Result<Outcome<'s>, ClientFailure>>, SimulationError> {
         let mut order: Vec<usize> = (0..tasks.len()).collect();
         order.sort_by_key(|&i| std::cmp::Reverse(self.num_samples(tasks[i].client)));
+        self.schedule(&order, tasks.len(), |w, i| {
+            self.train_one(w, &tasks[i], slots.map(|s| &s[i]))
+        })
+    }
+
+    /// Runs job `i` for every `i` of `order` on the workers, each worker taking the next
+    /// job as it finishes one (job `i` runs as `job(worker, i)`); the results come back
+    /// indexed by job, `n` of them. The first fatal error ends the batch.
+    pub(super) fn schedule<R: Send>(
+        &self,
+        order: &[usize],
+        n: usize,
+        job: impl Fn(usize, usize) -> Result<R, SimulationError> + Sync,
+    ) -> Result<Vec<R>, SimulationError> {
         let next = AtomicUsize::new(0);
-        let results: Vec<Mutex<Option<Result<Outcome<'s>, ClientFailure>>>> =
-            tasks.iter().map(|_| Mutex::new(None)).collect();
-        let workers = self.settings.workers.min(tasks.len());
+        let results: Vec<Mutex<Option<R>>> = (0..n).map(|_| Mutex::new(None)).collect();
+        let workers = self.settings.workers.min(order.len());
         std::thread::scope(|scope| {
             let handles: Vec<_> = (0..workers)
                 .map(|w| {
-                    let (order, next, results) = (&order, &next, &results);
+                    let (next, results, job) = (&next, &results, &job);
                     scope.spawn(move || -> Result<(), SimulationError> {
                         loop {
                             let k = next.fetch_add(1, Ordering::Relaxed);
                             let Some(&i) = order.get(k) else {
                                 return Ok(());
                             };
-                            let slot = slots.map(|s| &s[i]);
-                            let result = self.train_one(w, &tasks[i], slot)?;
+                            let result = job(w, i)?;
                             *results[i].lock().expect("no panics while held") = Some(result);
                         }
                     })
@@ -690,7 +769,7 @@ impl PythonPopulation {
             .map(|r| {
                 r.into_inner()
                     .expect("no panics while held")
-                    .expect("every task ran")
+                    .expect("every job ran")
             })
             .collect())
     }
@@ -844,6 +923,17 @@ impl Population for PythonPopulation {
         tasks: &[ClientTask<'_>],
         consume: &mut Consume<'_>,
     ) -> Result<(), SimulationError> {
+        if self.personal.is_some() {
+            let outcomes = self.personal_tasks(tasks)?;
+            let layout = &self.layout;
+            return consume(
+                0,
+                outcomes
+                    .into_iter()
+                    .map(|o| o.and_then(|o| o.check(layout)))
+                    .collect(),
+            );
+        }
         let Some(shared) = &self.shared else {
             let outcomes = self.run_tasks(tasks, None)?;
             let layout = &self.layout;
@@ -935,6 +1025,13 @@ impl Population for PythonPopulation {
             client_samples_max: sizes.last().copied().unwrap_or(0),
             model_parameters: self.initial.len(),
         }
+    }
+
+    fn client_accuracies(
+        &self,
+        global: &ModelVector,
+    ) -> Result<Option<Vec<super::personal::ClientAccuracy>>, SimulationError> {
+        self.score_clients(global)
     }
 
     fn trainer(&self) -> &'static str {

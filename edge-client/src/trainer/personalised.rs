@@ -14,13 +14,13 @@ use std::path::{Path, PathBuf};
 
 use cohort_aggregation::ModelVector;
 
-use crate::personal::{self, TrainFrom};
-use crate::protocol::{Task, TaskKind, TaskPersonalisation};
-use crate::train::{LocalUpdate, TrainConfig, TrainError};
-use crate::trainer::{
+use super::{
     MAX_METRICS, ReportedEvaluation, TaskTrainer, TrainerFailure, TrainerJob, TrainerOutput,
     check_output, valid_metric_name,
 };
+use crate::personal::{self, TrainFrom};
+use crate::protocol::{Task, TaskKind, TaskPersonalisation};
+use crate::train::{LocalUpdate, TrainConfig, TrainError};
 
 /// Where a client keeps its personal part of `experiment`: little-endian `f32`s, the
 /// whole vector of its personal model ([`personal::PersonalState`]).
