@@ -38,7 +38,11 @@ class SimulationResult:
             ``epsilon`` (against observers of
             the published models) and ``epsilon_coordinator`` (against the coordinator,
             which knows who was sampled: the worst client's own rounds, unamplified;
-            ``inf`` under central noise, where the coordinator sees every update).
+            ``inf`` under central noise, where the coordinator sees every update); with
+            ``client_holdout`` or ``personalise``, ``client_accuracy_mean`` and
+            ``client_accuracy_p10`` (the global model on each client's held-out rows)
+            and ``personal_accuracy_mean`` and ``personal_accuracy_p10`` (each client's
+            personalised model), ``None`` otherwise.
         summary: The run's ``summary.json`` as a dict (resolved configuration, totals,
             epsilon spent against observers and against the coordinator,
             ``total_failed``).

@@ -74,6 +74,12 @@ fn record_to_dict<'py>(py: Python<'py>, r: &RoundRecord) -> PyResult<Bound<'py, 
     d.set_item("sim_seconds", r.sim_seconds)?;
     d.set_item("epsilon", r.epsilon)?;
     d.set_item("epsilon_coordinator", r.epsilon_coordinator)?;
+    d.set_item("bytes_up", r.bytes_up)?;
+    d.set_item("bytes_down", r.bytes_down)?;
+    d.set_item("client_accuracy_mean", r.client_accuracy_mean)?;
+    d.set_item("client_accuracy_p10", r.client_accuracy_p10)?;
+    d.set_item("personal_accuracy_mean", r.personal_accuracy_mean)?;
+    d.set_item("personal_accuracy_p10", r.personal_accuracy_p10)?;
     Ok(d)
 }
 
