@@ -21,6 +21,7 @@ pub mod error;
 pub mod error_code;
 pub mod fd_limit;
 pub mod http;
+pub mod logging;
 pub mod privacy;
 pub mod rate_limit;
 pub mod secagg_snapshots;
@@ -485,17 +486,11 @@ pub async fn run(
 }
 
 /// `cohort serve` from a synchronous `main`: installs the ring crypto provider, starts
-/// logging to stderr (`RUST_LOG`, default `info`), raises the open file limit
+/// logging to stderr (`RUST_LOG`, default `info`; [`logging`]), raises the open file limit
 /// ([`fd_limit`]), starts a multi-threaded runtime, and runs until Ctrl-C or SIGTERM.
 pub fn run_until_signal(settings: ServeSettings) -> Result<(), ServeError> {
     install_crypto_provider();
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    // Fails only when a subscriber is already set (an embedding program's); keep theirs.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+    logging::init(settings.log_format);
     // Every held client connection is a file descriptor; before anything listens.
     fd_limit::raise_and_log();
     let runtime = tokio::runtime::Builder::new_multi_thread()

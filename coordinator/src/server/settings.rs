@@ -119,6 +119,8 @@ pub struct ServeSettings {
     /// instead of the operating system's generator, so that a deployment's selections
     /// can be replayed; `None` (the default) draws them unpredictably.
     pub selection_seed: Option<u64>,
+    /// How log lines are written.
+    pub log_format: super::logging::LogFormat,
 }
 
 /// Why the settings cannot be used. Messages name the setting and, except for secrets,
@@ -290,6 +292,10 @@ pub struct ServeFlags {
     /// by default they are unpredictable [env: COHORT_SELECTION_SEED]
     #[arg(long, value_name = "SEED")]
     pub selection_seed: Option<u64>,
+    /// Log lines on standard error as text (colour only on a terminal, and never with
+    /// NO_COLOR set) or one JSON object a line [env: COHORT_LOG_FORMAT] [default: text]
+    #[arg(long, value_name = "text|json")]
+    pub log_format: Option<super::logging::LogFormat>,
 }
 
 /// `cohort serve`'s command line: an optional config file plus the flags.
@@ -328,6 +334,7 @@ struct Layer {
     trusted_proxies: Option<String>,
     job_lease_seconds: Option<u64>,
     selection_seed: Option<u64>,
+    log_format: Option<super::logging::LogFormat>,
 }
 
 impl Layer {
@@ -355,6 +362,7 @@ impl Layer {
             trusted_proxies: over.trusted_proxies.or(self.trusted_proxies),
             job_lease_seconds: over.job_lease_seconds.or(self.job_lease_seconds),
             selection_seed: over.selection_seed.or(self.selection_seed),
+            log_format: over.log_format.or(self.log_format),
         }
     }
 
@@ -461,6 +469,14 @@ impl Layer {
                     })
                 })
                 .transpose()?,
+            log_format: get("COHORT_LOG_FORMAT")
+                .map(|v| {
+                    v.parse().map_err(|message| SettingsError::InvalidEnv {
+                        var: "COHORT_LOG_FORMAT",
+                        message,
+                    })
+                })
+                .transpose()?,
         })
     }
 
@@ -488,6 +504,7 @@ impl Layer {
             trusted_proxies: flags.trusted_proxies,
             job_lease_seconds: flags.job_lease_seconds,
             selection_seed: flags.selection_seed,
+            log_format: flags.log_format,
         }
     }
 }
@@ -599,6 +616,7 @@ impl ServeSettings {
             trusted_proxies,
             job_lease: std::time::Duration::from_secs(job_lease_seconds),
             selection_seed: layer.selection_seed,
+            log_format: layer.log_format.unwrap_or_default(),
             rate_limits: {
                 use super::rate_limit::{PerMinute, RateSettings};
                 let d = RateSettings::default();
