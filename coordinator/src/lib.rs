@@ -27,3 +27,4 @@ pub mod seeds;
 pub mod server;
 pub mod simulate;
 pub mod store;
+pub mod tracking;

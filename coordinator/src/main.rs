@@ -162,6 +162,9 @@ struct SimulateArgs {
     /// [default: 0.2 with --personalise, else 0 (off)]
     #[arg(long, value_name = "F")]
     client_holdout: Option<f64>,
+    /// Also write TensorBoard event files here (DIR/<strategy>/), round by round
+    #[arg(long, value_name = "DIR")]
+    tensorboard: Option<PathBuf>,
     /// Secure aggregation with quantize:B uploads: masked word width, 8 | 16 | 32
     /// [default: the narrowest that holds the round's sum]
     #[arg(long, value_name = "W")]
@@ -339,7 +342,7 @@ impl SimulateArgs {
             };
         }
         set!(compress_up, compress_down);
-        set_some!(word_bits, personalise, client_holdout);
+        set_some!(word_bits, personalise, client_holdout, tensorboard);
         if let [only] = strategies.as_slice() {
             cfg.strategy = *only;
         }

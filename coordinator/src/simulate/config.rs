@@ -252,6 +252,10 @@ pub struct SimulationConfig {
     /// Output directory; `None` picks `runs/simulate-<timestamp>`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub out: Option<PathBuf>,
+    /// Also write TensorBoard event files into this directory (one run per strategy,
+    /// `DIR/<strategy>/`), round by round.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tensorboard: Option<PathBuf>,
 }
 
 impl Default for SimulationConfig {
@@ -305,6 +309,7 @@ impl Default for SimulationConfig {
             target_accuracy: None,
             seed: 0,
             out: None,
+            tensorboard: None,
         }
     }
 }

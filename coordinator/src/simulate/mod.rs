@@ -7,6 +7,7 @@
 //! staged next to the target and moved into place only when the run finishes, so a
 //! failed run never leaves a directory that looks like a finished one.
 
+mod board;
 mod config;
 mod fedbuff;
 mod links;
@@ -355,8 +356,16 @@ fn run_into(
 ) -> Result<(Summary, SimulationResult), SimulationError> {
     let strategy = cfg.strategy.to_string();
     let mut metrics = MetricsWriter::create(dir)?;
+    let mut board = cfg
+        .tensorboard
+        .as_deref()
+        .map(|d| board::Board::start(d, &strategy, cfg))
+        .transpose()?;
     let result = run_rounds(cfg, pop, |record| {
         metrics.write(record, &strategy)?;
+        if let Some(b) = board.as_mut() {
+            b.round(record)?;
+        }
         if let Some(w) = extra.as_deref_mut() {
             w.write(record, &strategy)?;
         }
