@@ -336,6 +336,7 @@ async fn a_trainer_never_outlives_an_abandoned_secure_round() {
         local_dp: None,
         slowdown: Duration::ZERO,
         floors: cohort_aggregation::secagg::ClientFloors::default(),
+        rules: Default::default(),
     };
     // Enrols and checks in, so that the rounds can select it.
     run_agent(config.clone()).await.unwrap();

@@ -129,6 +129,7 @@ fn agent(server: &Served, dir: &Path, token: String, seed: u64) -> AgentConfig {
         local_dp: None,
         slowdown: Duration::ZERO,
         floors: cohort_aggregation::secagg::ClientFloors::default(),
+        rules: Default::default(),
     }
 }
 

@@ -143,6 +143,7 @@ impl Server {
             local_dp,
             slowdown: Duration::ZERO,
             floors: cohort_aggregation::secagg::ClientFloors::default(),
+            rules: Default::default(),
         }
     }
 

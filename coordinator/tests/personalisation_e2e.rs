@@ -91,6 +91,7 @@ fn agent(server: &Served, dir: &Path, token: String, i: usize) -> AgentConfig {
         local_dp: None,
         slowdown: Duration::ZERO,
         floors: cohort_aggregation::secagg::ClientFloors::default(),
+        rules: Default::default(),
     }
 }
 

@@ -82,6 +82,7 @@ async fn two_coordinators_on_one_postgres_never_run_the_same_job() {
             seed: i,
             slowdown: std::time::Duration::ZERO,
             floors: cohort_aggregation::secagg::ClientFloors::default(),
+            rules: Default::default(),
             local_dp: None,
         };
         agents.push(tokio::spawn(cohort_edge::agent::run_agent(config)));

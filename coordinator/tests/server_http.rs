@@ -1835,6 +1835,7 @@ async fn edge_agents_enrol_train_and_upload_until_the_experiment_finishes() {
             seed: i,
             slowdown: std::time::Duration::ZERO,
             floors: cohort_aggregation::secagg::ClientFloors::default(),
+            rules: Default::default(),
             local_dp: None,
         };
         agents.push(tokio::spawn(cohort_edge::agent::run_agent(config)));
@@ -1881,6 +1882,7 @@ async fn edge_agents_enrol_train_and_upload_until_the_experiment_finishes() {
         seed: 9,
         slowdown: std::time::Duration::ZERO,
         floors: cohort_aggregation::secagg::ClientFloors::default(),
+        rules: Default::default(),
         local_dp: None,
     })
     .await

@@ -52,6 +52,9 @@ pub struct AgentConfig {
     /// neighbours, party count, noise): a round below them is refused, and the refusal
     /// says which floor it fell short of.
     pub floors: cohort_aggregation::secagg::ClientFloors,
+    /// What this site allows (experiments, rounds); a task outside it is refused,
+    /// reported and logged ([`crate::governance`]).
+    pub rules: crate::governance::SiteRules,
 }
 
 /// Why the agent stopped with an error.
@@ -109,6 +112,8 @@ pub struct AgentReport {
     /// Evaluation tasks answered without metrics: under local differential privacy no
     /// metric of this client's data leaves the machine.
     pub evaluations_withheld: usize,
+    /// Tasks this site's rules refused (reported to the coordinator).
+    pub refused: usize,
 }
 
 /// Delay before retry number `attempt` (from 0): exponential from 0.5 s, capped at 30 s,
@@ -241,6 +246,7 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
         state_dir: Arc::new(config.state_dir.clone()),
     };
     let joined = std::sync::Mutex::new(std::collections::HashSet::new());
+    let site_log = crate::governance::SiteLog::new(&config.state_dir);
     let mut idle_since = Instant::now();
     loop {
         if config
@@ -255,6 +261,17 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
         });
         let task = with_retries(|| client.checkin(&cred, wait)).await?;
         let Some(task) = task else { continue };
+        // The site's rules, before any data is read or any budget charged.
+        let trained = site_log
+            .trained(task.experiment_id)
+            .map_err(state_error(site_log.path()))?;
+        if let Some(why) = config.rules.refusal(&task_ref(&task), trained) {
+            refuse(&client, &cred, &task, &why, &site_log).await?;
+            report.refused += 1;
+            idle_since = Instant::now();
+            continue;
+        }
+        let sent_before = client.update_bytes_sent();
         if let (TaskKind::Train, Some(dp), Some(ledger)) =
             (task.kind, &config.local_dp, &mut ledger)
             && !charge_local_dp(ledger, dp, &config.state_dir)?
@@ -283,6 +300,20 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
         // started still runs; the next task, and the caller once this returns, must not
         // see it go on: an app's C callback cannot be cancelled, so it is waited for.
         runs.settled().await;
+        let mut entry =
+            crate::governance::SiteLogEntry::of(&task_ref(&task), logged_outcome(&outcome));
+        entry.reason = match &outcome {
+            Err(e) => Some(e.to_string()),
+            Ok(_) => None,
+        };
+        entry.bytes_sent = client.update_bytes_sent() - sent_before;
+        entry.local_dp_epsilon = match (&config.local_dp, &ledger) {
+            (Some(dp), Some(ledger)) => ledger.epsilon_with(None, dp.delta).ok(),
+            _ => None,
+        };
+        site_log
+            .append(&entry)
+            .map_err(state_error(site_log.path()))?;
         record_outcome(outcome, &task, &mut report, &client, &cred).await?;
         idle_since = Instant::now();
     }
@@ -338,6 +369,64 @@ fn charge_local_dp(
             Ok(false)
         }
         Err(e) => Err(e.into()),
+    }
+}
+
+/// Refuses `task` under the site's rules: reported to the coordinator as the task's
+/// failure (with `why`), and written to the site log.
+async fn refuse(
+    client: &CoordinatorClient,
+    cred: &Credential,
+    task: &Task,
+    why: &str,
+    site_log: &crate::governance::SiteLog,
+) -> Result<(), AgentError> {
+    note(&format!(
+        "refused experiment={} round={} attempt={}: {why}",
+        task.experiment_id, task.round, task.attempt
+    ));
+    site_log
+        .append(&crate::governance::SiteLogEntry {
+            reason: Some(why.to_string()),
+            ..crate::governance::SiteLogEntry::of(
+                &task_ref(task),
+                crate::governance::TaskOutcome::Refused,
+            )
+        })
+        .map_err(state_error(site_log.path()))?;
+    if let Err(e) = with_retries(|| client.report_failure(cred, task, why)).await {
+        note(&format!("could not report the refusal: {e}"));
+    }
+    Ok(())
+}
+
+/// `task` as the site's rules and log see it.
+fn task_ref(task: &Task) -> crate::governance::TaskRef {
+    crate::governance::TaskRef {
+        experiment: task.experiment_id,
+        round: task.round,
+        attempt: task.attempt,
+        kind: match task.kind {
+            TaskKind::Train => crate::governance::Kind::Train,
+            TaskKind::Evaluate => crate::governance::Kind::Evaluate,
+        },
+    }
+}
+
+/// What the site log says became of a task that ran.
+fn logged_outcome(outcome: &Result<Served, AgentError>) -> crate::governance::TaskOutcome {
+    use crate::governance::TaskOutcome;
+    match outcome {
+        Ok(Served::Uploaded) => TaskOutcome::Uploaded,
+        Ok(Served::Evaluated) => TaskOutcome::Evaluated,
+        Ok(Served::Withheld) => TaskOutcome::Withheld,
+        Err(
+            AgentError::Protocol(ProtocolError::Refused {
+                status: 404 | 409, ..
+            })
+            | AgentError::SecureAggregation(_),
+        ) => TaskOutcome::Skipped,
+        Err(_) => TaskOutcome::Failed,
     }
 }
 

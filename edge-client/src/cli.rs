@@ -110,6 +110,14 @@ pub struct EdgeArgs {
     /// (by showing each client its own survivor list); refused by default
     #[arg(long)]
     pub allow_no_consistency_check: bool,
+    /// Only these experiments may run on this site's data (comma-separated ids); a task
+    /// of any other is refused, reported to the coordinator and logged
+    #[arg(long, value_name = "ID,...", value_delimiter = ',')]
+    pub allowed_experiments: Option<Vec<uuid::Uuid>>,
+    /// At most this many training rounds of any one experiment on this site's data;
+    /// later tasks are refused, reported and logged
+    #[arg(long, value_name = "N")]
+    pub max_rounds: Option<u32>,
 }
 
 /// The trainer the flags ask for: an external command (`--trainer`) or the built-in
@@ -224,12 +232,16 @@ pub fn run(args: EdgeArgs) -> ExitCode {
         slowdown: Duration::from_millis(args.slowdown_ms),
         local_dp,
         floors,
+        rules: crate::governance::SiteRules {
+            allowed_experiments: args.allowed_experiments,
+            max_rounds: args.max_rounds,
+        },
     };
     match runtime.block_on(run_agent(config)) {
         Ok(report) => {
             println!(
-                "uploads={} skipped={} failed={} evaluations={}",
-                report.uploads, report.skipped, report.failed, report.evaluations
+                "uploads={} skipped={} failed={} evaluations={} refused={}",
+                report.uploads, report.skipped, report.failed, report.evaluations, report.refused
             );
             ExitCode::SUCCESS
         }

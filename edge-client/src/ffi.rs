@@ -465,6 +465,7 @@ pub unsafe extern "C" fn cohort_client_run_pending(
             local_dp: None,
             slowdown: Duration::ZERO,
             floors: cohort_aggregation::secagg::ClientFloors::default(),
+            rules: Default::default(),
         };
         let report = client.runtime.block_on(crate::agent::run_agent(config));
         match report {

@@ -24,6 +24,8 @@
 //! - [`upload_compression`]: a compressed upload and its error-feedback residual, kept
 //!   in the state directory.
 //! - [`state_file`]: the vectors kept in the state directory, replaced whole.
+//! - [`governance`]: what a site allows (experiments, rounds) and its own append-only
+//!   log of every task.
 //! - [`ffi`]: the C API (`cdylib`, `staticlib`, header `include/cohort_edge.h`), for
 //!   apps that train inside their own process.
 
@@ -34,6 +36,8 @@ pub mod cli;
 pub mod data;
 #[cfg(feature = "agent")]
 pub mod ffi;
+#[cfg(feature = "agent")]
+pub mod governance;
 pub mod identity;
 pub mod local_dp;
 pub mod model;

@@ -129,6 +129,7 @@ fn run_edge<'py>(
         local_dp: None,
         slowdown: Duration::ZERO,
         floors: cohort_aggregation::secagg::ClientFloors::default(),
+        rules: Default::default(),
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let agent = spawn_agent(client, config, done_tx, stop_rx)

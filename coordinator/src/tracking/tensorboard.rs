@@ -18,7 +18,10 @@ const CRC32C: crc::Crc<u32> = crc::Crc::<u32>::new(&crc::CRC_32_ISCSI);
 
 /// TFRecord's masked CRC-32C.
 fn masked_crc(data: &[u8]) -> u32 {
-    CRC32C.checksum(data).rotate_right(15).wrapping_add(0xa282_ead8)
+    CRC32C
+        .checksum(data)
+        .rotate_right(15)
+        .wrapping_add(0xa282_ead8)
 }
 
 /// Appends `value` as a protobuf varint.

@@ -146,6 +146,9 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
 pub struct CoordinatorClient {
     base: String,
     http: reqwest::Client,
+    /// Bytes of updates the coordinator acknowledged (plain, compressed or masked), for
+    /// the site's own log of what it sent.
+    sent: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 async fn checked(response: reqwest::Response) -> Result<reqwest::Response, ProtocolError> {
@@ -209,7 +212,19 @@ impl CoordinatorClient {
         Ok(Self {
             base: base.trim_end_matches('/').to_string(),
             http: builder.build()?,
+            sent: Default::default(),
         })
+    }
+
+    /// Bytes of updates the coordinator has acknowledged over this client's life (a
+    /// retried upload counts once per acknowledgement).
+    pub fn update_bytes_sent(&self) -> u64 {
+        self.sent.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn count_sent(&self, bytes: usize) {
+        self.sent
+            .fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn url(&self, path: &str) -> String {
@@ -549,17 +564,19 @@ impl CoordinatorClient {
                 32,
             ),
         };
+        let body =
+            cohort_aggregation::secagg::messages::encode_masked(masked, dimension, word_bits);
+        let bytes = body.len();
         let r = self
             .http
             .post(self.url(&url))
             .bearer_auth(cred.bearer())
             .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
-            .body(cohort_aggregation::secagg::messages::encode_masked(
-                masked, dimension, word_bits,
-            ))
+            .body(body)
             .send()
             .await?;
         checked(r).await?;
+        self.count_sent(bytes);
         Ok(())
     }
 
@@ -647,6 +664,7 @@ impl CoordinatorClient {
         train_loss: f64,
         upload_id: Uuid,
     ) -> Result<(), ProtocolError> {
+        let bytes = body.len();
         let mut url = format!(
             "{}?num_samples={num_samples}&upload_id={upload_id}",
             routes::for_attempt(routes::UPDATE, task.experiment_id, task.round, task.attempt)
@@ -663,6 +681,7 @@ impl CoordinatorClient {
             .send()
             .await?;
         checked(r).await?;
+        self.count_sent(bytes);
         Ok(())
     }
 }

@@ -1,0 +1,140 @@
+//! Site governance, end to end: a real `cohort serve` and an in-process edge agent whose
+//! site allows only some experiments, or some rounds of each.
+//!
+//! What it protects, for each rule: the task is refused before anything is trained, the
+//! coordinator is told why (the round's failures carry the site's reason), and the
+//! site's own log (`site-log.jsonl`) records the refusal beside every task that ran,
+//! with the bytes each upload sent.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cohort_edge::agent::{AgentConfig, AgentReport, run_agent};
+use cohort_edge::governance::{SiteLog, SiteRules, TaskOutcome};
+use cohort_edge::trainer::BuiltInTrainer;
+use common::{Served, admin};
+use reqwest::Method;
+
+/// An experiment of `rounds` rounds for one client, started once the client is in.
+async fn experiment(server: &Served, rounds: u32) -> String {
+    let spec = serde_json::json!({
+        "name": "governed", "features": 4, "classes": 2, "model": "logreg",
+        "rounds": rounds, "clients_per_round": 1, "min_participants": 1,
+        "collect_deadline_seconds": 20, "max_round_attempts": 2
+    });
+    let exp = admin(
+        &server.http,
+        &server.base,
+        Method::POST,
+        "/experiments",
+        Some(spec),
+    )
+    .await;
+    exp["id"].as_str().unwrap().to_string()
+}
+
+/// Runs one agent under `rules` (state in `dir`) on experiment `id` until it idles out.
+async fn run_site(server: &Served, dir: &Path, id: &str, rules: SiteRules) -> AgentReport {
+    let token = common::issue_token(&server.http, &server.base, "site").await;
+    let config = AgentConfig {
+        coordinator: server.base.clone(),
+        insecure_http: false,
+        ca_pem: Some(server.ca_pem.clone()),
+        identity_pem: None,
+        enrol_token: Some(token),
+        trainer: Arc::new(BuiltInTrainer::new(common::blob_data(40, 0.0))),
+        state_dir: dir.to_path_buf(),
+        idle_exit: Some(Duration::from_secs(4)),
+        seed: 1,
+        local_dp: None,
+        slowdown: Duration::ZERO,
+        floors: cohort_aggregation::secagg::ClientFloors::default(),
+        rules,
+    };
+    let agent = tokio::spawn(run_agent(config));
+    common::wait_checked_in(&server.http, &server.base, 1, Duration::from_secs(30)).await;
+    let path = format!("/experiments/{id}/start");
+    admin(&server.http, &server.base, Method::POST, &path, None).await;
+    tokio::time::timeout(Duration::from_secs(120), agent)
+        .await
+        .expect("the agent idles out")
+        .unwrap()
+        .expect("the agent runs without error")
+}
+
+/// Every failure reason the coordinator recorded for experiment `id`.
+async fn failure_reasons(server: &Served, id: &str) -> Vec<String> {
+    common::rounds(&server.http, &server.base, id)
+        .await
+        .iter()
+        .flat_map(|r| r["failures"].as_array().cloned().unwrap_or_default())
+        .map(|f| f["reason"].as_str().unwrap_or_default().to_string())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_experiment_the_site_does_not_allow_is_refused_reported_and_logged() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = common::serve_in(dir.path()).await;
+    let id = experiment(&server, 2).await;
+    let rules = SiteRules {
+        allowed_experiments: Some(vec![uuid::Uuid::from_u128(42)]),
+        max_rounds: None,
+    };
+    let report = run_site(&server, &dir.path().join("site"), &id, rules).await;
+    assert_eq!(report.uploads, 0, "{report:?}");
+    assert!(report.refused >= 1, "{report:?}");
+    let reasons = failure_reasons(&server, &id).await;
+    assert!(
+        reasons
+            .iter()
+            .any(|r| r.contains("not allowed at this site")),
+        "{reasons:?}"
+    );
+    let log = SiteLog::new(&dir.path().join("site")).entries().unwrap();
+    assert!(!log.is_empty());
+    for entry in &log {
+        assert_eq!(entry.outcome, TaskOutcome::Refused, "{entry:?}");
+        assert_eq!(entry.experiment.to_string(), id);
+        assert!(
+            entry
+                .reason
+                .as_deref()
+                .unwrap()
+                .contains("--allowed-experiments")
+        );
+        assert_eq!(entry.bytes_sent, 0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rounds_past_the_sites_limit_are_refused_reported_and_logged() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = common::serve_in(dir.path()).await;
+    let id = experiment(&server, 3).await;
+    let rules = SiteRules {
+        allowed_experiments: Some(vec![id.parse().unwrap()]),
+        max_rounds: Some(1),
+    };
+    let report = run_site(&server, &dir.path().join("site"), &id, rules).await;
+    assert_eq!(report.uploads, 1, "{report:?}");
+    assert!(report.refused >= 1, "{report:?}");
+    let reasons = failure_reasons(&server, &id).await;
+    assert!(
+        reasons.iter().any(|r| r.contains("at most 1 rounds")),
+        "{reasons:?}"
+    );
+    let log = SiteLog::new(&dir.path().join("site")).entries().unwrap();
+    assert_eq!(log[0].outcome, TaskOutcome::Uploaded, "{log:?}");
+    assert_eq!(log[0].round, 1);
+    // Ten parameters (4 x 2 weights and 2 biases) as 32-bit floats, at least.
+    assert!(log[0].bytes_sent >= 40, "{log:?}");
+    assert!(log.len() >= 2);
+    for entry in &log[1..] {
+        assert_eq!(entry.outcome, TaskOutcome::Refused, "{entry:?}");
+        assert_eq!(entry.bytes_sent, 0);
+    }
+}

@@ -1,0 +1,269 @@
+//! A site's say over what runs on its data, and its own record of what ran.
+//!
+//! A hospital's IT approves what a federated client may do before it runs: which
+//! experiments (`--allowed-experiments`), for how many rounds each (`--max-rounds`). A
+//! task outside them is refused before any data is read or any privacy budget charged;
+//! the refusal is reported to the coordinator as the task's failure, with the reason,
+//! and written to the site's log.
+//!
+//! The site log (`site-log.jsonl` in the state directory) is the site's own audit
+//! trail: one JSON line for every task the client was handed — when, which experiment,
+//! round and attempt, what became of it, the bytes of update it sent, and under local
+//! differential privacy the epsilon spent so far. The client only appends to it (each
+//! line synced before the next task), and it is also what `--max-rounds` counts.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+/// The site log's file name in the state directory.
+pub const SITE_LOG_FILE: &str = "site-log.jsonl";
+
+/// What a site allows. The default allows everything.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SiteRules {
+    /// Only these experiments may run here (`None`: any).
+    pub allowed_experiments: Option<Vec<Uuid>>,
+    /// At most this many training tasks per experiment (`None`: no limit).
+    pub max_rounds: Option<u32>,
+}
+
+/// A task as the site's rules and log see it: whose, which round, which kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TaskRef {
+    /// The experiment.
+    pub experiment: Uuid,
+    /// The round (for an evaluation, the model version).
+    pub round: i64,
+    /// The round's attempt.
+    pub attempt: i64,
+    /// Training or evaluation.
+    pub kind: Kind,
+}
+
+/// A task's kind, as the site log names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// Training on the site's data.
+    Train,
+    /// Evaluating a model on it.
+    Evaluate,
+}
+
+impl SiteRules {
+    /// Why this site refuses `task`, if it does, given the training tasks of its
+    /// experiment it already ran (`trained`).
+    pub fn refusal(&self, task: &TaskRef, trained: u32) -> Option<String> {
+        if let Some(allowed) = &self.allowed_experiments
+            && !allowed.contains(&task.experiment)
+        {
+            return Some(format!(
+                "experiment {} is not allowed at this site (--allowed-experiments)",
+                task.experiment
+            ));
+        }
+        if let Some(max) = self.max_rounds
+            && task.kind == Kind::Train
+            && trained >= max
+        {
+            return Some(format!(
+                "this site trains at most {max} rounds of an experiment (--max-rounds) and \
+                 has trained {trained} of experiment {}",
+                task.experiment
+            ));
+        }
+        None
+    }
+}
+
+/// What became of a task, as the site log records it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskOutcome {
+    /// The update was acknowledged.
+    Uploaded,
+    /// The evaluation's metrics were reported.
+    Evaluated,
+    /// An evaluation answered without metrics (local differential privacy).
+    Withheld,
+    /// The trainer failed (reported to the coordinator).
+    Failed,
+    /// The site's rules refused it (reported to the coordinator).
+    Refused,
+    /// Given up: the round moved on, or a secure round was left.
+    Skipped,
+}
+
+/// One line of the site log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SiteLogEntry {
+    /// When the task ended, Unix ms.
+    pub at_ms: i64,
+    /// The experiment.
+    pub experiment: Uuid,
+    /// The round (for an evaluation, the model version).
+    pub round: i64,
+    /// The round's attempt.
+    pub attempt: i64,
+    /// `train` or `evaluate`.
+    pub kind: Kind,
+    /// What became of it.
+    pub outcome: TaskOutcome,
+    /// Why, for a refused or failed task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Bytes of update the coordinator acknowledged for it.
+    pub bytes_sent: u64,
+    /// Under local differential privacy: this client's epsilon spent so far.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local_dp_epsilon: Option<f64>,
+}
+
+impl SiteLogEntry {
+    /// An entry for `task` ending now with `outcome`.
+    pub fn of(task: &TaskRef, outcome: TaskOutcome) -> Self {
+        let at_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as i64);
+        Self {
+            at_ms,
+            experiment: task.experiment,
+            round: task.round,
+            attempt: task.attempt,
+            kind: task.kind,
+            outcome,
+            reason: None,
+            bytes_sent: 0,
+            local_dp_epsilon: None,
+        }
+    }
+}
+
+/// The site log of a state directory.
+#[derive(Debug, Clone)]
+pub struct SiteLog {
+    path: PathBuf,
+}
+
+impl SiteLog {
+    /// The log in `state_dir` (created on the first entry).
+    pub fn new(state_dir: &Path) -> Self {
+        Self {
+            path: state_dir.join(SITE_LOG_FILE),
+        }
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Appends `entry` as one line and syncs it.
+    pub fn append(&self, entry: &SiteLogEntry) -> std::io::Result<()> {
+        if let Some(dir) = self.path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let mut line = serde_json::to_vec(entry).map_err(std::io::Error::other)?;
+        line.push(b'\n');
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.path)?;
+        file.write_all(&line)?;
+        file.sync_data()
+    }
+
+    /// Every entry, oldest first; a line that does not parse (a crash mid-write) is
+    /// skipped.
+    pub fn entries(&self) -> std::io::Result<Vec<SiteLogEntry>> {
+        match std::fs::read_to_string(&self.path) {
+            Ok(text) => Ok(text
+                .lines()
+                .filter_map(|l| serde_json::from_str(l).ok())
+                .collect()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Training tasks of `experiment` this site ran (whatever became of them, refusals
+    /// aside): what `--max-rounds` counts.
+    pub fn trained(&self, experiment: Uuid) -> std::io::Result<u32> {
+        Ok(self
+            .entries()?
+            .iter()
+            .filter(|e| {
+                e.experiment == experiment
+                    && e.kind == Kind::Train
+                    && e.outcome != TaskOutcome::Refused
+            })
+            .count() as u32)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn task(experiment: u128, kind: Kind) -> TaskRef {
+        TaskRef {
+            experiment: Uuid::from_u128(experiment),
+            round: 3,
+            attempt: 1,
+            kind,
+        }
+    }
+
+    #[test]
+    fn rules_refuse_other_experiments_and_rounds_past_the_limit() {
+        let open = SiteRules::default();
+        assert_eq!(open.refusal(&task(1, Kind::Train), 1000), None);
+        let rules = SiteRules {
+            allowed_experiments: Some(vec![Uuid::from_u128(1)]),
+            max_rounds: Some(2),
+        };
+        assert_eq!(rules.refusal(&task(1, Kind::Train), 1), None);
+        let why = rules.refusal(&task(2, Kind::Train), 0).unwrap();
+        assert!(why.contains("not allowed at this site"), "{why}");
+        let why = rules.refusal(&task(1, Kind::Train), 2).unwrap();
+        assert!(why.contains("at most 2 rounds"), "{why}");
+        // Evaluating the model is not training on the data again.
+        assert_eq!(rules.refusal(&task(1, Kind::Evaluate), 2), None);
+    }
+
+    /// The log only grows, survives a reopening (a restart), skips a torn last line,
+    /// and counts an experiment's training tasks without its refusals.
+    #[test]
+    fn the_log_appends_and_counts_training_tasks() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = SiteLog::new(dir.path());
+        let t = task(1, Kind::Train);
+        log.append(&SiteLogEntry::of(&t, TaskOutcome::Uploaded))
+            .unwrap();
+        log.append(&SiteLogEntry::of(&t, TaskOutcome::Failed))
+            .unwrap();
+        log.append(&SiteLogEntry {
+            reason: Some("no".into()),
+            ..SiteLogEntry::of(&t, TaskOutcome::Refused)
+        })
+        .unwrap();
+        log.append(&SiteLogEntry::of(
+            &task(2, Kind::Train),
+            TaskOutcome::Uploaded,
+        ))
+        .unwrap();
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(log.path())
+            .unwrap()
+            .write_all(b"{\"at_ms\": 1, \"exper")
+            .unwrap();
+        let again = SiteLog::new(dir.path());
+        assert_eq!(again.entries().unwrap().len(), 4);
+        assert_eq!(again.trained(Uuid::from_u128(1)).unwrap(), 2);
+        assert_eq!(again.trained(Uuid::from_u128(3)).unwrap(), 0);
+    }
+}
