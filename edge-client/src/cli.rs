@@ -118,6 +118,60 @@ pub struct EdgeArgs {
     /// later tasks are refused, reported and logged
     #[arg(long, value_name = "N")]
     pub max_rounds: Option<u32>,
+    /// Only the --trainer whose code has this SHA-256 may run (what --trainer-hash
+    /// prints); checked before every task, so a changed script is refused, reported and
+    /// logged
+    #[arg(long, value_name = "SHA256")]
+    pub approve_trainer: Option<String>,
+    /// Print the SHA-256 of --trainer's code (the files its command names, without the
+    /// interpreter) and exit, contacting nothing
+    #[arg(long, requires = "trainer")]
+    pub trainer_hash: bool,
+}
+
+/// `--trainer-hash`: prints the hash of the trainer's code.
+fn print_trainer_hash(trainer: &dyn crate::trainer::TaskTrainer) -> ExitCode {
+    match trainer.code_hash() {
+        Some(Ok(hash)) => {
+            println!("{hash}");
+            ExitCode::SUCCESS
+        }
+        Some(Err(e)) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+        None => {
+            eprintln!("error: the built-in trainer has no code of its own to hash");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// What the site allows, from its flags.
+fn site_rules(args: &EdgeArgs) -> Result<crate::governance::SiteRules, String> {
+    Ok(crate::governance::SiteRules {
+        allowed_experiments: args.allowed_experiments.clone(),
+        max_rounds: args.max_rounds,
+        approved_trainer: args
+            .approve_trainer
+            .as_deref()
+            .map(approved_hash)
+            .transpose()?,
+    })
+}
+
+/// `--approve-trainer`'s value: 64 hexadecimal digits, in lowercase.
+fn approved_hash(value: &str) -> Result<String, String> {
+    let v = value.trim().to_ascii_lowercase();
+    if v.len() == 64 && v.chars().all(|c| c.is_ascii_hexdigit()) {
+        Ok(v)
+    } else {
+        Err(format!(
+            "--approve-trainer must be a SHA-256 in hexadecimal (64 digits, as --trainer-hash \
+             prints), got `{}`",
+            value.chars().take(80).collect::<String>()
+        ))
+    }
 }
 
 /// The trainer the flags ask for: an external command (`--trainer`) or the built-in
@@ -157,6 +211,16 @@ pub fn run(args: EdgeArgs) -> ExitCode {
     }
     let trainer = match trainer_of(&args) {
         Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if args.trainer_hash {
+        return print_trainer_hash(trainer.as_ref());
+    }
+    let rules = match site_rules(&args) {
+        Ok(r) => r,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(2);
@@ -232,10 +296,7 @@ pub fn run(args: EdgeArgs) -> ExitCode {
         slowdown: Duration::from_millis(args.slowdown_ms),
         local_dp,
         floors,
-        rules: crate::governance::SiteRules {
-            allowed_experiments: args.allowed_experiments,
-            max_rounds: args.max_rounds,
-        },
+        rules,
     };
     match runtime.block_on(run_agent(config)) {
         Ok(report) => {

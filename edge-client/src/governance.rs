@@ -28,6 +28,9 @@ pub struct SiteRules {
     pub allowed_experiments: Option<Vec<Uuid>>,
     /// At most this many training tasks per experiment (`None`: no limit).
     pub max_rounds: Option<u32>,
+    /// Only the trainer whose code has this SHA-256 (lowercase hex) may run
+    /// (`--approve-trainer`; `None`: any).
+    pub approved_trainer: Option<String>,
 }
 
 /// A task as the site's rules and log see it: whose, which round, which kind.
@@ -55,8 +58,36 @@ pub enum Kind {
 
 impl SiteRules {
     /// Why this site refuses `task`, if it does, given the training tasks of its
-    /// experiment it already ran (`trained`).
-    pub fn refusal(&self, task: &TaskRef, trained: u32) -> Option<String> {
+    /// experiment it already ran (`trained`) and the hash of the trainer's code as it is
+    /// now (`code`: see [`crate::trainer::TaskTrainer::code_hash`]).
+    pub fn refusal(
+        &self,
+        task: &TaskRef,
+        trained: u32,
+        code: Option<Result<String, String>>,
+    ) -> Option<String> {
+        if let Some(approved) = &self.approved_trainer {
+            match code {
+                None => {
+                    return Some(format!(
+                        "this site approves only the trainer whose code has sha256 {approved} \
+                         (--approve-trainer); this client's trainer has no code of its own"
+                    ));
+                }
+                Some(Err(e)) => {
+                    return Some(format!(
+                        "cannot check the trainer's code against the approved sha256 {approved}: {e}"
+                    ));
+                }
+                Some(Ok(hash)) if &hash != approved => {
+                    return Some(format!(
+                        "the trainer's code has sha256 {hash}, not the one this site approved \
+                         ({approved}, --approve-trainer)"
+                    ));
+                }
+                Some(Ok(_)) => {}
+            }
+        }
         if let Some(allowed) = &self.allowed_experiments
             && !allowed.contains(&task.experiment)
         {
@@ -220,18 +251,39 @@ mod tests {
     #[test]
     fn rules_refuse_other_experiments_and_rounds_past_the_limit() {
         let open = SiteRules::default();
-        assert_eq!(open.refusal(&task(1, Kind::Train), 1000), None);
+        assert_eq!(open.refusal(&task(1, Kind::Train), 1000, None), None);
         let rules = SiteRules {
             allowed_experiments: Some(vec![Uuid::from_u128(1)]),
             max_rounds: Some(2),
+            approved_trainer: None,
         };
-        assert_eq!(rules.refusal(&task(1, Kind::Train), 1), None);
-        let why = rules.refusal(&task(2, Kind::Train), 0).unwrap();
+        assert_eq!(rules.refusal(&task(1, Kind::Train), 1, None), None);
+        let why = rules.refusal(&task(2, Kind::Train), 0, None).unwrap();
         assert!(why.contains("not allowed at this site"), "{why}");
-        let why = rules.refusal(&task(1, Kind::Train), 2).unwrap();
+        let why = rules.refusal(&task(1, Kind::Train), 2, None).unwrap();
         assert!(why.contains("at most 2 rounds"), "{why}");
         // Evaluating the model is not training on the data again.
-        assert_eq!(rules.refusal(&task(1, Kind::Evaluate), 2), None);
+        assert_eq!(rules.refusal(&task(1, Kind::Evaluate), 2, None), None);
+    }
+
+    #[test]
+    fn only_the_approved_trainer_runs() {
+        let approved = "ab".repeat(32);
+        let rules = SiteRules {
+            approved_trainer: Some(approved.clone()),
+            ..SiteRules::default()
+        };
+        let t = task(1, Kind::Train);
+        assert_eq!(rules.refusal(&t, 0, Some(Ok(approved.clone()))), None);
+        let why = rules.refusal(&t, 0, Some(Ok("cd".repeat(32)))).unwrap();
+        assert!(why.contains("not the one this site approved"), "{why}");
+        let why = rules.refusal(&t, 0, None).unwrap();
+        assert!(why.contains("no code of its own"), "{why}");
+        let why = rules.refusal(&t, 0, Some(Err("gone".into()))).unwrap();
+        assert!(
+            why.contains("cannot check") && why.contains("gone"),
+            "{why}"
+        );
     }
 
     /// The log only grows, survives a reopening (a restart), skips a torn last line,

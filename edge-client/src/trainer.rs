@@ -101,6 +101,13 @@ pub trait TaskTrainer: Send + Sync + fmt::Debug {
     fn trains_partially(&self) -> bool {
         false
     }
+
+    /// The SHA-256 (hex) of the code this trainer runs, for a site that approves one
+    /// trainer (`--approve-trainer`); `None` for a trainer without code of its own to
+    /// check (the built-in models), `Some(Err)` when the code cannot be read.
+    fn code_hash(&self) -> Option<Result<String, String>> {
+        None
+    }
 }
 
 /// A shared trainer.

@@ -128,3 +128,51 @@ fn a_plain_http_coordinator_is_used_with_insecure_http() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--trainer-hash` prints what `--approve-trainer` takes (the script's hash, not the
+/// interpreter's), contacting nothing; a value that is not a SHA-256 is refused at start.
+#[test]
+fn the_trainer_hash_is_printed_and_a_malformed_approval_is_refused() {
+    let dir = scratch("trainer-hash");
+    let script = dir.join("train.sh");
+    std::fs::write(&script, "echo training\n").unwrap();
+    let command = format!("sh {}", script.display());
+    let run = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_cohort-edge"))
+            .env_remove("COHORT_COORDINATOR")
+            .args([
+                "--coordinator",
+                "https://127.0.0.1:9",
+                "--trainer",
+                &command,
+            ])
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["--trainer-hash"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let printed = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    let trainer = cohort_edge::trainer::external::ExternalTrainer::new(
+        &command,
+        Duration::from_secs(5),
+        &dir.join("work"),
+    )
+    .unwrap();
+    assert_eq!(printed, trainer.code_sha256().unwrap());
+    assert_eq!(trainer.code_files(), vec![script.clone()]);
+
+    let out = run(&["--approve-trainer", "not-a-hash"]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--approve-trainer must be a SHA-256"),
+        "{stderr}"
+    );
+}

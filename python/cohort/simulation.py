@@ -177,7 +177,8 @@ def simulate(
             ``task.data``, and ``evaluate`` scores the global and the personalised model
             on it every round (``personal_accuracy_mean`` and ``_p10`` beside
             ``client_accuracy_*`` in ``result.rounds``, every client in
-            ``clients.csv``).
+            ``clients.csv``). TensorBoard: ``tensorboard="runs/tb"`` writes every
+            round's metrics as event files in ``runs/tb/<strategy>/``.
 
     Returns:
         A :class:`SimulationResult`.

@@ -106,6 +106,51 @@ impl ExternalTrainer {
         &self.argv
     }
 
+    /// The files of the trainer's own code: the words of its command that name existing
+    /// files, without the interpreter that runs them (`python3 train.py` is
+    /// `train.py`; `./train.sh` is `./train.sh`).
+    pub fn code_files(&self) -> Vec<PathBuf> {
+        let files: Vec<(usize, PathBuf)> = self
+            .argv
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| !w.starts_with('-'))
+            .map(|(i, w)| (i, PathBuf::from(w)))
+            .filter(|(_, p)| p.is_file())
+            .collect();
+        let interpreted = files.len() > 1 && files.first().is_some_and(|(i, _)| *i == 0);
+        files
+            .into_iter()
+            .filter(|(i, _)| !(interpreted && *i == 0))
+            .map(|(_, p)| p)
+            .collect()
+    }
+
+    /// The SHA-256 (hex) of the trainer's code: every file of [`code_files`](Self::code_files)
+    /// in order, each as its length (`u64` little-endian) then its bytes. What
+    /// `cohort-edge --trainer-hash` prints and `--approve-trainer` compares.
+    pub fn code_sha256(&self) -> std::io::Result<String> {
+        let files = self.code_files();
+        if files.is_empty() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("no file of the trainer's code in `{}`", self.argv.join(" ")),
+            ));
+        }
+        let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
+        for file in files {
+            let bytes = std::fs::read(&file)?;
+            hash.update(&(bytes.len() as u64).to_le_bytes());
+            hash.update(&bytes);
+        }
+        Ok(hash
+            .finish()
+            .as_ref()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect())
+    }
+
     fn task_json(&self, job: &TrainerJob<'_>, max_update_bytes: usize) -> Value {
         let t = &job.task.train;
         serde_json::json!({
@@ -253,6 +298,10 @@ impl ExternalTrainer {
 }
 
 impl TaskTrainer for ExternalTrainer {
+    fn code_hash(&self) -> Option<Result<String, String>> {
+        Some(self.code_sha256().map_err(|e| e.to_string()))
+    }
+
     fn run(&self, job: &TrainerJob<'_>) -> Result<TrainerOutput, TrainerFailure> {
         let dir = tempfile::Builder::new()
             .prefix(&format!("task-r{}-a{}-", job.task.round, job.task.attempt))
