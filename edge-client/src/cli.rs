@@ -155,23 +155,9 @@ fn site_rules(args: &EdgeArgs) -> Result<crate::governance::SiteRules, String> {
         approved_trainer: args
             .approve_trainer
             .as_deref()
-            .map(approved_hash)
+            .map(crate::governance::parse_sha256)
             .transpose()?,
     })
-}
-
-/// `--approve-trainer`'s value: 64 hexadecimal digits, in lowercase.
-fn approved_hash(value: &str) -> Result<String, String> {
-    let v = value.trim().to_ascii_lowercase();
-    if v.len() == 64 && v.chars().all(|c| c.is_ascii_hexdigit()) {
-        Ok(v)
-    } else {
-        Err(format!(
-            "--approve-trainer must be a SHA-256 in hexadecimal (64 digits, as --trainer-hash \
-             prints), got `{}`",
-            value.chars().take(80).collect::<String>()
-        ))
-    }
 }
 
 /// The trainer the flags ask for: an external command (`--trainer`) or the built-in

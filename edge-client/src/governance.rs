@@ -21,6 +21,21 @@ use uuid::Uuid;
 /// The site log's file name in the state directory.
 pub const SITE_LOG_FILE: &str = "site-log.jsonl";
 
+/// An approved trainer's hash as given (`--approve-trainer`): 64 hexadecimal digits,
+/// returned in lowercase.
+pub fn parse_sha256(value: &str) -> Result<String, String> {
+    let v = value.trim().to_ascii_lowercase();
+    if v.len() == 64 && v.chars().all(|c| c.is_ascii_hexdigit()) {
+        Ok(v)
+    } else {
+        Err(format!(
+            "--approve-trainer must be a SHA-256 in hexadecimal (64 digits, as --trainer-hash \
+             prints), got `{}`",
+            value.chars().take(80).collect::<String>()
+        ))
+    }
+}
+
 /// What a site allows. The default allows everything.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SiteRules {

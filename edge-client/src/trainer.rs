@@ -113,6 +113,32 @@ pub trait TaskTrainer: Send + Sync + fmt::Debug {
 /// A shared trainer.
 pub type SharedTrainer = Arc<dyn TaskTrainer>;
 
+/// The SHA-256 (hex) of a trainer's code: every file of `files` in order, each as its
+/// length (`u64` little-endian) then its bytes, so that moving bytes from one file to the
+/// next changes it. What `--approve-trainer` (and the Python `EdgeClient`'s
+/// `approve_trainer`) compares.
+pub fn code_sha256(files: &[std::path::PathBuf]) -> std::io::Result<String> {
+    if files.is_empty() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            "no file of the trainer's code",
+        ));
+    }
+    let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
+    for file in files {
+        let bytes = std::fs::read(file)
+            .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", file.display())))?;
+        hash.update(&(bytes.len() as u64).to_le_bytes());
+        hash.update(&bytes);
+    }
+    Ok(hash
+        .finish()
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
+
 /// Largest example count accepted from a trainer: beyond this the weight is not
 /// believable, and it would dominate every other client's.
 pub const MAX_EXAMPLES: u64 = 1 << 40;

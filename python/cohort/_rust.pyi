@@ -34,4 +34,6 @@ def run_edge(
     partition_id: Optional[int],
     handler: Callable[[str, Dict[str, np.ndarray], Dict[str, Any]], Tuple[int, Dict[str, float], Optional[List[Tuple[str, str, List[int]]]], bytes]],
     insecure_http: bool = ...,
+    site: Optional[Dict[str, Any]] = ...,
 ) -> Dict[str, Any]: ...
+def code_sha256(files: List[str]) -> str: ...

@@ -3,8 +3,9 @@ coordinator by the Rust edge agent."""
 
 from __future__ import annotations
 
+import inspect
 import os
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -15,6 +16,25 @@ from ._tensors import _describe, _to_numpy_dict
 __all__ = ["EdgeClient"]
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+
+def _code_files(*functions: Optional[Callable[..., Any]]) -> List[str]:
+    """The source files of ``functions`` (each once, in order): what a site approves by
+    hash. A function without a source file (a built-in, a lambda typed at a prompt) adds
+    none."""
+    files: List[str] = []
+    for fn in functions:
+        if fn is None:
+            continue
+        try:
+            path = inspect.getsourcefile(inspect.unwrap(fn))
+        except TypeError:
+            path = None
+        if path and os.path.isfile(path):
+            path = os.path.abspath(path)
+            if path not in files:
+                files.append(path)
+    return files
 
 
 def _read(path: Optional[PathLike], what: str) -> Optional[bytes]:
@@ -65,6 +85,13 @@ class EdgeClient:
             client's credential and its updates then cross the network unencrypted:
             only for a test or a network you trust end to end. Without it such a URL
             is a :class:`cohort.ConfigError` (loopback addresses included).
+        allowed_experiments: Only tasks of these experiment ids run on this site's
+            data; any other is refused, reported to the coordinator and written to the
+            site log (``site-log.jsonl`` in ``state_dir``, one JSON line per task).
+        max_rounds: At most this many training rounds of any one experiment.
+        approve_trainer: Only run while the source files of ``train`` (and
+            ``evaluate``) have this SHA-256 (:meth:`trainer_hash`); checked before every
+            task, so code edited after approval is refused.
     """
 
     def __init__(
@@ -81,6 +108,9 @@ class EdgeClient:
         seed: int = 0,
         idle_exit: Optional[float] = None,
         insecure_http: bool = False,
+        allowed_experiments: Optional[Sequence[str]] = None,
+        max_rounds: Optional[int] = None,
+        approve_trainer: Optional[str] = None,
     ) -> None:
         if not isinstance(coordinator, str) or not coordinator.lower().startswith(
             ("https://", "http://")
@@ -110,8 +140,24 @@ class EdgeClient:
         self.seed = int(seed)
         self.idle_exit = idle_exit
         self.insecure_http = bool(insecure_http)
+        self._site: Dict[str, Any] = {
+            "allowed_experiments": (
+                None if allowed_experiments is None else [str(e) for e in allowed_experiments]
+            ),
+            "max_rounds": max_rounds,
+            "approve_trainer": approve_trainer,
+        }
         self._train: Optional[Callable[..., Any]] = None
         self._evaluate: Optional[Callable[..., Any]] = None
+
+    @staticmethod
+    def trainer_hash(
+        train: Callable[..., Any], evaluate: Optional[Callable[..., Any]] = None
+    ) -> str:
+        """The SHA-256 a site approves with ``approve_trainer``: over the source files of
+        ``train`` and ``evaluate`` (each once), as ``cohort-edge --trainer-hash`` hashes
+        a trainer's files."""
+        return _rust.code_sha256(_code_files(train, evaluate))
 
     def train(self, fn: Callable[[Dict[str, np.ndarray], Task], TrainResult]) -> Callable[..., Any]:
         """Decorator form: registers ``fn`` as the training function.
@@ -143,8 +189,8 @@ class EdgeClient:
             evaluate: Optional ``evaluate(weights, task) -> EvalResult``.
 
         Returns:
-            What the client did: ``client_id``, ``uploads``, ``failed``, ``skipped``
-            and ``evaluations``.
+            What the client did: ``client_id``, ``uploads``, ``failed``, ``skipped``,
+            ``evaluations`` and ``refused`` (tasks the site's rules refused).
 
         Raises:
             cohort.UnreachableError: The coordinator cannot be reached at the first
@@ -200,5 +246,6 @@ class EdgeClient:
                 self.partition_id,
                 handler,
                 self.insecure_http,
+                dict(self._site, code_files=_code_files(train, evaluate)),
             )
         )

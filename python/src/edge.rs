@@ -35,10 +35,67 @@ struct Job {
 #[derive(Debug)]
 struct PythonTrainer {
     jobs: std::sync::Mutex<Sender<Job>>,
+    /// The files of the user's functions, for a site that approves them by hash.
+    code_files: Vec<std::path::PathBuf>,
     partition_id: Option<u64>,
 }
 
+/// A site's say over what runs on its data (`cohort.EdgeClient`'s `allowed_experiments`,
+/// `max_rounds`, `approve_trainer`), and the files of its functions' code.
+#[derive(Debug, Default, FromPyObject)]
+struct SiteSettings {
+    #[pyo3(item)]
+    allowed_experiments: Option<Vec<String>>,
+    #[pyo3(item)]
+    max_rounds: Option<u32>,
+    #[pyo3(item)]
+    approve_trainer: Option<String>,
+    #[pyo3(item)]
+    code_files: Vec<String>,
+}
+
+impl SiteSettings {
+    fn rules(&self) -> Result<cohort_edge::governance::SiteRules, String> {
+        let allowed_experiments = self
+            .allowed_experiments
+            .as_ref()
+            .map(|ids| {
+                ids.iter()
+                    .map(|id| {
+                        id.parse::<uuid::Uuid>().map_err(|_| {
+                            format!("allowed_experiments: `{id}` is not an experiment id")
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .transpose()?;
+        Ok(cohort_edge::governance::SiteRules {
+            allowed_experiments,
+            max_rounds: self.max_rounds,
+            approved_trainer: self
+                .approve_trainer
+                .as_deref()
+                .map(cohort_edge::governance::parse_sha256)
+                .transpose()
+                .map_err(|e| e.replace("--approve-trainer", "approve_trainer"))?,
+        })
+    }
+}
+
+/// The SHA-256 of a trainer's code (`files`, in order), as a site approves it
+/// (`cohort.EdgeClient.trainer_hash`).
+#[pyfunction]
+fn code_sha256(py: Python<'_>, files: Vec<String>) -> PyResult<String> {
+    let files: Vec<std::path::PathBuf> = files.into_iter().map(Into::into).collect();
+    cohort_edge::trainer::code_sha256(&files)
+        .map_err(|e| cohort_error(py, "ConfigError", e.to_string()))
+}
+
 impl TaskTrainer for PythonTrainer {
+    fn code_hash(&self) -> Option<Result<String, String>> {
+        Some(cohort_edge::trainer::code_sha256(&self.code_files).map_err(|e| e.to_string()))
+    }
+
     fn run(&self, job: &TrainerJob<'_>) -> Result<TrainerOutput, TrainerFailure> {
         let (reply, answer) = std::sync::mpsc::sync_channel(1);
         let info = serde_json::json!({
@@ -78,7 +135,7 @@ enum Finished {
 /// evaluation). `insecure_http` allows a plain `http://` coordinator, over which the
 /// credential travels unencrypted; without it such a URL is a `ConfigError`.
 #[pyfunction]
-#[pyo3(signature = (coordinator, ca_pem, identity_pem, enrol_token, state_dir, seed, idle_exit, partition_id, handler, insecure_http=false))]
+#[pyo3(signature = (coordinator, ca_pem, identity_pem, enrol_token, state_dir, seed, idle_exit, partition_id, handler, insecure_http=false, site=None))]
 #[allow(clippy::too_many_arguments)]
 fn run_edge<'py>(
     py: Python<'py>,
@@ -92,11 +149,21 @@ fn run_edge<'py>(
     partition_id: Option<u64>,
     handler: Bound<'py, PyAny>,
     insecure_http: bool,
+    site: Option<SiteSettings>,
 ) -> PyResult<Bound<'py, PyDict>> {
+    let site = site.unwrap_or_default();
+    let rules = site
+        .rules()
+        .map_err(|e| cohort_error(py, "ConfigError", e))?;
     let (jobs_tx, jobs_rx) = std::sync::mpsc::channel::<Job>();
     let (done_tx, done_rx) = std::sync::mpsc::channel::<Finished>();
     let trainer = Arc::new(PythonTrainer {
         jobs: std::sync::Mutex::new(jobs_tx),
+        code_files: site
+            .code_files
+            .iter()
+            .map(std::path::PathBuf::from)
+            .collect(),
         partition_id,
     });
     let idle_exit = match idle_exit {
@@ -129,7 +196,7 @@ fn run_edge<'py>(
         local_dp: None,
         slowdown: Duration::ZERO,
         floors: cohort_aggregation::secagg::ClientFloors::default(),
-        rules: Default::default(),
+        rules,
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let agent = spawn_agent(client, config, done_tx, stop_rx)
@@ -206,6 +273,7 @@ fn python_outcome(py: Python<'_>, finished: Finished) -> PyResult<Bound<'_, PyDi
             d.set_item("failed", report.failed)?;
             d.set_item("skipped", report.skipped)?;
             d.set_item("evaluations", report.evaluations)?;
+            d.set_item("refused", report.refused)?;
             Ok(d)
         }
         Finished::Agent(Err(AgentError::Protocol(ProtocolError::Refused {
@@ -346,5 +414,6 @@ fn pythonize<'py>(py: Python<'py>, value: &serde_json::Value) -> PyResult<Bound<
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(run_edge, m)?)
+    m.add_function(wrap_pyfunction!(run_edge, m)?)?;
+    m.add_function(wrap_pyfunction!(code_sha256, m)?)
 }

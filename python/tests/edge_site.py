@@ -4,7 +4,9 @@
     python edge_site.py URL CA TOKEN STATE_DIR PARTITION MODE IDLE_EXIT
 
 MODE: ``ok`` trains; ``raise`` raises in every train; ``slow`` sleeps 60 s in train (for
-Ctrl-C); ``bad-shape`` returns a wrong shape. Prints the client's report as JSON.
+Ctrl-C); ``bad-shape`` returns a wrong shape; ``approved`` trains with its own code's hash
+approved; ``unapproved`` approves another hash, so every task is refused. Prints the
+client's report as JSON.
 """
 
 import json
@@ -35,6 +37,11 @@ def main():
             return cohort.TrainResult({"w": weights["w"][:3], "b": weights["b"]}, 10)
         return softmax.train(weights, task)
 
+    approve = None
+    if mode == "approved":
+        approve = cohort.EdgeClient.trainer_hash(train, softmax.evaluate)
+    elif mode == "unapproved":
+        approve = "0" * 64
     client = cohort.EdgeClient(
         url,
         ca_cert=ca,
@@ -44,6 +51,7 @@ def main():
         partition_id=partition,
         seed=partition,
         idle_exit=float(idle_exit),
+        approve_trainer=approve,
     )
     report = client.run(train, softmax.evaluate)
     print("REPORT " + json.dumps(report), flush=True)

@@ -154,6 +154,37 @@ def test_a_personalised_experiment_keeps_each_sites_tensor_at_the_site(own_serve
     assert len(rows) == 3 and all("personal_accuracy" in r["metrics"] for r in rows), rows
 
 
+def test_a_site_runs_only_the_code_it_approved(own_serve, tmp_path):
+    """``approve_trainer``: a site whose functions hash to the approved value trains; a
+    site that approved other code refuses every task, tells the coordinator why, and
+    writes the refusal to its own log."""
+    cohort_serve, admin = own_serve
+    exp = experiment(admin, "python sites, governed", rounds=1, clients=2)
+    sites = [start_site(cohort_serve, admin, tmp_path, 0, mode="approved"),
+             start_site(cohort_serve, admin, tmp_path, 1, mode="unapproved")]
+    admin.start(exp["id"])
+    try:
+        seen = [r["round"] for r in admin.watch(exp["id"], poll=0.3, timeout=240)]
+    except BaseException:
+        for _, log in sites:
+            print(log.read_text(errors="replace")[-3000:])
+        raise
+    for process, _ in sites:
+        process.wait(timeout=60)
+    assert seen == [1]
+    approved, refused = (report_of(log) for _, log in sites)
+    assert approved["uploads"] == 1 and approved["refused"] == 0, approved
+    assert refused["uploads"] == 0 and refused["refused"] >= 1, refused
+    reasons = [f["reason"] for r in admin.rounds(exp["id"]) for f in r.get("failures", [])]
+    assert any("not the one this site approved" in r for r in reasons), reasons
+    log = [json.loads(line) for line in
+           (tmp_path / "state-1" / "site-log.jsonl").read_text().splitlines()]
+    assert log and all(e["outcome"] == "refused" for e in log), log
+    with pytest.raises(cohort.ConfigError, match="approve_trainer must be a SHA-256"):
+        cohort.EdgeClient(cohort_serve.url, ca_cert=cohort_serve.ca_cert, state_dir=str(tmp_path / "x"),
+                          approve_trainer="abc", idle_exit=0.1).run(softmax.train)
+
+
 def test_an_exception_in_train_is_reported_and_the_client_carries_on(own_serve, tmp_path):
     cohort_serve, admin = own_serve
     # A failed task does not end the collect stage early: a short deadline keeps the

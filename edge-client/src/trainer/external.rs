@@ -126,29 +126,12 @@ impl ExternalTrainer {
             .collect()
     }
 
-    /// The SHA-256 (hex) of the trainer's code: every file of [`code_files`](Self::code_files)
-    /// in order, each as its length (`u64` little-endian) then its bytes. What
-    /// `cohort-edge --trainer-hash` prints and `--approve-trainer` compares.
+    /// The SHA-256 (hex) of the trainer's code ([`super::code_sha256`] of
+    /// [`code_files`](Self::code_files)): what `cohort-edge --trainer-hash` prints and
+    /// `--approve-trainer` compares.
     pub fn code_sha256(&self) -> std::io::Result<String> {
-        let files = self.code_files();
-        if files.is_empty() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::NotFound,
-                format!("no file of the trainer's code in `{}`", self.argv.join(" ")),
-            ));
-        }
-        let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
-        for file in files {
-            let bytes = std::fs::read(&file)?;
-            hash.update(&(bytes.len() as u64).to_le_bytes());
-            hash.update(&bytes);
-        }
-        Ok(hash
-            .finish()
-            .as_ref()
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect())
+        super::code_sha256(&self.code_files())
+            .map_err(|e| std::io::Error::new(e.kind(), format!("{e} (`{}`)", self.argv.join(" "))))
     }
 
     fn task_json(&self, job: &TrainerJob<'_>, max_update_bytes: usize) -> Value {
