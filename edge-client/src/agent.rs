@@ -261,10 +261,14 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
         });
         let task = with_retries(|| client.checkin(&cred, wait)).await?;
         let Some(task) = task else { continue };
-        // The site's rules, before any data is read or any budget charged.
-        let trained = site_log
-            .trained(task.experiment_id)
-            .map_err(state_error(site_log.path()))?;
+        // The site's rules, before any data is read or any budget charged. The log is
+        // read back only when a round limit needs its count.
+        let trained = match config.rules.max_rounds {
+            Some(_) => site_log
+                .trained(task.experiment_id)
+                .map_err(state_error(site_log.path()))?,
+            None => 0,
+        };
         let code = config
             .rules
             .approved_trainer

@@ -303,6 +303,26 @@ impl TrainFrom for LocalModel {
     }
 }
 
+/// The model a run's proximal term pulls towards when it is not `start` (Ditto's
+/// personal model pulled to the global one); FedProx's pull towards the model a run
+/// starts from is any trainer's own, and gives `None`.
+pub fn foreign_anchor<'a>(
+    start: &ModelVector,
+    pull: Option<(&'a [f32], f32)>,
+) -> Option<&'a [f32]> {
+    pull.map(|(anchor, _)| anchor)
+        .filter(|anchor| *anchor != start.values())
+}
+
+/// `config` with `pull`'s strength as its proximal `mu` (none without a pull): how a
+/// trainer that reads its settings from a task is told of the pull.
+pub fn pulled_config(config: &TrainConfig, pull: Option<(&[f32], f32)>) -> TrainConfig {
+    TrainConfig {
+        proximal_mu: pull.map(|(_, mu)| mu),
+        ..config.clone()
+    }
+}
+
 /// Runs one training task of `scheme` on `model` from the `global` model received,
 /// with the client's `state` from earlier rounds (`None` the first time).
 pub fn train<M: TrainFrom>(

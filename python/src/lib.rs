@@ -151,9 +151,6 @@ fn simulate<'py>(
         .map_err(|e| cohort_error(py, "ConfigError", e.to_string()))?;
     cfg.validate()
         .map_err(|e| cohort_error(py, "ConfigError", e.to_string()))?;
-    if let Some(why) = settings.clients_split.refusal() {
-        return Err(cohort_error(py, "ConfigError", why.to_string()));
-    }
     let cancel = Arc::new(AtomicBool::new(false));
     let rounds = cfg.rounds;
     let (tx, rx) = std::sync::mpsc::channel();

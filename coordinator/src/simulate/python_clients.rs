@@ -56,7 +56,7 @@ impl TrainFrom for ViaWorker<'_> {
         config: &TrainConfig,
         seed: u64,
     ) -> Result<LocalUpdate, TaskError> {
-        if trainable.is_some() || pull.is_some_and(|(anchor, _)| anchor != start.values()) {
+        if trainable.is_some() || personal::foreign_anchor(start, pull).is_some() {
             return Err(TaskError::Fatal(
                 ConfigError(
                     "a Python train cannot freeze layers or pull towards another model".into(),
@@ -64,10 +64,7 @@ impl TrainFrom for ViaWorker<'_> {
                 .into(),
             ));
         }
-        let config = TrainConfig {
-            proximal_mu: pull.map(|(_, mu)| mu),
-            ..config.clone()
-        };
+        let config = personal::pulled_config(config, pull);
         let task = ClientTask {
             client: self.client,
             round: self.round,

@@ -89,17 +89,13 @@ impl TrainFrom for ViaTrainer<'_> {
         config: &TrainConfig,
         seed: u64,
     ) -> Result<LocalUpdate, TrainerFailure> {
-        // FedProx's pull towards the model it starts from is every trainer's own.
-        let anchor = pull.map(|(a, _)| a).filter(|a| *a != start.values());
+        let anchor = personal::foreign_anchor(start, pull);
         if (trainable.is_some() || anchor.is_some()) && !self.trainer.trains_partially() {
             return Err(cannot_run(self.scheme));
         }
         let task = Task {
             kind: TaskKind::Train,
-            train: TrainConfig {
-                proximal_mu: pull.map(|(_, mu)| mu),
-                ..config.clone()
-            },
+            train: personal::pulled_config(config, pull),
             ..self.task.clone()
         };
         let job = TrainerJob {
