@@ -165,6 +165,13 @@ struct SimulateArgs {
     /// Also write TensorBoard event files here (DIR/<strategy>/), round by round
     #[arg(long, value_name = "DIR")]
     tensorboard: Option<PathBuf>,
+    /// Also report the run to this MLflow tracking server (http://host:port): settings
+    /// as parameters, every round's metrics, the final model as an artifact
+    #[arg(long, value_name = "URL")]
+    mlflow_uri: Option<String>,
+    /// The MLflow experiment the run goes into [default: cohort-simulate]
+    #[arg(long, value_name = "NAME")]
+    mlflow_experiment: Option<String>,
     /// Secure aggregation with quantize:B uploads: masked word width, 8 | 16 | 32
     /// [default: the narrowest that holds the round's sum]
     #[arg(long, value_name = "W")]
@@ -342,7 +349,14 @@ impl SimulateArgs {
             };
         }
         set!(compress_up, compress_down);
-        set_some!(word_bits, personalise, client_holdout, tensorboard);
+        set_some!(
+            word_bits,
+            personalise,
+            client_holdout,
+            tensorboard,
+            mlflow_uri,
+            mlflow_experiment
+        );
         if let [only] = strategies.as_slice() {
             cfg.strategy = *only;
         }

@@ -178,7 +178,10 @@ def simulate(
             on it every round (``personal_accuracy_mean`` and ``_p10`` beside
             ``client_accuracy_*`` in ``result.rounds``, every client in
             ``clients.csv``). TensorBoard: ``tensorboard="runs/tb"`` writes every
-            round's metrics as event files in ``runs/tb/<strategy>/``.
+            round's metrics as event files in ``runs/tb/<strategy>/``. MLflow:
+            ``mlflow_uri="http://127.0.0.1:5000"`` (and ``mlflow_experiment=``)
+            reports the settings, every round's metrics and the final model to a
+            tracking server.
 
     Returns:
         A :class:`SimulationResult`.

@@ -77,6 +77,9 @@ pub struct AppState {
     pub limits: Arc<rate_limit::RateLimits>,
     /// This replica's snapshots of secure rounds' closed stages.
     pub secure_rounds: Arc<secagg_snapshots::SecureRoundCache>,
+    /// The experiment trackers (`--mlflow-uri`, `--tensorboard`) this replica reports
+    /// to; none by default.
+    pub tracker: crate::tracking::outbox::Tracker,
 }
 
 impl AppState {
@@ -100,6 +103,7 @@ impl AppState {
             eval: None,
             telemetry: telemetry::Telemetry::new(),
             secure_rounds: Arc::new(secagg_snapshots::SecureRoundCache::new()),
+            tracker: Default::default(),
         }
     }
 
@@ -135,6 +139,9 @@ pub enum ServeError {
         /// What the OS said.
         source: std::io::Error,
     },
+    /// An experiment tracker could not be set up.
+    #[error("{0}")]
+    Tracking(String),
     /// The async runtime could not start.
     #[error("cannot start the async runtime: {0}")]
     Runtime(std::io::Error),
@@ -334,10 +341,14 @@ fn prepare_blocking(settings: ServeSettings, store: Store) -> Result<Prepared, S
         }
         None => None,
     };
+    let sinks = driver::track::sinks(&settings)?;
     let mut state = AppState::new(settings, admin, store, blobs, selected.reducer);
     if let Some(data) = eval {
         state = state.with_eval_data(data);
     }
+    // On the blocking pool, inside the runtime: the feeding tasks start on it.
+    state.tracker =
+        crate::tracking::outbox::Tracker::start(sinks, crate::tracking::outbox::QUEUE_CAPACITY);
     Ok(Prepared {
         listener,
         state,
@@ -402,12 +413,25 @@ impl Prepared {
     ) -> Result<(), ServeError> {
         // The round driver runs beside the API and stops with it.
         let driver = tokio::spawn(driver::run(self.state.clone()));
+        let tracker = self.state.tracker.clone();
         let router = app_with_admin(self.state, admin);
         let result = serve(self.listener, router, self.tls, shutdown).await;
         driver.abort();
+        // What the trackers have not taken yet gets a moment to leave; a tracker that is
+        // down does not hold the shutdown up longer.
+        let left = tracker.drain(TRACKER_DRAIN).await;
+        if left > 0 {
+            tracing::warn!(
+                records = left,
+                "trackers did not take these records before shutdown"
+            );
+        }
         result
     }
 }
+
+/// How long a stopping server waits for its trackers to take what is queued.
+pub const TRACKER_DRAIN: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The most a connection buffers of what it reads. hyper's default (about 400 KB) lets
 /// every connection in the middle of an upload hold a whole 100,000-parameter update;

@@ -305,6 +305,16 @@ pub fn charge_round(
     })
 }
 
+/// Epsilon against the coordinator after each charged attempt of an experiment with
+/// `privacy`, by `(round, attempt)`, from its rounds and who was selected for them.
+pub fn epsilon_against_coordinator_by_attempt(
+    privacy: &PrivacySpec,
+    rounds: &[Round],
+    selections: &[Selection],
+) -> Result<std::collections::HashMap<(i64, i64), Option<f64>>, PrivacyError> {
+    CoordinatorLedger::new(rounds, selections).and_then(|ledger| ledger.by_attempt(privacy.delta))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -121,6 +121,12 @@ pub struct ServeSettings {
     pub selection_seed: Option<u64>,
     /// How log lines are written.
     pub log_format: super::logging::LogFormat,
+    /// An MLflow tracking server every experiment reports its parameters, round metrics
+    /// and final model to.
+    pub mlflow_uri: Option<String>,
+    /// A directory every experiment writes TensorBoard event files into
+    /// (`DIR/<experiment name>-<id>/`).
+    pub tensorboard: Option<PathBuf>,
 }
 
 /// Why the settings cannot be used. Messages name the setting and, except for secrets,
@@ -151,6 +157,11 @@ pub enum SettingsError {
         /// What is wrong.
         message: String,
     },
+    /// `--mlflow-uri` is not an HTTP address.
+    #[error(
+        "--mlflow-uri `{0}` is not an http:// or https:// address of an MLflow tracking server"
+    )]
+    InvalidMlflowUri(String),
     /// No TLS mode was chosen.
     #[error(
         "no TLS mode chosen: pick --dev-tls, --tls-cert FILE with --tls-key FILE, or --insecure-http"
@@ -296,6 +307,16 @@ pub struct ServeFlags {
     /// NO_COLOR set) or one JSON object a line [env: COHORT_LOG_FORMAT] [default: text]
     #[arg(long, value_name = "text|json")]
     pub log_format: Option<super::logging::LogFormat>,
+    /// Report every experiment's parameters, round metrics and final model to the MLflow
+    /// tracking server at this address (MLflow experiment: the experiment's name; run:
+    /// its name and id). A server that is down never stalls a round: records wait and
+    /// are retried [env: COHORT_MLFLOW_URI]
+    #[arg(long, value_name = "URL")]
+    pub mlflow_uri: Option<String>,
+    /// Write every experiment's parameters, round metrics and final model as TensorBoard
+    /// event files into DIR/<experiment name>-<id>/ [env: COHORT_TENSORBOARD]
+    #[arg(long, value_name = "DIR")]
+    pub tensorboard: Option<PathBuf>,
 }
 
 /// `cohort serve`'s command line: an optional config file plus the flags.
@@ -335,6 +356,8 @@ struct Layer {
     job_lease_seconds: Option<u64>,
     selection_seed: Option<u64>,
     log_format: Option<super::logging::LogFormat>,
+    mlflow_uri: Option<String>,
+    tensorboard: Option<PathBuf>,
 }
 
 impl Layer {
@@ -363,6 +386,8 @@ impl Layer {
             job_lease_seconds: over.job_lease_seconds.or(self.job_lease_seconds),
             selection_seed: over.selection_seed.or(self.selection_seed),
             log_format: over.log_format.or(self.log_format),
+            mlflow_uri: over.mlflow_uri.or(self.mlflow_uri),
+            tensorboard: over.tensorboard.or(self.tensorboard),
         }
     }
 
@@ -477,6 +502,8 @@ impl Layer {
                     })
                 })
                 .transpose()?,
+            mlflow_uri: get("COHORT_MLFLOW_URI").map(str::to_string),
+            tensorboard: get("COHORT_TENSORBOARD").map(PathBuf::from),
         })
     }
 
@@ -505,6 +532,8 @@ impl Layer {
             job_lease_seconds: flags.job_lease_seconds,
             selection_seed: flags.selection_seed,
             log_format: flags.log_format,
+            mlflow_uri: flags.mlflow_uri,
+            tensorboard: flags.tensorboard,
         }
     }
 }
@@ -598,6 +627,11 @@ impl ServeSettings {
         if !(MIN_JOB_LEASE_SECONDS..=86_400).contains(&job_lease_seconds) {
             return Err(SettingsError::InvalidJobLease(job_lease_seconds));
         }
+        if let Some(uri) = &layer.mlflow_uri
+            && !(uri.starts_with("http://") || uri.starts_with("https://"))
+        {
+            return Err(SettingsError::InvalidMlflowUri(uri.clone()));
+        }
         let listen = layer.listen.unwrap_or_else(|| {
             DEFAULT_LISTEN
                 .parse()
@@ -617,6 +651,8 @@ impl ServeSettings {
             job_lease: std::time::Duration::from_secs(job_lease_seconds),
             selection_seed: layer.selection_seed,
             log_format: layer.log_format.unwrap_or_default(),
+            mlflow_uri: layer.mlflow_uri,
+            tensorboard: layer.tensorboard,
             rate_limits: {
                 use super::rate_limit::{PerMinute, RateSettings};
                 let d = RateSettings::default();

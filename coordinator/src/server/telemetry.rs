@@ -139,6 +139,61 @@ impl Telemetry {
     }
 }
 
+/// (sink, reason, value) of one tracking counter sample.
+type CounterSample<'a> = (&'a str, Option<&'a str>, u64);
+
+/// The experiment trackers' queues: what each took, retried and dropped (a counter
+/// each, this replica's), and what waits now.
+pub fn render_tracking(out: &mut String, stats: &[crate::tracking::outbox::OutboxStats]) {
+    if stats.is_empty() {
+        return;
+    }
+    let families: [(&str, &str, Vec<CounterSample<'_>>); 3] = [
+        (
+            "cohort_tracking_records_sent_total",
+            "Records (parameters, round metrics, models, ends) an experiment tracker took.",
+            stats.iter().map(|s| (s.sink, None, s.sent)).collect(),
+        ),
+        (
+            "cohort_tracking_retries_total",
+            "Tries to hand a record to an experiment tracker that failed and were repeated.",
+            stats.iter().map(|s| (s.sink, None, s.retries)).collect(),
+        ),
+        (
+            "cohort_tracking_dropped_total",
+            "Records an experiment tracker never got: its queue was full (queue_full) or it \
+             refused them (rejected).",
+            stats
+                .iter()
+                .flat_map(|s| {
+                    [
+                        (s.sink, Some("queue_full"), s.dropped_full),
+                        (s.sink, Some("rejected"), s.dropped_rejected),
+                    ]
+                })
+                .collect(),
+        ),
+    ];
+    for (name, help, samples) in families {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} counter");
+        for (sink, reason, value) in samples {
+            let reason = reason.map_or(String::new(), |r| format!(",reason=\"{r}\""));
+            let _ = writeln!(out, "{name}{{sink=\"{sink}\"{reason}}} {value}");
+        }
+    }
+    let queued: Vec<Sample<'_>> = stats
+        .iter()
+        .map(|s| (vec![("sink", s.sink)], s.queued as f64))
+        .collect();
+    gauge(
+        out,
+        "cohort_tracking_queued",
+        "Records waiting for an experiment tracker on this replica.",
+        &queued,
+    );
+}
+
 /// (labels, value) of one sample.
 type Sample<'a> = (Vec<(&'a str, &'a str)>, f64);
 
@@ -287,7 +342,8 @@ pub async fn metrics(
         .store
         .counts(now_millis() - ACTIVE_CLIENT_WINDOW_MS)
         .await?;
-    let body = state.telemetry.render(&counts, resident_bytes());
+    let mut body = state.telemetry.render(&counts, resident_bytes());
+    render_tracking(&mut body, &state.tracker.stats());
     let mut response = body.into_response();
     response.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -310,6 +366,40 @@ mod tests {
             task_failures: 1,
             clients: 3,
             clients_active: 2,
+        }
+    }
+
+    /// Each tracker's queue shows what it sent, retried, dropped (by why) and holds.
+    #[test]
+    fn tracking_queues_are_exposed_per_tracker() {
+        let mut text = String::new();
+        render_tracking(&mut text, &[]);
+        assert!(text.is_empty(), "no trackers, no families");
+        render_tracking(
+            &mut text,
+            &[crate::tracking::outbox::OutboxStats {
+                sink: "mlflow",
+                sent: 7,
+                retries: 3,
+                dropped_full: 2,
+                dropped_rejected: 1,
+                queued: 4,
+            }],
+        );
+        for line in [
+            "# TYPE cohort_tracking_records_sent_total counter",
+            "cohort_tracking_records_sent_total{sink=\"mlflow\"} 7",
+            "cohort_tracking_retries_total{sink=\"mlflow\"} 3",
+            "# TYPE cohort_tracking_dropped_total counter",
+            "cohort_tracking_dropped_total{sink=\"mlflow\",reason=\"queue_full\"} 2",
+            "cohort_tracking_dropped_total{sink=\"mlflow\",reason=\"rejected\"} 1",
+            "# TYPE cohort_tracking_queued gauge",
+            "cohort_tracking_queued{sink=\"mlflow\"} 4",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing `{line}` in:\n{text}"
+            );
         }
     }
 

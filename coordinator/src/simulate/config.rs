@@ -256,6 +256,13 @@ pub struct SimulationConfig {
     /// `DIR/<strategy>/`), round by round.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tensorboard: Option<PathBuf>,
+    /// Also report the run to this MLflow tracking server: its settings as parameters,
+    /// every round's metrics, the final model as an artifact (one run per strategy).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mlflow_uri: Option<String>,
+    /// The MLflow experiment the runs go into; `None` is `cohort-simulate`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mlflow_experiment: Option<String>,
 }
 
 impl Default for SimulationConfig {
@@ -310,6 +317,8 @@ impl Default for SimulationConfig {
             seed: 0,
             out: None,
             tensorboard: None,
+            mlflow_uri: None,
+            mlflow_experiment: None,
         }
     }
 }
@@ -431,6 +440,18 @@ impl SimulationConfig {
     /// Checks the settings that do not depend on the data.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |msg: String| Err(ConfigError(msg));
+        if let Some(uri) = &self.mlflow_uri
+            && let Err(e) = crate::tracking::mlflow::MlflowSink::new(uri)
+        {
+            return bad(e.to_string());
+        }
+        if self
+            .mlflow_experiment
+            .as_deref()
+            .is_some_and(|n| n.trim().is_empty())
+        {
+            return bad("--mlflow-experiment must not be empty".into());
+        }
         if self.clients == 0 {
             return bad("--clients must be at least 1".into());
         }

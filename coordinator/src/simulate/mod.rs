@@ -356,16 +356,10 @@ fn run_into(
 ) -> Result<(Summary, SimulationResult), SimulationError> {
     let strategy = cfg.strategy.to_string();
     let mut metrics = MetricsWriter::create(dir)?;
-    let mut board = cfg
-        .tensorboard
-        .as_deref()
-        .map(|d| board::Board::start(d, &strategy, cfg))
-        .transpose()?;
+    let mut trackers = board::Trackers::start(cfg, &strategy, out)?;
     let result = run_rounds(cfg, pop, |record| {
         metrics.write(record, &strategy)?;
-        if let Some(b) = board.as_mut() {
-            b.round(record)?;
-        }
+        trackers.round(record)?;
         if let Some(w) = extra.as_deref_mut() {
             w.write(record, &strategy)?;
         }
@@ -373,6 +367,7 @@ fn run_into(
         Ok(())
     })?;
     metrics.finish()?;
+    trackers.finish(&result.final_model);
     let mut resolved = cfg.clone();
     resolved.out = Some(out.to_path_buf());
     let summary = Summary::new(&resolved, &result, pop.trainer());

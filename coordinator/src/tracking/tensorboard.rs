@@ -9,10 +9,13 @@
 //! `masked_crc32c(data): u32 LE`, where `masked(c) = ((c >> 15) | (c << 17)) +
 //! 0xa282ead8`.
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
+
+use super::{Record, RunRef, SinkError};
 
 const CRC32C: crc::Crc<u32> = crc::Crc::<u32>::new(&crc::CRC_32_ISCSI);
 
@@ -153,6 +156,108 @@ impl EventWriter {
     }
 }
 
+/// `--tensorboard DIR` for served experiments: each run in `DIR/<run name>/`, one event
+/// file per process (replicas each write their own; TensorBoard merges a directory's
+/// files), with the run's settings and end in the text tab and its final model beside
+/// the events.
+#[derive(Debug)]
+pub struct TensorBoardSink {
+    dir: PathBuf,
+    writers: HashMap<String, EventWriter>,
+}
+
+impl TensorBoardSink {
+    /// Runs go into sub-directories of `dir` (created when the first record comes).
+    pub fn new(dir: PathBuf) -> Self {
+        Self {
+            dir,
+            writers: HashMap::new(),
+        }
+    }
+
+    fn run_dir(&self, run: &RunRef) -> PathBuf {
+        self.dir.join(file_name(&run.name))
+    }
+
+    fn writer(&mut self, run: &RunRef) -> std::io::Result<&mut EventWriter> {
+        if !self.writers.contains_key(&run.key) {
+            let writer = EventWriter::create(&self.run_dir(run))?;
+            self.writers.insert(run.key.clone(), writer);
+        }
+        Ok(self.writers.get_mut(&run.key).expect("inserted above"))
+    }
+
+    /// Writes `record`; a failed write is tried again later (a full or unmounted disk
+    /// may come back).
+    pub async fn send(&mut self, record: &Record) -> Result<(), SinkError> {
+        let dir = self.dir.clone();
+        let io = |e: std::io::Error| SinkError::Transient(format!("{}: {e}", dir.display()));
+        match record {
+            Record::Start(run) => {
+                let mut text = String::from("| parameter | value |\n|---|---|\n");
+                for (k, v) in run.params.iter() {
+                    text.push_str(&format!("| `{k}` | `{}` |\n", v.replace('|', "\\|")));
+                }
+                let w = self.writer(run).map_err(io)?;
+                w.text(0, "settings", &text)
+                    .and_then(|()| w.flush())
+                    .map_err(io)
+            }
+            Record::Metrics {
+                run, step, values, ..
+            } => {
+                let scalars: Vec<(&str, f64)> =
+                    values.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+                let w = self.writer(run).map_err(io)?;
+                w.scalars(*step, &scalars)
+                    .and_then(|()| w.flush())
+                    .map_err(io)
+            }
+            Record::Artifact { run, name, bytes } => {
+                let dir = self.run_dir(run);
+                let path = dir.join(file_name(name));
+                let bytes = bytes.clone();
+                tokio::task::spawn_blocking(move || {
+                    std::fs::create_dir_all(&dir)?;
+                    // Whole or absent: a reader never finds half a model.
+                    let partial = path.with_extension("partial");
+                    std::fs::write(&partial, &*bytes)?;
+                    std::fs::rename(&partial, &path)
+                })
+                .await
+                .map_err(|e| SinkError::Transient(e.to_string()))?
+                .map_err(io)
+            }
+            Record::End { run, status, .. } => {
+                let w = self.writer(run).map_err(io)?;
+                w.text(0, "status", status.as_str())
+                    .and_then(|()| w.flush())
+                    .map_err(io)
+            }
+        }
+    }
+}
+
+/// `name` as one path component: anything but letters, digits, `-`, `_` and `.`
+/// becomes `_`, and a name of dots only cannot climb out of the directory.
+fn file_name(name: &str) -> String {
+    let safe: String = name
+        .chars()
+        .map(|c| {
+            if c.is_alphanumeric() || matches!(c, '-' | '_' | '.') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if safe.is_empty() || safe.chars().all(|c| c == '.') {
+        format!("_{safe}")
+    } else {
+        safe
+    }
+}
+
 fn wall_time() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -203,6 +308,13 @@ mod tests {
         assert!(records[1].windows(13).any(|w| w == b"accuracy/test"));
         assert!(!records[1].windows(9).any(|w| w == b"loss/test"));
         assert!(records[1].windows(4).any(|w| w == 0.5f32.to_le_bytes()));
+    }
+
+    #[test]
+    fn run_names_stay_inside_the_directory() {
+        assert_eq!(file_name("digits run/1"), "digits_run_1");
+        assert_eq!(file_name(".."), "_..");
+        assert_eq!(file_name(""), "_");
     }
 
     #[test]

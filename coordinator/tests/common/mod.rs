@@ -346,11 +346,16 @@ impl Drop for Served {
 
 /// Starts `cohort serve` under `dir/coordinator` and waits until it answers over TLS.
 pub async fn serve_in(dir: &Path) -> Served {
+    serve_in_with(dir, &[]).await
+}
+
+/// [`serve_in`] with extra environment variables (settings).
+pub async fn serve_in_with(dir: &Path, env: &[(&str, &str)]) -> Served {
     cohort_coordinator::server::install_crypto_provider();
     let data_dir = dir.join("coordinator");
     let port = free_port();
     let base = format!("https://127.0.0.1:{port}");
-    let child = spawn_serve(&data_dir, port, None);
+    let child = spawn_serve_with(&data_dir, port, None, env);
     let ca = data_dir.join("tls/ca.pem");
     let http = wait_healthy(&base, &ca).await;
     Served {

@@ -1332,6 +1332,7 @@ pub async fn act(
         .store
         .set_experiment_state(uuid, to, &crate::store::admin_actor())
         .await?;
+    crate::server::driver::track::experiment_changed(&state, uuid, to);
     Ok(Redirect::to(&format!("/experiments/{uuid}")).into_response())
 }
 

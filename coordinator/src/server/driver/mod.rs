@@ -13,6 +13,7 @@
 pub mod fedbuff;
 pub mod model;
 pub mod secure_rounds;
+pub mod track;
 
 use std::time::Duration;
 
@@ -429,7 +430,11 @@ pub(super) async fn set_state(
         .await
     {
         // Another coordinator (or an admin) changed it first: nothing left to do.
-        Ok(_) | Err(StoreError::Conflict(_)) => Ok(()),
+        Ok(_) => {
+            crate::server::driver::track::experiment_changed(state, id, to);
+            Ok(())
+        }
+        Err(StoreError::Conflict(_)) => Ok(()),
         Err(e) => Err(e.into()),
     }
 }
@@ -658,7 +663,15 @@ async fn open_private(
             .set_experiment_state_because(exp.id, ExperimentState::Finished, "coordinator", &why)
             .await
         {
-            Ok(_) | Err(StoreError::Conflict(_)) => Ok(()),
+            Ok(_) => {
+                crate::server::driver::track::experiment_changed(
+                    state,
+                    exp.id,
+                    ExperimentState::Finished,
+                );
+                Ok(())
+            }
+            Err(StoreError::Conflict(_)) => Ok(()),
             Err(e) => Err(e.into()),
         };
     }
@@ -869,7 +882,16 @@ pub(super) async fn publish(
         )
         .await
     {
-        Ok(()) | Err(StoreError::Conflict(_)) => Ok(()),
+        Ok(()) => {
+            crate::server::driver::track::round_published(
+                state,
+                experiment,
+                round.round,
+                round.attempt,
+            );
+            Ok(())
+        }
+        Err(StoreError::Conflict(_)) => Ok(()),
         Err(e) => Err(e.into()),
     }
 }
@@ -1114,7 +1136,16 @@ async fn publish_private(
         )
         .await
     {
-        Ok(()) | Err(StoreError::Conflict(_)) => Ok(()),
+        Ok(()) => {
+            crate::server::driver::track::round_published(
+                state,
+                experiment,
+                round.round,
+                round.attempt,
+            );
+            Ok(())
+        }
+        Err(StoreError::Conflict(_)) => Ok(()),
         Err(e) => Err(e.into()),
     }
 }

@@ -105,6 +105,24 @@ pub(crate) async fn load_model_file(
     cohort_aggregation::wire::decode(&layout, &bytes).map_err(|e| bad(&e))
 }
 
+/// A stored model (its wire bytes, published at `round`) as the safetensors file users
+/// download: PyTorch state-dict names and shapes, the experiment and round in its
+/// metadata. The API, the dashboard and the experiment trackers hand out this one file.
+pub(crate) fn model_file(
+    exp: &crate::store::Experiment,
+    round: i64,
+    bytes: &[u8],
+) -> Result<Vec<u8>, DriverError> {
+    let (_, model) = super::experiment_model(exp)?;
+    let vector = cohort_aggregation::wire::decode(model.layout(), bytes)
+        .map_err(|e| DriverError::Aggregation(e.to_string()))?;
+    let metadata = std::collections::HashMap::from([
+        ("experiment".to_string(), exp.id.to_string()),
+        ("round".to_string(), round.to_string()),
+    ]);
+    Ok(cohort_aggregation::model_file::encode(&vector, metadata))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -215,12 +215,12 @@ async fn transition(
     to: ExperimentState,
 ) -> Result<Json<Experiment>, ApiError> {
     let id = parse_id(id, "experiment")?;
-    Ok(Json(
-        state
-            .store
-            .set_experiment_state(id, to, &crate::store::admin_actor())
-            .await?,
-    ))
+    let changed = state
+        .store
+        .set_experiment_state(id, to, &crate::store::admin_actor())
+        .await?;
+    crate::server::driver::track::experiment_changed(state, id, to);
+    Ok(Json(changed))
 }
 
 /// Starts a created experiment.
@@ -345,8 +345,7 @@ pub(crate) async fn coordinator_epsilon_by_attempt(
         return Ok(Default::default());
     };
     let selections = state.store.selections(exp.id).await?;
-    crate::server::privacy::CoordinatorLedger::new(rounds, &selections)
-        .and_then(|ledger| ledger.by_attempt(privacy.delta))
+    crate::server::privacy::epsilon_against_coordinator_by_attempt(&privacy, rounds, &selections)
         .map_err(ApiError::internal)
 }
 
@@ -789,14 +788,8 @@ pub(crate) async fn current_safetensors(
     id: &str,
 ) -> Result<(Vec<u8>, i64, String), ApiError> {
     let (exp, round, bytes) = current_model(state, id).await?;
-    let (_, model) = crate::server::driver::experiment_model(&exp).map_err(ApiError::internal)?;
-    let vector =
-        cohort_aggregation::wire::decode(model.layout(), &bytes).map_err(ApiError::internal)?;
-    let metadata = std::collections::HashMap::from([
-        ("experiment".to_string(), exp.id.to_string()),
-        ("round".to_string(), round.to_string()),
-    ]);
-    let file = cohort_aggregation::model_file::encode(&vector, metadata);
+    let file = crate::server::driver::model::model_file(&exp, round, &bytes)
+        .map_err(ApiError::internal)?;
     Ok((file, round, format!("{}-round-{round}.safetensors", exp.id)))
 }
 
