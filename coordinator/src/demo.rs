@@ -265,6 +265,7 @@ fn demo_spec(args: &DemoArgs, test: &Dataset) -> ExperimentSpec {
         compression: None,
         personalisation: None,
         client_holdout: None,
+        columns: None,
     }
 }
 

@@ -20,11 +20,20 @@ use reqwest::Method;
 
 /// An experiment of `rounds` rounds for one client, started once the client is in.
 async fn experiment(server: &Served, rounds: u32) -> String {
-    let spec = serde_json::json!({
+    experiment_reading(server, rounds, None).await
+}
+
+/// [`experiment`] reading the named feature columns, when given.
+async fn experiment_reading(server: &Served, rounds: u32, columns: Option<&[&str]>) -> String {
+    let mut spec = serde_json::json!({
         "name": "governed", "features": 4, "classes": 2, "model": "logreg",
         "rounds": rounds, "clients_per_round": 1, "min_participants": 1,
         "collect_deadline_seconds": 20, "max_round_attempts": 2
     });
+    if let Some(columns) = columns {
+        spec["columns"] = serde_json::json!(columns);
+        spec["features"] = serde_json::json!(columns.len());
+    }
     let exp = admin(
         &server.http,
         &server.base,
@@ -131,6 +140,7 @@ async fn rounds_past_the_sites_limit_are_refused_reported_and_logged() {
         allowed_experiments: Some(vec![id.parse().unwrap()]),
         max_rounds: Some(1),
         approved_trainer: None,
+        columns: None,
     };
     let report = run_site(&server, &dir.path().join("site"), &id, rules).await;
     assert_eq!(report.uploads, 1, "{report:?}");
@@ -256,4 +266,68 @@ fn script_trainer_unchanged(dir: &Path) -> cohort_edge::trainer::external::Exter
         &dir.join("work"),
     )
     .unwrap()
+}
+
+/// A hospital's table: two shared measurements, a column it does not share (names, not
+/// even numbers: reading it would fail), and the label.
+fn hospital_csv(dir: &Path) -> std::path::PathBuf {
+    let mut text = String::from("age,patient_name,bmi,label\n");
+    for i in 0..40 {
+        let sick = i % 2;
+        let age = 30.0 + 20.0 * sick as f32 + (i % 7) as f32;
+        let bmi = 22.0 + 6.0 * sick as f32 + (i % 5) as f32 * 0.5;
+        text.push_str(&format!("{age},Patient {i},{bmi},{sick}\n"));
+    }
+    let path = dir.join("hospital.csv");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_column_the_site_does_not_share_is_refused_reported_and_logged() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared: std::collections::BTreeSet<String> =
+        ["age", "bmi", "label"].map(String::from).into();
+    // `--data` keeps only the shared columns: the names are never parsed (they would
+    // not parse as numbers), and the data set holds no trace of them.
+    let data = cohort_edge::data::load_csv_only(&hospital_csv(dir.path()), Some(&shared)).unwrap();
+    assert_eq!(data.feature_names, ["age", "bmi"]);
+    let rules = SiteRules {
+        columns: Some(shared),
+        ..SiteRules::default()
+    };
+
+    // An experiment that reads the shared columns (in its own order) runs.
+    let server = common::serve_in(&dir.path().join("a")).await;
+    let id = experiment_reading(&server, 2, Some(&["bmi", "age"])).await;
+    let trainer = Arc::new(BuiltInTrainer::new(data.clone()));
+    let site = dir.path().join("site-a");
+    let report = run_site_with(&server, &site, &id, rules.clone(), trainer).await;
+    assert_eq!(report.uploads, 2, "{report:?}");
+    assert_eq!(report.refused, 0, "{report:?}");
+    drop(server);
+
+    // One that reads the names is refused before anything is read, the coordinator is
+    // told which column, and the site's log says so.
+    let server = common::serve_in(&dir.path().join("b")).await;
+    let id = experiment_reading(&server, 2, Some(&["age", "patient_name"])).await;
+    let trainer = Arc::new(BuiltInTrainer::new(data));
+    let site = dir.path().join("site-b");
+    let report = run_site_with(&server, &site, &id, rules, trainer).await;
+    assert_eq!(report.uploads, 0, "{report:?}");
+    assert!(report.refused >= 1, "{report:?}");
+    let reasons = failure_reasons(&server, &id).await;
+    assert!(
+        reasons
+            .iter()
+            .any(|r| r.contains("column `patient_name`") && r.contains("--columns")),
+        "{reasons:?}"
+    );
+    let log = SiteLog::new(&site).entries().unwrap();
+    assert!(!log.is_empty());
+    for entry in &log {
+        assert_eq!(entry.outcome, TaskOutcome::Refused, "{entry:?}");
+        assert!(entry.reason.as_deref().unwrap().contains("`patient_name`"));
+        assert_eq!(entry.bytes_sent, 0);
+    }
 }

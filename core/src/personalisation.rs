@@ -135,6 +135,32 @@ mod tests {
         }
     }
 
+    /// The columns an experiment reads: one per feature of a built-in model, named once,
+    /// names a site can list (no comma), the label implied rather than named.
+    #[test]
+    fn named_columns_must_fit_the_model_and_be_listable() {
+        assert!(problems(serde_json::json!({"columns": ["a", "b", "c", "d"]})).is_empty());
+        for (columns, says) in [
+            (serde_json::json!(["a", "b", "c"]), "model takes 4 features"),
+            (serde_json::json!(["a", "b", "c", "a"]), "named twice"),
+            (
+                serde_json::json!(["a", "b", "c", "label"]),
+                "label column is always read",
+            ),
+            (
+                serde_json::json!(["a", "b", "c", "x,y"]),
+                "not a column name",
+            ),
+            (serde_json::json!([]), "at least one column"),
+        ] {
+            let p = problems(serde_json::json!({ "columns": columns }));
+            assert!(
+                p.iter().any(|(f, m)| f == "columns" && m.contains(says)),
+                "{columns}: {p:?}"
+            );
+        }
+    }
+
     /// Bad settings are refused before the experiment starts, naming the setting.
     #[test]
     fn unknown_layers_and_clashing_settings_are_refused_by_name() {

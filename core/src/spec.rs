@@ -192,6 +192,12 @@ pub struct ExperimentSpec {
     /// the models on (built-in models; default 0.2).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub client_holdout: Option<f64>,
+    /// The columns of a site's data the experiment reads as features, by their header
+    /// names, in the model's feature order (the label column, `label`, is read too). A
+    /// site that shares only some columns (`cohort-edge --columns`) refuses a task that
+    /// names another, and one that names none; a built-in trainer reads exactly these.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub columns: Option<Vec<String>>,
 }
 
 /// The most clients a round may need: beyond this one coordinator's round is not the
@@ -281,12 +287,58 @@ impl ExperimentSpec {
         self.weighting_problems(&mut bad);
         self.compression_problems(&mut bad);
         self.personalisation_problems(&mut bad);
+        self.column_problems(&mut bad);
         crate::mode::problems(self, &mut bad);
         self.train_problems(&mut bad);
         if problems.is_empty() {
             Ok(())
         } else {
             Err(InvalidSpec { problems })
+        }
+    }
+
+    /// The named columns' problems: none empty, repeated, the label, or holding a comma
+    /// (a site lists the columns it shares separated by commas); as many as a built-in
+    /// model's features.
+    fn column_problems(&self, bad: &mut impl FnMut(&'static str, String)) {
+        let Some(columns) = &self.columns else {
+            return;
+        };
+        if columns.is_empty() {
+            bad(
+                "columns",
+                "columns, when given, names at least one column".into(),
+            );
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for c in columns {
+            if c.trim().is_empty() || c.trim() != c || c.contains(',') || c.len() > 200 {
+                bad(
+                    "columns",
+                    format!(
+                        "column `{}` is not a column name (1 to 200 characters, no comma, no \
+                         space at either end)",
+                        c.chars().take(60).collect::<String>()
+                    ),
+                );
+            } else if c == cohort_edge::data::LABEL_COLUMN {
+                bad(
+                    "columns",
+                    "columns names the features; the label column is always read".into(),
+                );
+            } else if !seen.insert(c.as_str()) {
+                bad("columns", format!("column `{c}` is named twice"));
+            }
+        }
+        if matches!(self.model, SpecModel::BuiltIn(_)) && columns.len() != self.features {
+            bad(
+                "columns",
+                format!(
+                    "columns names {} columns but the model takes {} features",
+                    columns.len(),
+                    self.features
+                ),
+            );
         }
     }
 

@@ -45,6 +45,7 @@ impl ExperimentSpec {
             report_metrics: self.evaluation_refusal().is_none(),
             compression: None,
             personalisation: self.task_personalisation(),
+            columns: self.columns.clone(),
         }
     }
 

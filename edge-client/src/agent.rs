@@ -274,7 +274,11 @@ pub async fn run_agent(config: AgentConfig) -> Result<AgentReport, AgentError> {
             .approved_trainer
             .as_ref()
             .and_then(|_| config.trainer.code_hash());
-        if let Some(why) = config.rules.refusal(&task_ref(&task), trained, code) {
+        if let Some(why) =
+            config
+                .rules
+                .refusal(&task_ref(&task), task.columns.as_deref(), trained, code)
+        {
             refuse(&client, &cred, &task, &why, &site_log).await?;
             report.refused += 1;
             idle_since = Instant::now();
@@ -1159,6 +1163,7 @@ mod tests {
             report_metrics: false,
             compression: None,
             personalisation: None,
+            columns: None,
         };
         let config = |experiment: &str, round: u64, attempt: u64, session: u8| {
             cohort_aggregation::secagg::RoundConfig {

@@ -127,6 +127,11 @@ pub struct EdgeArgs {
     /// interpreter) and exit, contacting nothing
     #[arg(long, requires = "trainer")]
     pub trainer_hash: bool,
+    /// Only these columns of the site's data are ever read (comma-separated header
+    /// names, `label` among them): --data keeps no other, and a task whose experiment
+    /// reads another, or does not name its columns, is refused, reported and logged
+    #[arg(long, value_name = "NAME,...", value_delimiter = ',')]
+    pub columns: Option<Vec<String>>,
 }
 
 /// `--trainer-hash`: prints the hash of the trainer's code.
@@ -152,12 +157,26 @@ fn site_rules(args: &EdgeArgs) -> Result<crate::governance::SiteRules, String> {
     Ok(crate::governance::SiteRules {
         allowed_experiments: args.allowed_experiments.clone(),
         max_rounds: args.max_rounds,
+        columns: shared_columns(args)?,
         approved_trainer: args
             .approve_trainer
             .as_deref()
             .map(crate::governance::parse_sha256)
             .transpose()?,
     })
+}
+
+/// `--columns` as a set; empty names are refused.
+fn shared_columns(args: &EdgeArgs) -> Result<Option<std::collections::BTreeSet<String>>, String> {
+    let Some(columns) = &args.columns else {
+        return Ok(None);
+    };
+    let set: std::collections::BTreeSet<String> =
+        columns.iter().map(|c| c.trim().to_string()).collect();
+    if set.iter().any(String::is_empty) {
+        return Err("--columns: a column name is empty".into());
+    }
+    Ok(Some(set))
 }
 
 /// The trainer the flags ask for: an external command (`--trainer`) or the built-in
@@ -177,7 +196,9 @@ fn trainer_of(args: &EdgeArgs) -> Result<crate::trainer::SharedTrainer, String> 
             Ok(std::sync::Arc::new(trainer))
         }
         (None, Some(path)) => {
-            let data = crate::data::load_csv(path).map_err(|e| e.to_string())?;
+            let shared = shared_columns(args)?;
+            let data =
+                crate::data::load_csv_only(path, shared.as_ref()).map_err(|e| e.to_string())?;
             Ok(std::sync::Arc::new(crate::trainer::BuiltInTrainer::new(
                 data,
             )))

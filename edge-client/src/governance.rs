@@ -46,6 +46,9 @@ pub struct SiteRules {
     /// Only the trainer whose code has this SHA-256 (lowercase hex) may run
     /// (`--approve-trainer`; `None`: any).
     pub approved_trainer: Option<String>,
+    /// Only these columns of the site's data may be read, the label among them
+    /// (`--columns`; `None`: all). A task must name its columns, all of them here.
+    pub columns: Option<std::collections::BTreeSet<String>>,
 }
 
 /// A task as the site's rules and log see it: whose, which round, which kind.
@@ -78,9 +81,13 @@ impl SiteRules {
     pub fn refusal(
         &self,
         task: &TaskRef,
+        columns: Option<&[String]>,
         trained: u32,
         code: Option<Result<String, String>>,
     ) -> Option<String> {
+        if let Some(why) = self.column_refusal(task, columns) {
+            return Some(why);
+        }
         if let Some(approved) = &self.approved_trainer {
             match code {
                 None => {
@@ -122,6 +129,40 @@ impl SiteRules {
             ));
         }
         None
+    }
+}
+
+impl SiteRules {
+    /// Why the columns `task` reads (`columns`, from its experiment) are not the site's
+    /// to give, if they are not.
+    fn column_refusal(&self, task: &TaskRef, columns: Option<&[String]>) -> Option<String> {
+        let shared = self.columns.as_ref()?;
+        let listed = || shared.iter().cloned().collect::<Vec<_>>().join(",");
+        let Some(columns) = columns else {
+            return Some(format!(
+                "experiment {} does not name the columns it reads (its spec's `columns`); this \
+                 site shares only {} (--columns)",
+                task.experiment,
+                listed()
+            ));
+        };
+        let label = crate::data::LABEL_COLUMN.to_string();
+        let outside: Vec<&String> = columns
+            .iter()
+            .chain((task.kind == Kind::Train).then_some(&label))
+            .filter(|c| !shared.contains(*c))
+            .collect();
+        if outside.is_empty() {
+            return None;
+        }
+        let names: Vec<String> = outside.iter().map(|c| format!("`{c}`")).collect();
+        Some(format!(
+            "experiment {} reads column{} {}, which this site does not share (--columns {})",
+            task.experiment,
+            if outside.len() == 1 { "" } else { "s" },
+            names.join(", "),
+            listed()
+        ))
     }
 }
 
@@ -266,19 +307,54 @@ mod tests {
     #[test]
     fn rules_refuse_other_experiments_and_rounds_past_the_limit() {
         let open = SiteRules::default();
-        assert_eq!(open.refusal(&task(1, Kind::Train), 1000, None), None);
+        assert_eq!(open.refusal(&task(1, Kind::Train), None, 1000, None), None);
         let rules = SiteRules {
             allowed_experiments: Some(vec![Uuid::from_u128(1)]),
             max_rounds: Some(2),
             approved_trainer: None,
+            columns: None,
         };
-        assert_eq!(rules.refusal(&task(1, Kind::Train), 1, None), None);
-        let why = rules.refusal(&task(2, Kind::Train), 0, None).unwrap();
+        assert_eq!(rules.refusal(&task(1, Kind::Train), None, 1, None), None);
+        let why = rules.refusal(&task(2, Kind::Train), None, 0, None).unwrap();
         assert!(why.contains("not allowed at this site"), "{why}");
-        let why = rules.refusal(&task(1, Kind::Train), 2, None).unwrap();
+        let why = rules.refusal(&task(1, Kind::Train), None, 2, None).unwrap();
         assert!(why.contains("at most 2 rounds"), "{why}");
         // Evaluating the model is not training on the data again.
-        assert_eq!(rules.refusal(&task(1, Kind::Evaluate), 2, None), None);
+        assert_eq!(rules.refusal(&task(1, Kind::Evaluate), None, 2, None), None);
+    }
+
+    /// A site that shares some columns runs an experiment that reads only those (and the
+    /// label) and refuses one that reads another, or does not say what it reads.
+    #[test]
+    fn only_tasks_reading_shared_columns_run() {
+        let rules = SiteRules {
+            columns: Some(["age", "bmi", "label"].map(String::from).into()),
+            ..SiteRules::default()
+        };
+        let names = |c: &[&str]| c.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let t = task(1, Kind::Train);
+        assert_eq!(
+            rules.refusal(&t, Some(&names(&["bmi", "age"])), 0, None),
+            None
+        );
+        let why = rules
+            .refusal(&t, Some(&names(&["age", "name", "zip"])), 0, None)
+            .unwrap();
+        assert!(
+            why.contains("columns `name`, `zip`") && why.contains("--columns age,bmi,label"),
+            "{why}"
+        );
+        let why = rules.refusal(&t, None, 0, None).unwrap();
+        assert!(why.contains("does not name the columns"), "{why}");
+        // Training needs the label: a site that does not share it trains nothing.
+        let no_label = SiteRules {
+            columns: Some(["age"].map(String::from).into()),
+            ..SiteRules::default()
+        };
+        let why = no_label
+            .refusal(&t, Some(&names(&["age"])), 0, None)
+            .unwrap();
+        assert!(why.contains("column `label`"), "{why}");
     }
 
     #[test]
@@ -289,12 +365,16 @@ mod tests {
             ..SiteRules::default()
         };
         let t = task(1, Kind::Train);
-        assert_eq!(rules.refusal(&t, 0, Some(Ok(approved.clone()))), None);
-        let why = rules.refusal(&t, 0, Some(Ok("cd".repeat(32)))).unwrap();
+        assert_eq!(rules.refusal(&t, None, 0, Some(Ok(approved.clone()))), None);
+        let why = rules
+            .refusal(&t, None, 0, Some(Ok("cd".repeat(32))))
+            .unwrap();
         assert!(why.contains("not the one this site approved"), "{why}");
-        let why = rules.refusal(&t, 0, None).unwrap();
+        let why = rules.refusal(&t, None, 0, None).unwrap();
         assert!(why.contains("no code of its own"), "{why}");
-        let why = rules.refusal(&t, 0, Some(Err("gone".into()))).unwrap();
+        let why = rules
+            .refusal(&t, None, 0, Some(Err("gone".into())))
+            .unwrap();
         assert!(
             why.contains("cannot check") && why.contains("gone"),
             "{why}"

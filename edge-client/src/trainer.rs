@@ -247,11 +247,19 @@ impl BuiltInTrainer {
         task: &crate::protocol::Task,
     ) -> Result<(crate::train::LocalModel, Option<crate::train::LocalModel>), TrainerFailure> {
         let failure = |e: &dyn fmt::Display| TrainerFailure::new(e.to_string());
+        let named;
+        let data = match &task.columns {
+            Some(columns) => {
+                named = self.data.columns(columns).map_err(|e| failure(&e))?;
+                &named
+            }
+            None => &*self.data,
+        };
         let Some(personal) = &task.personalisation else {
-            let local = crate::agent::local_model(&self.data, task).map_err(|e| failure(&e))?;
+            let local = crate::agent::local_model(data, task).map_err(|e| failure(&e))?;
             return Ok((local.1, None));
         };
-        let (train, held) = holdout_split(&self.data, task.experiment_id, personal.holdout);
+        let (train, held) = holdout_split(data, task.experiment_id, personal.holdout);
         let train = crate::agent::local_model(&train, task).map_err(|e| failure(&e))?;
         if held.is_empty() {
             return Ok((train.1, None));

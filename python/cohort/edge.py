@@ -92,6 +92,11 @@ class EdgeClient:
         approve_trainer: Only run while the source files of ``train`` (and
             ``evaluate``) have this SHA-256 (:meth:`trainer_hash`); checked before every
             task, so code edited after approval is refused.
+        columns: The columns of the site's data that may be read (``label`` among
+            them): a task whose experiment reads another (its spec's ``columns``), or
+            does not name the columns it reads, is refused, reported and logged. The
+            task's ``columns`` say which to give ``train``; pair it with
+            ``approve_trainer`` for code that reads no other.
     """
 
     def __init__(
@@ -111,6 +116,7 @@ class EdgeClient:
         allowed_experiments: Optional[Sequence[str]] = None,
         max_rounds: Optional[int] = None,
         approve_trainer: Optional[str] = None,
+        columns: Optional[Sequence[str]] = None,
     ) -> None:
         if not isinstance(coordinator, str) or not coordinator.lower().startswith(
             ("https://", "http://")
@@ -146,6 +152,7 @@ class EdgeClient:
             ),
             "max_rounds": max_rounds,
             "approve_trainer": approve_trainer,
+            "columns": None if columns is None else [str(c) for c in columns],
         }
         self._train: Optional[Callable[..., Any]] = None
         self._evaluate: Optional[Callable[..., Any]] = None

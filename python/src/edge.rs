@@ -41,7 +41,7 @@ struct PythonTrainer {
 }
 
 /// A site's say over what runs on its data (`cohort.EdgeClient`'s `allowed_experiments`,
-/// `max_rounds`, `approve_trainer`), and the files of its functions' code.
+/// `max_rounds`, `approve_trainer`, `columns`), and the files of its functions' code.
 #[derive(Debug, Default, FromPyObject)]
 struct SiteSettings {
     #[pyo3(item)]
@@ -50,6 +50,8 @@ struct SiteSettings {
     max_rounds: Option<u32>,
     #[pyo3(item)]
     approve_trainer: Option<String>,
+    #[pyo3(item)]
+    columns: Option<Vec<String>>,
     #[pyo3(item)]
     code_files: Vec<String>,
 }
@@ -69,9 +71,20 @@ impl SiteSettings {
                     .collect::<Result<Vec<_>, _>>()
             })
             .transpose()?;
+        if self
+            .columns
+            .as_ref()
+            .is_some_and(|c| c.iter().any(|n| n.trim().is_empty()))
+        {
+            return Err("columns: a column name is empty".into());
+        }
         Ok(cohort_edge::governance::SiteRules {
             allowed_experiments,
             max_rounds: self.max_rounds,
+            columns: self
+                .columns
+                .as_ref()
+                .map(|c| c.iter().map(|n| n.trim().to_string()).collect()),
             approved_trainer: self
                 .approve_trainer
                 .as_deref()

@@ -326,6 +326,7 @@ fn bench_spec(args: &DashboardBenchArgs) -> Result<ExperimentSpec, String> {
         compression: None,
         personalisation: None,
         client_holdout: None,
+        columns: None,
     })
 }
 

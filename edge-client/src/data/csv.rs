@@ -25,6 +25,17 @@ const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 /// [`DataError::Io`] naming `path` if the file cannot be opened, read or decompressed,
 /// and any error of [`parse_csv`].
 pub fn load_csv(path: &Path) -> Result<Dataset, DataError> {
+    load_csv_only(path, None)
+}
+
+/// [`load_csv`], keeping only the columns in `shared` (the label among them) when it is
+/// given: the others' fields are skipped as the file is read, never parsed or kept, so
+/// no part of the data set holds them (`cohort-edge --columns`).
+///
+/// # Errors
+/// Those of [`load_csv`], and [`DataError::LabelNotShared`] when `shared` leaves out the
+/// label.
+pub fn load_csv_only(path: &Path, shared: Option<&BTreeSet<String>>) -> Result<Dataset, DataError> {
     let io_err = |source| DataError::Io {
         path: path.to_path_buf(),
         source,
@@ -48,9 +59,9 @@ pub fn load_csv(path: &Path) -> Result<Dataset, DataError> {
     let name = path.display().to_string();
     let result = if magic[..got] == GZIP_MAGIC {
         // Multi-member so that concatenated gzip files (`cat a.gz b.gz`) read whole.
-        parse_csv(flate2::read::MultiGzDecoder::new(stream), &name)
+        parse_csv_only(flate2::read::MultiGzDecoder::new(stream), &name, shared)
     } else {
-        parse_csv(stream, &name)
+        parse_csv_only(stream, &name, shared)
     };
     // parse_csv only knows the source name; restore the real path for I/O errors.
     result.map_err(|e| match e {
@@ -80,6 +91,19 @@ pub fn load_csv(path: &Path) -> Result<Dataset, DataError> {
 /// non-finite feature, an empty label, malformed CSV, no data rows, or fewer than two
 /// classes.
 pub fn parse_csv(reader: impl Read, source_name: &str) -> Result<Dataset, DataError> {
+    parse_csv_only(reader, source_name, None)
+}
+
+/// [`parse_csv`], keeping only the columns in `shared` when it is given (see
+/// [`load_csv_only`]).
+///
+/// # Errors
+/// Those of [`parse_csv`], and [`DataError::LabelNotShared`].
+pub fn parse_csv_only(
+    reader: impl Read,
+    source_name: &str,
+    shared: Option<&BTreeSet<String>>,
+) -> Result<Dataset, DataError> {
     let file = || source_name.to_owned();
     let mut rdr = ::csv::ReaderBuilder::new()
         .has_headers(false)
@@ -121,11 +145,20 @@ pub fn parse_csv(reader: impl Read, source_name: &str) -> Result<Dataset, DataEr
             });
         }
     };
-    let feature_names: Vec<String> = header
+    if shared.is_some_and(|keep| !keep.contains(LABEL_COLUMN)) {
+        return Err(DataError::LabelNotShared { file: file() });
+    }
+    // Whether each column is a feature that is read.
+    let read_column: Vec<bool> = header
         .iter()
         .enumerate()
-        .filter(|&(i, _)| i != label_col)
-        .map(|(_, name)| name.clone())
+        .map(|(i, name)| i != label_col && shared.is_none_or(|keep| keep.contains(name)))
+        .collect();
+    let feature_names: Vec<String> = header
+        .iter()
+        .zip(&read_column)
+        .filter(|(_, read)| **read)
+        .map(|(name, _)| name.clone())
         .collect();
     if feature_names.is_empty() {
         return Err(DataError::NoFeatureColumns { file: file() });
@@ -155,7 +188,7 @@ pub fn parse_csv(reader: impl Read, source_name: &str) -> Result<Dataset, DataEr
                     return Err(DataError::EmptyLabel { file: file(), line });
                 }
                 raw_labels.push(cell.to_owned());
-            } else {
+            } else if read_column[col] {
                 values.push(
                     parse_feature(cell).map_err(|problem| DataError::BadFeature {
                         file: file(),
@@ -327,6 +360,28 @@ mod tests {
 
     fn parse(text: &str) -> Result<Dataset, DataError> {
         parse_csv(text.as_bytes(), "t.csv")
+    }
+
+    /// `--columns`: a column the site does not share is skipped unread (here it would
+    /// not even parse), the rest keep their order; leaving out the label is refused.
+    #[test]
+    fn only_shared_columns_are_read() {
+        let text = "a,secret,label,b\n1,Ann,x,2\n3,Bob,y,4\n";
+        let shared: BTreeSet<String> = ["a", "b", "label"].map(String::from).into();
+        let ds = parse_csv_only(text.as_bytes(), "t.csv", Some(&shared)).unwrap();
+        assert_eq!(ds.feature_names, vec!["a", "b"]);
+        assert_eq!(ds.features, ndarray::array![[1.0, 2.0], [3.0, 4.0]]);
+        assert!(parse(text).is_err(), "the full file does not parse");
+        let no_label: BTreeSet<String> = ["a", "b"].map(String::from).into();
+        assert!(matches!(
+            parse_csv_only(text.as_bytes(), "t.csv", Some(&no_label)),
+            Err(DataError::LabelNotShared { .. })
+        ));
+        // An experiment that names its columns gets them in its order.
+        let picked = ds.columns(&["b".into(), "a".into()]).unwrap();
+        assert_eq!(picked.features, ndarray::array![[2.0, 1.0], [4.0, 3.0]]);
+        let missing = ds.columns(&["secret".into()]).unwrap_err();
+        assert!(missing.contains("`secret`"), "{missing}");
     }
 
     #[test]

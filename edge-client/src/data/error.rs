@@ -41,6 +41,17 @@ pub enum DataError {
         header: Vec<String>,
     },
 
+    /// The site shares only some columns (`--columns`) and the label is not among them:
+    /// nothing can train.
+    #[error(
+        "`{file}`: the columns this site shares (--columns) leave out `label`, which training \
+         needs"
+    )]
+    LabelNotShared {
+        /// The file (or source name) being parsed.
+        file: String,
+    },
+
     /// The header row names `label` more than once, so the label is ambiguous.
     #[error("`{file}` has {count} columns named `label`; expected exactly one")]
     DuplicateLabelColumn {

@@ -9,7 +9,7 @@ mod shipped;
 mod split;
 mod synthetic;
 
-pub use self::csv::{LABEL_COLUMN, load_csv, parse_csv};
+pub use self::csv::{LABEL_COLUMN, load_csv, load_csv_only, parse_csv, parse_csv_only};
 pub use error::{DataError, FeatureProblem};
 pub use shipped::{MNIST10K_TRAIN, breast_cancer, digits, mnist10k};
 pub use split::{Standardizer, stratified_split};
@@ -76,5 +76,34 @@ impl Dataset {
                 .as_ref()
                 .map(|g| indices.iter().map(|&i| g[i]).collect()),
         }
+    }
+
+    /// The feature columns named `names`, in that order (an experiment that names its
+    /// columns gets its features in its own order, whatever the file's).
+    ///
+    /// # Errors
+    /// A message naming the first column this data set does not have.
+    pub fn columns(&self, names: &[String]) -> Result<Dataset, String> {
+        let positions = names
+            .iter()
+            .map(|name| {
+                self.feature_names
+                    .iter()
+                    .position(|f| f == name)
+                    .ok_or_else(|| {
+                        format!(
+                            "the experiment reads column `{name}`, which this site's data does \
+                             not have"
+                        )
+                    })
+            })
+            .collect::<Result<Vec<usize>, String>>()?;
+        Ok(Dataset {
+            features: self.features.select(Axis(1), &positions),
+            labels: self.labels.clone(),
+            classes: self.classes.clone(),
+            feature_names: names.to_vec(),
+            groups: self.groups.clone(),
+        })
     }
 }

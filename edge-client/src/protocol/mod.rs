@@ -96,6 +96,11 @@ pub struct Task {
     /// held-out split of its data.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub personalisation: Option<TaskPersonalisation>,
+    /// The columns of the site's data the experiment reads as features, in the model's
+    /// order (the label column too); absent when the experiment does not name them. A
+    /// site that shares only some columns refuses a task naming another.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub columns: Option<Vec<String>>,
 }
 
 /// A task's personalisation.

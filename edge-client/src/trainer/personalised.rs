@@ -250,6 +250,7 @@ mod tests {
                 scheme: scheme.parse().unwrap(),
                 holdout: 0.25,
             }),
+            columns: None,
         }
     }
 

@@ -611,6 +611,7 @@ fn default_spec() -> ExperimentSpec {
         compression: None,
         personalisation: None,
         client_holdout: None,
+        columns: None,
     }
 }
 
@@ -1071,6 +1072,7 @@ pub fn parse(fields: &[(String, String)]) -> Parsed {
             r.parsed("personalisation")
         },
         client_holdout: r.optional_number("client_holdout").flatten(),
+        columns: None,
     };
     if spec.name.is_empty() {
         r.errors.insert("name", "required".into());
