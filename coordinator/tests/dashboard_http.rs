@@ -205,6 +205,22 @@ impl Server {
         cookie_pair(&r, "cohort_session").expect("session cookie")
     }
 
+    /// Signs `name` in with `token` through the form; the session's `Cookie` value.
+    async fn sign_in_as(&self, name: &str, token: &str) -> String {
+        let page = self.get("/sign-in", None).await;
+        let form_cookie = cookie_pair(&page, "cohort_sign_in").expect("sign-in form cookie");
+        let form_token = hidden(&page.text().await.unwrap(), "csrf");
+        let r = self
+            .post(
+                "/sign-in",
+                Some(&form_cookie),
+                &[("csrf", &form_token), ("name", name), ("token", token)],
+            )
+            .await;
+        assert_eq!(r.status(), StatusCode::SEE_OTHER, "{name} signs in");
+        cookie_pair(&r, "cohort_session").expect("session cookie")
+    }
+
     async fn shut_down(self) {
         let _ = self.stop.send(());
         let _ = tokio::time::timeout(Duration::from_secs(20), self.task).await;
@@ -1728,5 +1744,183 @@ async fn a_round_goes_on_without_a_client_revoked_in_it() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    server.shut_down().await;
+}
+
+/// A dashboard form post: path, fields, and the role it needs.
+type DashboardAction<'a> = (String, Vec<(&'a str, &'a str)>, &'a str);
+
+/// People sign in to the dashboard by name with their own token, and each action of
+/// the dashboard is allowed or refused (403, before the form is read) by their role,
+/// as the API's are; the audit log names the person; revoking them ends their session.
+#[tokio::test]
+async fn people_sign_in_by_name_and_each_dashboard_action_follows_their_role() {
+    let server = start().await;
+    let exp = server
+        .api(
+            Method::POST,
+            "/experiments",
+            Some(serde_json::json!({
+                "name": "roles", "features": 4, "classes": 2, "model": "logreg",
+                "rounds": 1, "clients_per_round": 1, "min_participants": 1
+            })),
+        )
+        .await;
+    let exp_id = exp["id"].as_str().unwrap().to_string();
+    let mut people = Vec::new();
+    for (name, role) in [("vera", "viewer"), ("otto", "operator"), ("ada", "admin")] {
+        let user = server
+            .api(
+                Method::POST,
+                "/users",
+                Some(serde_json::json!({"name": name, "role": role})),
+            )
+            .await;
+        people.push((name, role, user["token"].as_str().unwrap().to_string()));
+    }
+    // A name with another person's token, or a wrong token, signs nobody in.
+    let page = server.get("/sign-in", None).await;
+    let form_cookie = cookie_pair(&page, "cohort_sign_in").unwrap();
+    let form_token = hidden(&page.text().await.unwrap(), "csrf");
+    let r = server
+        .post(
+            "/sign-in",
+            Some(&form_cookie),
+            &[
+                ("csrf", &form_token),
+                ("name", "vera"),
+                ("token", &people[2].2),
+            ],
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    assert!(cookie_pair(&r, "cohort_session").is_none());
+
+    let rank = |role: &str| {
+        ["viewer", "operator", "admin"]
+            .iter()
+            .position(|r| *r == role)
+    };
+    for (name, role, token) in &people {
+        let cookie = server.sign_in_as(name, token).await;
+        let html = server
+            .get("/experiments", Some(&cookie))
+            .await
+            .text()
+            .await
+            .unwrap();
+        let csrf = hidden(&html, "csrf");
+        for page in [
+            "/experiments",
+            "/clients",
+            "/models",
+            &format!("/experiments/{exp_id}"),
+        ] {
+            let r = server.get(page, Some(&cookie)).await;
+            assert_eq!(r.status(), StatusCode::OK, "{name} reads {page}");
+        }
+        let create = experiment_form(&csrf);
+        let unknown = "00000000-0000-4000-8000-000000000000";
+        let actions: Vec<DashboardAction<'_>> = vec![
+            ("/experiments".into(), pairs(&create), "operator"),
+            (
+                format!("/experiments/{exp_id}/pause"),
+                vec![("csrf", &csrf)],
+                "operator",
+            ),
+            (
+                "/tokens".into(),
+                vec![("csrf", &csrf), ("label", "site")],
+                "admin",
+            ),
+            (
+                format!("/tokens/{unknown}/revoke"),
+                vec![("csrf", &csrf)],
+                "admin",
+            ),
+            (
+                format!("/clients/{unknown}/revoke"),
+                vec![("csrf", &csrf)],
+                "admin",
+            ),
+        ];
+        for (path, fields, needed) in actions {
+            let r = server.post(&path, Some(&cookie), &fields).await;
+            if rank(role) >= rank(needed) {
+                assert_ne!(
+                    r.status(),
+                    StatusCode::FORBIDDEN,
+                    "{name} ({role}) POST {path}"
+                );
+            } else {
+                assert_eq!(
+                    r.status(),
+                    StatusCode::FORBIDDEN,
+                    "{name} ({role}) POST {path}"
+                );
+                let text = r.text().await.unwrap();
+                assert!(text.contains(needed), "{text}");
+            }
+        }
+        let r = server
+            .upload(&cookie, Some(&csrf), "tiny", &tiny_model())
+            .await;
+        if *role == "admin" {
+            assert_ne!(r.status(), StatusCode::FORBIDDEN, "{name} uploads a model");
+        } else {
+            assert_eq!(r.status(), StatusCode::FORBIDDEN, "{name} uploads a model");
+        }
+        // Anyone signed in may sign out.
+        let r = server
+            .post("/sign-out", Some(&cookie), &[("csrf", &csrf)])
+            .await;
+        assert_eq!(r.status(), StatusCode::SEE_OTHER, "{name} signs out");
+    }
+
+    // The audit log names the person and the channel.
+    let audit = server.api(Method::GET, "/audit?limit=1000", None).await;
+    let actors: Vec<&str> = audit
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["actor"].as_str().unwrap())
+        .collect();
+    assert!(
+        actors
+            .iter()
+            .any(|a| a.starts_with("otto (operator) via dashboard session ")),
+        "{actors:?}"
+    );
+    assert!(
+        actors
+            .iter()
+            .any(|a| a.starts_with("ada (admin) via dashboard session "))
+    );
+
+    // Revoking a person ends their session at once.
+    let users = server.api(Method::GET, "/users", None).await;
+    let otto = users
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|u| u["name"] == "otto")
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let cookie = server.sign_in_as("otto", &people[1].2).await;
+    assert_eq!(
+        server.get("/experiments", Some(&cookie)).await.status(),
+        StatusCode::OK
+    );
+    server
+        .api(Method::POST, &format!("/users/{otto}/revoke"), None)
+        .await;
+    let r = server.get("/experiments", Some(&cookie)).await;
+    assert_eq!(
+        r.status(),
+        StatusCode::SEE_OTHER,
+        "a revoked person is signed out"
+    );
     server.shut_down().await;
 }

@@ -329,6 +329,19 @@ async fn mlflow_gets_every_round_and_the_model_even_across_an_outage() {
     // Every round's metrics, equal to what the API reports, at the round's step.
     let rounds = published(&server, &id).await;
     assert_eq!(rounds.len(), ROUNDS as usize);
+    // For the record (the closing note's figure): each round's length, MLflow down
+    // from after round 2 until round `down + 3` was published.
+    let lengths: Vec<String> = rounds
+        .iter()
+        .map(|r| {
+            let ms = r["finished_at"].as_i64().unwrap() - r["started_at"].as_i64().unwrap();
+            format!("{}:{ms}ms", r["round"])
+        })
+        .collect();
+    eprintln!(
+        "round lengths (MLflow down after round {down}): {}",
+        lengths.join(" ")
+    );
     let history = |metric: &str| -> Vec<(i64, f64)> {
         run["metrics"][metric]
             .as_array()

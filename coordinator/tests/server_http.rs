@@ -355,7 +355,7 @@ async fn admin_route_with_the_right_token_answers() {
         .await;
     assert_eq!(response.status(), StatusCode::OK);
     let body: serde_json::Value = response.json().await.unwrap();
-    assert_eq!(body, serde_json::json!({"role": "admin"}));
+    assert_eq!(body, serde_json::json!({"name": "admin", "role": "admin"}));
     server.shut_down().await.unwrap();
 }
 

@@ -799,6 +799,51 @@ class Admin:
         """
         self._admin("POST", f"/enrolment-tokens/{_segment(token_id, 'token_id')}/revoke")
 
+    def create_user(self, name: str, role: str) -> Dict[str, Any]:
+        """Creates a person with a role and a token of their own (admin role).
+
+        Args:
+            name: 1 to 64 letters, digits, ``.``, ``_``, ``-`` or ``@``; unique.
+            role: ``"viewer"`` (reads everything), ``"operator"`` (also runs
+                experiments) or ``"admin"`` (also clients, tokens, people, models).
+
+        Returns:
+            ``{"id", "name", "role", "token"}``: ``token`` is shown only in this reply;
+            ``cohort.Admin(url, token=...)`` and the dashboard (with the name) take it.
+
+        Raises:
+            ApiError: 403 without the admin role, 409 ``name_taken``, 422
+                ``invalid_user`` for a bad name or role.
+            UnreachableError: No answer.
+        """
+        return self._admin("POST", "/users", json_body={"name": name, "role": role})
+
+    def users(self) -> List[Dict[str, Any]]:
+        """Every person (never their tokens).
+
+        Returns:
+            A list of ``{"id", "name", "role", "created_at", "created_by",
+            "revoked_at"}``.
+
+        Raises:
+            ApiError: 401 for a wrong token.
+            UnreachableError: No answer.
+        """
+        return self._admin("GET", "/users")
+
+    def revoke_user(self, user_id: Id) -> Dict[str, Any]:
+        """Revokes a person: their token is refused and their dashboard sessions end.
+
+        Args:
+            user_id: The person's ``id``.
+
+        Raises:
+            ApiError: 403 without the admin role, 404 for an unknown id, 409 when
+                already revoked.
+            UnreachableError: No answer.
+        """
+        return self._admin("POST", f"/users/{_segment(user_id, 'user_id')}/revoke")
+
     def clients(self) -> List[Dict[str, Any]]:
         """Every enrolled client.
 

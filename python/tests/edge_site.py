@@ -5,8 +5,9 @@
 
 MODE: ``ok`` trains; ``raise`` raises in every train; ``slow`` sleeps 60 s in train (for
 Ctrl-C); ``bad-shape`` returns a wrong shape; ``approved`` trains with its own code's hash
-approved; ``unapproved`` approves another hash, so every task is refused. Prints the
-client's report as JSON.
+approved; ``unapproved`` approves another hash, so every task is refused;
+``columns-shared`` shares the columns ``pixels`` and ``label``, ``columns-narrow`` only
+``label``. Prints the client's report as JSON.
 """
 
 import json
@@ -52,6 +53,7 @@ def main():
         seed=partition,
         idle_exit=float(idle_exit),
         approve_trainer=approve,
+        columns={"columns-shared": ["pixels", "label"], "columns-narrow": ["label"]}.get(mode),
     )
     report = client.run(train, softmax.evaluate)
     print("REPORT " + json.dumps(report), flush=True)

@@ -6,6 +6,7 @@ lifecycle, model files, enrolment tokens and clients, a full run followed with
 from __future__ import annotations
 
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -264,6 +265,29 @@ def test_issue_list_and_revoke_tokens(admin, serve):
     assert (e.value.status, e.value.code) == (422, "invalid_token_request")
     assert_no_token(e.value, serve.token)
     assert isinstance(admin.clients(), list)
+
+
+def test_people_act_within_their_roles(admin, serve):
+    """A person's token works as a bearer token within their role: an operator runs
+    experiments but may not issue enrolment tokens; a revoked person is refused."""
+    name = f"op-{time.time_ns()}"
+    created = admin.create_user(name, "operator")
+    assert created["role"] == "operator" and "token" in created
+    operator = cohort.Admin(serve.url, created["token"], ca_cert=serve.ca_cert, timeout=10)
+    assert operator.whoami() == {"name": name, "role": "operator"}
+    exp = operator.create_experiment(spec("run by an operator"))
+    assert operator.experiment(exp["id"])["name"] == "run by an operator"
+    with pytest.raises(cohort.ApiError) as e:
+        operator.issue_token("site")
+    assert (e.value.status, e.value.code) == (403, "forbidden")
+    assert "admin role" in e.value.message
+    assert any(u["name"] == name for u in admin.users())
+    assert all("token" not in u for u in admin.users())
+    admin.revoke_user(created["id"])
+    with pytest.raises(cohort.ApiError) as e:
+        operator.experiments()
+    assert e.value.status == 401
+    assert_no_token(e.value, created["token"])
 
 
 def test_a_wrong_token_is_401_and_never_shown(serve):

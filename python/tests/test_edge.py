@@ -185,6 +185,35 @@ def test_a_site_runs_only_the_code_it_approved(own_serve, tmp_path):
                           approve_trainer="abc", idle_exit=0.1).run(softmax.train)
 
 
+def test_a_site_refuses_an_experiment_reading_a_column_it_does_not_share(own_serve, tmp_path):
+    """``columns``: the experiment reads ``pixels``; a site sharing it trains, a site
+    sharing only the label refuses every task, tells the coordinator which column, and
+    logs it."""
+    cohort_serve, admin = own_serve
+    exp = experiment(admin, "python sites, columns", rounds=1, clients=2, min_participants=1,
+                     collect_deadline_seconds=15, columns=["pixels"])
+    sites = [start_site(cohort_serve, admin, tmp_path, 0, mode="columns-shared"),
+             start_site(cohort_serve, admin, tmp_path, 1, mode="columns-narrow")]
+    admin.start(exp["id"])
+    try:
+        seen = [r["round"] for r in admin.watch(exp["id"], poll=0.3, timeout=240)]
+    except BaseException:
+        for _, log in sites:
+            print(log.read_text(errors="replace")[-3000:])
+        raise
+    for process, _ in sites:
+        process.wait(timeout=60)
+    assert seen == [1]
+    shared, narrow = (report_of(log) for _, log in sites)
+    assert shared["uploads"] == 1 and shared["refused"] == 0, shared
+    assert narrow["uploads"] == 0 and narrow["refused"] >= 1, narrow
+    reasons = [f["reason"] for r in admin.rounds(exp["id"]) for f in r.get("failures", [])]
+    assert any("column `pixels`" in r for r in reasons), reasons
+    log = [json.loads(line) for line in
+           (tmp_path / "state-1" / "site-log.jsonl").read_text().splitlines()]
+    assert log and all(e["outcome"] == "refused" and "`pixels`" in e["reason"] for e in log), log
+
+
 def test_an_exception_in_train_is_reported_and_the_client_carries_on(own_serve, tmp_path):
     cohort_serve, admin = own_serve
     # A failed task does not end the collect stage early: a short deadline keeps the

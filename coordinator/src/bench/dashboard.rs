@@ -227,7 +227,12 @@ async fn run_async(args: &DashboardBenchArgs) -> Result<(), String> {
     let now = now_millis();
     state
         .store
-        .create_dashboard_session(&hash_secret(&session), now, now + 3_600_000)
+        .create_dashboard_session(
+            &hash_secret(&session),
+            now,
+            now + 3_600_000,
+            crate::store::SessionHolder::AdminToken,
+        )
         .await
         .map_err(|e| e.to_string())?;
     let app = crate::server::app(state.clone());

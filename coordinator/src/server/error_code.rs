@@ -57,7 +57,7 @@ error_codes! {
     Unauthorized = "unauthorized", UNAUTHORIZED,
         "No valid credential: a missing, malformed or wrong token.";
     Forbidden = "forbidden", FORBIDDEN,
-        "A valid credential that may not do this (a revoked client).";
+        "A valid credential that may not do this: a revoked client, or a person whose role does not allow the operation.";
     NotFound = "not_found", NOT_FOUND,
         "No such route, or no such experiment, round, client, token or model.";
     MethodNotAllowed = "method_not_allowed", METHOD_NOT_ALLOWED,
@@ -103,7 +103,9 @@ error_codes! {
     TokenSpent = "token_spent", CONFLICT,
         "The enrolment token is already used or revoked.";
     AlreadyRevoked = "already_revoked", CONFLICT,
-        "The client is already revoked.";
+        "The client or user is already revoked.";
+    NameTaken = "name_taken", CONFLICT,
+        "Another user has this name.";
     PayloadTooLarge = "payload_too_large", PAYLOAD_TOO_LARGE,
         "The body is larger than the server takes (`--max-body-bytes`).";
     UnsupportedMediaType = "unsupported_media_type", UNSUPPORTED_MEDIA_TYPE,
@@ -124,6 +126,8 @@ error_codes! {
         "A task failure report that is empty or too long.";
     InvalidCheckin = "invalid_checkin", UNPROCESSABLE_ENTITY,
         "A check-in whose fields are out of range.";
+    InvalidUser = "invalid_user", UNPROCESSABLE_ENTITY,
+        "A user whose name breaks the naming rules.";
     InvalidTokenRequest = "invalid_token_request", UNPROCESSABLE_ENTITY,
         "An enrolment token request with a label or lifetime out of range.";
     InvalidLimit = "invalid_limit", UNPROCESSABLE_ENTITY,

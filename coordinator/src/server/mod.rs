@@ -24,6 +24,7 @@ pub mod http;
 pub mod logging;
 pub mod privacy;
 pub mod rate_limit;
+pub mod roles;
 pub mod secagg_snapshots;
 pub mod settings;
 pub mod telemetry;

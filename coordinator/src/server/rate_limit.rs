@@ -171,6 +171,11 @@ impl Default for RateSettings {
 /// type, so its failures are counted under this one.
 pub const ADMIN_ACCOUNT: &str = "admin";
 
+/// The account every person's dashboard sign-in failures count against together (a
+/// person's token is as unguessable as the admin token; this bounds the guessing all
+/// the same).
+pub const PEOPLE_ACCOUNT: &str = "people";
+
 /// This replica's limiters.
 #[derive(Debug)]
 pub struct RateLimits {

@@ -337,7 +337,8 @@ pub async fn metrics(
     super::rate_limit::PeerAddr(peer): super::rate_limit::PeerAddr,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    super::http::check_admin(&state, &headers, peer)?;
+    // Any person may read the metrics (a viewer's right).
+    super::http::authenticate(&state, &headers, peer).await?;
     let counts = state
         .store
         .counts(now_millis() - ACTIVE_CLIENT_WINDOW_MS)

@@ -45,6 +45,15 @@ pub struct JobSummary {
     pub recent: Vec<Job>,
 }
 
+/// Whose a dashboard session is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SessionHolder {
+    /// Signed in with the admin token.
+    AdminToken,
+    /// Signed in by a person (their role applies).
+    User(Uuid),
+}
+
 impl Store {
     /// Records a new dashboard session by the hash of its id; expired sessions are
     /// removed in the same transaction, so the table does not grow without bound.
@@ -53,7 +62,12 @@ impl Store {
         id_hash: &[u8],
         now: i64,
         expires_at: i64,
+        holder: SessionHolder,
     ) -> Result<(), StoreError> {
+        let user = match holder {
+            SessionHolder::AdminToken => None,
+            SessionHolder::User(id) => Some(id.to_string()),
+        };
         with_pool!(self, p => {
             let mut tx = p.begin_write().await?;
             sqlx::query("DELETE FROM dashboard_sessions WHERE expires_at <= $1 OR last_seen_at <= $2")
@@ -62,12 +76,14 @@ impl Store {
                 .execute(&mut *tx)
                 .await?;
             sqlx::query(
-                "INSERT INTO dashboard_sessions (id_hash, created_at, last_seen_at, expires_at) \
-                 VALUES ($1, $2, $2, $3)",
+                "INSERT INTO dashboard_sessions \
+                 (id_hash, created_at, last_seen_at, expires_at, user_id) \
+                 VALUES ($1, $2, $2, $3, $4)",
             )
             .bind(id_hash)
             .bind(now)
             .bind(expires_at)
+            .bind(user)
             .execute(&mut *tx)
             .await?;
             audit!(tx, now, super::admin_actor(), "dashboard.sign_in", "", "");
@@ -76,25 +92,26 @@ impl Store {
         Ok(())
     }
 
-    /// Whether the session whose id hashes to `id_hash` is live at `now` (not expired,
-    /// not idle too long); a live one is marked seen.
+    /// Who holds the session whose id hashes to `id_hash`, if it is live at `now` (not
+    /// expired, not idle too long); a live one is marked seen.
     pub async fn dashboard_session_live(
         &self,
         id_hash: &[u8],
         now: i64,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Option<SessionHolder>, StoreError> {
         with_pool!(self, p => {
-            let row: Option<(i64, i64)> = sqlx::query_as(
-                "SELECT last_seen_at, expires_at FROM dashboard_sessions WHERE id_hash = $1",
+            let row: Option<(i64, i64, Option<String>)> = sqlx::query_as(
+                "SELECT last_seen_at, expires_at, user_id FROM dashboard_sessions \
+                 WHERE id_hash = $1",
             )
             .bind(id_hash)
             .fetch_optional(p)
             .await?;
-            let Some((last_seen_at, expires_at)) = row else {
-                return Ok(false);
+            let Some((last_seen_at, expires_at, user)) = row else {
+                return Ok(None);
             };
             if now >= expires_at || now - last_seen_at >= SESSION_IDLE_MS {
-                return Ok(false);
+                return Ok(None);
             }
             if now - last_seen_at >= SESSION_TOUCH_MS {
                 sqlx::query("UPDATE dashboard_sessions SET last_seen_at = $1 WHERE id_hash = $2")
@@ -103,7 +120,10 @@ impl Store {
                     .execute(p)
                     .await?;
             }
-            Ok(true)
+            Ok(Some(match user {
+                Some(id) => SessionHolder::User(super::parse_uuid(&id)?),
+                None => SessionHolder::AdminToken,
+            }))
         })
     }
 

@@ -20,6 +20,7 @@ mod rounds;
 mod secagg;
 mod telemetry;
 mod tokens;
+mod users;
 
 use std::path::Path;
 use std::str::FromStr;
@@ -31,7 +32,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 use uuid::Uuid;
 
-pub use dashboard::{ClientPage, JobSummary, LatestAccuracy, SESSION_IDLE_MS};
+pub use dashboard::{ClientPage, JobSummary, LatestAccuracy, SESSION_IDLE_MS, SessionHolder};
 pub use fedbuff::{
     BufferRetry, BufferRules, Buffered, BufferedUpload, FedBuffDrops, FedBuffTask, StepStats,
 };
@@ -47,6 +48,7 @@ pub use secagg::{SecAggMessage, SecAggMessageKind, SecureNext};
 pub use telemetry::StoreCounts;
 pub use tokens::{Client, EnrolmentToken};
 use tokens::{ClientRow, TokenRow};
+pub use users::{Role, User};
 
 static SQLITE_MIGRATIONS: Migrator = sqlx::migrate!("../migrations/sqlite");
 static POSTGRES_MIGRATIONS: Migrator = sqlx::migrate!("../migrations/postgres");
@@ -133,8 +135,10 @@ pub enum ConflictKind {
     NotAtStage,
     /// An enrolment token already used or revoked.
     TokenSpent,
-    /// A client already revoked.
+    /// A client or user already revoked.
     AlreadyRevoked,
+    /// A user's name that another user has.
+    NameTaken,
     /// A client that has another identity registered.
     IdentityConflict,
     /// A job this worker does not hold (its lease ran out and another took it).

@@ -1,6 +1,7 @@
 //! Signing in to the dashboard, and the guard in front of every other page.
 //!
-//! Signing in with the admin token creates a session: a random 256-bit id in a cookie
+//! Signing in with the admin token, or by name with a person's own token, creates a
+//! session (whose role, for a person, decides what it may change): a random 256-bit id in a cookie
 //! that is `HttpOnly` (no script reads it), `SameSite=Strict` (no other site's page sends
 //! it) and `Secure` when the server speaks TLS. Only the id's SHA-256 is stored.
 //!
@@ -22,7 +23,8 @@ use serde::Deserialize;
 use super::{Chrome, PageError, render};
 use crate::server::AppState;
 use crate::server::auth::{generate_secret, hash_secret, to_hex};
-use crate::server::rate_limit::ADMIN_ACCOUNT;
+use crate::server::rate_limit::{ADMIN_ACCOUNT, PEOPLE_ACCOUNT};
+use crate::server::roles::Principal;
 use crate::server::settings::TlsMode;
 use crate::store::now_millis;
 
@@ -42,6 +44,8 @@ const MAX_FORM_BYTES: usize = 64 * 1024;
 pub struct Session {
     /// The CSRF token to put in this session's forms.
     pub csrf: String,
+    /// Who signed in.
+    pub who: Principal,
 }
 
 /// The CSRF token of the session whose id is `session_id`.
@@ -225,17 +229,21 @@ pub async fn require_session(
     let session_id = cookie(request.headers(), SESSION_COOKIE)
         .filter(|id| id.len() == 64 && id.bytes().all(|b| b.is_ascii_hexdigit()))
         .map(str::to_string);
-    let live = match &session_id {
+    let holder = match &session_id {
         Some(id) => {
             state
                 .store
                 .dashboard_session_live(&hash_secret(id), now_millis())
                 .await?
         }
-        None => false,
+        None => None,
+    };
+    let who = match holder {
+        Some(holder) => session_principal(&state, holder).await?,
+        None => None,
     };
     let safe = matches!(*request.method(), Method::GET | Method::HEAD);
-    let Some(session_id) = session_id.filter(|_| live) else {
+    let (Some(session_id), Some(who)) = (session_id, who) else {
         if safe {
             let target = request
                 .uri()
@@ -255,6 +263,12 @@ pub async fn require_session(
     } else {
         if cross_site(request.headers(), request.uri()) {
             return Err(PageError::Forbidden("cross-site request refused".into()));
+        }
+        // The role first: a request its sender may not make is refused before its
+        // body is read.
+        let needed = crate::server::roles::required_role(request.method(), request.uri().path());
+        if let Some(why) = who.refusal(needed) {
+            return Err(PageError::Forbidden(why));
         }
         // Only the model upload form sends files: a multipart body, up to the server's
         // body limit, is taken there alone; every other form stays small.
@@ -297,13 +311,33 @@ pub async fn require_session(
         }
         Request::from_parts(parts, Body::from(bytes))
     };
-    request.extensions_mut().insert(Session { csrf });
-    let actor = format!(
-        "admin via dashboard session {} from {}",
-        session_label(&session_id),
-        crate::server::http::address_text(peer)
+    let actor = who.actor(
+        &format!("dashboard session {}", session_label(&session_id)),
+        &crate::server::http::address_text(peer),
     );
+    request.extensions_mut().insert(Session { csrf, who });
     Ok(crate::store::acting_as(actor, next.run(request)).await)
+}
+
+/// Who a live session's holder is now; `None` for a person revoked since (whose
+/// sessions revocation ended, unless it raced with this request).
+async fn session_principal(
+    state: &AppState,
+    holder: crate::store::SessionHolder,
+) -> Result<Option<Principal>, PageError> {
+    Ok(match holder {
+        crate::store::SessionHolder::AdminToken => Some(Principal::admin_token()),
+        crate::store::SessionHolder::User(id) => state
+            .store
+            .user_credential(id)
+            .await?
+            .filter(|(_, user)| user.revoked_at.is_none())
+            .map(|(_, user)| Principal {
+                name: user.name,
+                role: user.role,
+                user: Some(user.id),
+            }),
+    })
 }
 
 /// Names a session in the audit log without revealing it: the first 8 hex digits of
@@ -375,7 +409,8 @@ pub async fn sign_in_page(
     )
 }
 
-/// `POST /sign-in`: checks the admin token and starts a session.
+/// `POST /sign-in`: checks the admin token, or a person's name and token, and starts a
+/// session.
 pub async fn sign_in(
     State(state): State<AppState>,
     crate::server::rate_limit::PeerAddr(peer): crate::server::rate_limit::PeerAddr,
@@ -388,9 +423,16 @@ pub async fn sign_in(
     }
     let fields = form_fields(&body)?;
     let next = safe_next(field(&fields, "next"));
+    // The admin token signs in without a name (or as `admin`); a person with theirs.
+    let name = field(&fields, "name").unwrap_or("").trim().to_string();
+    let account = if name.is_empty() || name == ADMIN_ACCOUNT {
+        ADMIN_ACCOUNT
+    } else {
+        PEOPLE_ACCOUNT
+    };
     // Refused before the token is looked at, so that a guesser past its share learns
     // nothing more, whatever it sends.
-    if let Err(limited) = state.limits.sign_in_allowed(peer, ADMIN_ACCOUNT) {
+    if let Err(limited) = state.limits.sign_in_allowed(peer, account) {
         let seconds = match limited {
             crate::server::ApiError::TooManyRequests {
                 retry_after_seconds,
@@ -426,33 +468,52 @@ pub async fn sign_in(
         );
     }
     let token = field(&fields, "token").unwrap_or("").trim();
-    if token.is_empty() || !state.admin.verify(token) {
+    let who = if token.is_empty() {
+        None
+    } else if account == ADMIN_ACCOUNT {
+        state.admin.verify(token).then(Principal::admin_token)
+    } else {
+        crate::server::http::person(&state, token)
+            .await
+            .map_err(PageError::internal)?
+            .filter(|p| p.name == name)
+    };
+    let Some(who) = who else {
         // An empty field is no guess; a wrong token counts against the address and the
         // account.
         if !token.is_empty() {
-            state.limits.sign_in_failed(peer, ADMIN_ACCOUNT);
+            state.limits.sign_in_failed(peer, account);
         }
-        tracing::warn!("dashboard sign-in refused: wrong admin token");
+        tracing::warn!("dashboard sign-in refused: wrong token for the name");
+        let why = if account == ADMIN_ACCOUNT {
+            "That is not the admin token."
+        } else {
+            "That name and token do not go together."
+        };
         return sign_in_form(
             &state,
             &next,
-            Some("That is not the admin token.".into()),
+            Some(why.into()),
             axum::http::StatusCode::UNAUTHORIZED,
         );
-    }
+    };
     let session_id = generate_secret().map_err(PageError::internal)?;
     let now = now_millis();
-    let actor = format!(
-        "admin via dashboard session {} from {}",
-        session_label(&session_id),
-        crate::server::http::address_text(peer)
+    let actor = who.actor(
+        &format!("dashboard session {}", session_label(&session_id)),
+        &crate::server::http::address_text(peer),
     );
+    let holder = match who.user {
+        Some(id) => crate::store::SessionHolder::User(id),
+        None => crate::store::SessionHolder::AdminToken,
+    };
     crate::store::acting_as(
         actor,
         state.store.create_dashboard_session(
             &hash_secret(&session_id),
             now,
             now + SESSION_LIFETIME_MS,
+            holder,
         ),
     )
     .await?;

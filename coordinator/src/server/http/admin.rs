@@ -58,6 +58,7 @@ fn conflict_code(kind: ConflictKind) -> Option<ErrorCode> {
         ConflictKind::NotAtStage => ErrorCode::NotInRound,
         ConflictKind::TokenSpent => ErrorCode::TokenSpent,
         ConflictKind::AlreadyRevoked => ErrorCode::AlreadyRevoked,
+        ConflictKind::NameTaken => ErrorCode::NameTaken,
         ConflictKind::IdentityConflict => ErrorCode::IdentityConflict,
         ConflictKind::ConcurrentChange
         | ConflictKind::RoundInProgress

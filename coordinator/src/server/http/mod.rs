@@ -11,6 +11,7 @@ pub mod extract;
 pub mod fedbuff;
 pub mod models;
 pub mod secagg_api;
+pub mod users;
 
 use axum::Router;
 use axum::extract::{Request, State};
@@ -37,7 +38,10 @@ pub const ADMIN_SECURITY_SCHEME: &str = "admin_token";
     info(
         title = "Cohort coordinator API",
         description = "Federated learning coordinator. Admin routes need \
-                       `Authorization: Bearer <admin token>`. Every error is \
+                       `Authorization: Bearer <token>`: the admin token, or a person's \
+                       token (`/api/v1/admin/users`), whose role (viewer < operator < \
+                       admin) must allow the operation; each operation says which it \
+                       needs (`x-cohort-role`). Every error is \
                        `{\"error\": {\"code\": ..., \"message\": ...}}`."
     ),
     paths(health, openapi_json, whoami),
@@ -59,6 +63,7 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
     doc.merge(crate::server::http::fedbuff::FedBuffDoc::openapi());
     doc.merge(crate::server::http::models::ModelsDoc::openapi());
     doc.merge(crate::server::http::audit::AuditDoc::openapi());
+    doc.merge(crate::server::http::users::UsersDoc::openapi());
     let components = doc.components.get_or_insert_with(Default::default);
     let mut scheme = Http::new(HttpAuthScheme::Bearer);
     scheme.description =
@@ -70,7 +75,54 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
     document_framework_answers(&mut doc);
     document_binary_bodies(&mut doc);
     document_error_codes(&mut doc);
+    document_roles(&mut doc);
     doc
+}
+
+/// States on every admin operation the role it needs, from the table the guard
+/// enforces ([`required_role`](crate::server::roles::required_role)): an `x-cohort-role`
+/// extension, a line of its description, and the 403 a lesser role gets.
+fn document_roles(doc: &mut utoipa::openapi::OpenApi) {
+    use utoipa::openapi::RefOr;
+    use utoipa::openapi::extensions::ExtensionsBuilder;
+    use utoipa::openapi::response::ResponseBuilder;
+    for (path, item) in doc.paths.paths.iter_mut() {
+        let Some(relative) = path.strip_prefix(ADMIN_PREFIX) else {
+            continue;
+        };
+        for (method, op) in [
+            (Method::GET, &mut item.get),
+            (Method::POST, &mut item.post),
+            (Method::PUT, &mut item.put),
+            (Method::DELETE, &mut item.delete),
+            (Method::PATCH, &mut item.patch),
+        ] {
+            let Some(op) = op else { continue };
+            let role = crate::server::roles::required_role(&method, relative);
+            let extension = ExtensionsBuilder::new()
+                .add("x-cohort-role", role.as_str())
+                .build();
+            op.extensions
+                .get_or_insert_with(Default::default)
+                .merge(extension);
+            let line =
+                format!("Needs the `{role}` role (or a higher one: viewer < operator < admin).");
+            op.description = Some(match op.description.take() {
+                Some(text) => format!("{text}\n\n{line}"),
+                None => line,
+            });
+            op.responses
+                .responses
+                .entry("403".into())
+                .or_insert_with(|| {
+                    RefOr::T(
+                        ResponseBuilder::new()
+                            .description("A person whose role does not allow this")
+                            .build(),
+                    )
+                });
+        }
+    }
 }
 
 /// Describes every `application/octet-stream` body, sent or answered, as what it is on
@@ -279,9 +331,12 @@ pub struct Health {
 /// Who the caller is, as the server sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct WhoAmI {
-    /// The caller's role; `admin` for the admin token.
+    /// The caller's role (`viewer`, `operator`, `admin`); `admin` for the admin token.
     #[schema(example = "admin")]
     pub role: String,
+    /// The caller's name; `admin` for the admin token.
+    #[schema(example = "alice")]
+    pub name: String,
 }
 
 /// Liveness check; needs no token.
@@ -318,20 +373,23 @@ async fn openapi_json() -> impl axum::response::IntoResponse {
     )
 }
 
-/// Echoes the caller's role: a cheap way to check an admin token.
+/// Who the caller is: a cheap way to check a token.
 #[utoipa::path(
     get,
     path = "/api/v1/admin/whoami",
     tag = "admin",
     security(("admin_token" = [])),
     responses(
-        (status = 200, description = "The token is the admin token", body = WhoAmI),
+        (status = 200, description = "The token's holder and role", body = WhoAmI),
         (status = 401, description = "Missing, malformed or wrong token", body = ErrorBody)
     )
 )]
-async fn whoami() -> Json<WhoAmI> {
+async fn whoami(
+    axum::Extension(who): axum::Extension<crate::server::roles::Principal>,
+) -> Json<WhoAmI> {
     Json(WhoAmI {
-        role: "admin".into(),
+        role: who.role.as_str().into(),
+        name: who.name,
     })
 }
 
@@ -361,18 +419,28 @@ pub fn admin_router() -> Router<AppState> {
         .merge(crate::server::http::fedbuff::routes())
         .merge(crate::server::http::models::admin_routes())
         .merge(crate::server::http::audit::routes())
+        .merge(crate::server::http::users::routes())
 }
 
-/// Middleware: lets a request through only with `Authorization: Bearer <admin token>`.
-/// The admin's actions are audited as `admin via api from <address>`.
+/// Middleware: lets a request through only with `Authorization: Bearer <token>` of the
+/// admin token or a person's, whose role allows the operation
+/// ([`roles::required_role`](crate::server::roles::required_role)); others get 401 or
+/// 403. The action is audited under the person's name: `alice (operator) via api from
+/// <address>`, or `admin via api from <address>` for the admin token.
 pub(crate) async fn require_admin(
     State(state): State<AppState>,
     crate::server::rate_limit::PeerAddr(peer): crate::server::rate_limit::PeerAddr,
     request: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
-    check_admin(&state, request.headers(), peer)?;
-    let actor = format!("admin via api from {}", address_text(peer));
+    let who = authenticate(&state, request.headers(), peer).await?;
+    let needed = crate::server::roles::required_role(request.method(), request.uri().path());
+    if let Some(why) = who.refusal(needed) {
+        return Err(ApiError::Forbidden(why));
+    }
+    let actor = who.actor("api", &address_text(peer));
+    let mut request = request;
+    request.extensions_mut().insert(who);
     Ok(crate::store::acting_as(actor, next.run(request)).await)
 }
 
@@ -382,14 +450,15 @@ pub(crate) fn address_text(peer: Option<std::net::IpAddr>) -> String {
     peer.map_or_else(|| "unknown".to_string(), |ip| ip.to_string())
 }
 
-/// Checks the admin bearer token of a request from `peer`. An address past its share
-/// of failed authentications gets 429 before the token is looked at; a token presented
+/// Who the bearer token of a request from `peer` belongs to: the admin token, or a
+/// person's token (`<user id>.<secret>`, not revoked). An address past its share of
+/// failed authentications gets 429 before the token is looked at; a token presented
 /// and refused counts against that share (a missing one does not: it is no guess).
-pub(crate) fn check_admin(
+pub(crate) async fn authenticate(
     state: &AppState,
     headers: &HeaderMap,
     peer: Option<std::net::IpAddr>,
-) -> Result<(), ApiError> {
+) -> Result<crate::server::roles::Principal, ApiError> {
     state.limits.authentication_allowed(peer)?;
     let mut values = headers.get_all(header::AUTHORIZATION).iter();
     let first = values.next();
@@ -408,12 +477,39 @@ pub(crate) fn check_admin(
     let token = parse_bearer(first.map(|v| v.as_bytes()))
         .map_err(|e| refused(ApiError::Unauthorized(e.to_string())))?;
     if state.admin.verify(token) {
-        Ok(())
-    } else {
-        Err(refused(ApiError::Unauthorized(
-            "invalid admin token".into(),
-        )))
+        return Ok(crate::server::roles::Principal::admin_token());
     }
+    match person(state, token).await? {
+        Some(who) => Ok(who),
+        None => Err(refused(ApiError::Unauthorized("invalid token".into()))),
+    }
+}
+
+/// The person whose token is `token`, if it is a live person's token.
+pub(crate) async fn person(
+    state: &AppState,
+    token: &str,
+) -> Result<Option<crate::server::roles::Principal>, ApiError> {
+    let Some((id, secret)) = token.split_once('.') else {
+        return Ok(None);
+    };
+    let Ok(id) = id.parse::<uuid::Uuid>() else {
+        return Ok(None);
+    };
+    let Some((hash, user)) = state.store.user_credential(id).await? else {
+        return Ok(None);
+    };
+    let Ok(hash) = <[u8; 32]>::try_from(hash.as_slice()) else {
+        return Ok(None);
+    };
+    if user.revoked_at.is_some() || !crate::server::auth::verify_secret(secret, &hash) {
+        return Ok(None);
+    }
+    Ok(Some(crate::server::roles::Principal {
+        name: user.name,
+        role: user.role,
+        user: Some(user.id),
+    }))
 }
 
 /// Every documented admin operation as (method, path), from the OpenAPI document: the
