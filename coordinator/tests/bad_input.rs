@@ -601,6 +601,7 @@ on_both_backends!(
     admin_changes_the_state_does_not_allow_are_409 => [
         "invalid_transition", "token_spent", "already_revoked"
     ],
+    people_with_bad_or_taken_names_are_refused => ["invalid_user", "name_taken", "already_revoked"],
     client_reports_out_of_range_are_422_or_409 => [
         "invalid_checkin", "invalid_failure", "invalid_evaluation", "evaluations_not_taken",
         "invalid_identity", "identity_conflict", "not_secure"
@@ -1723,6 +1724,50 @@ async fn admin_changes_the_state_does_not_allow_are_409(h: &Harness) {
     assert_eq!(r.status(), StatusCode::NO_CONTENT);
     h.refused(
         h.admin(Method::POST, &format!("/clients/{client}/revoke")),
+        StatusCode::CONFLICT,
+        "already_revoked",
+    )
+    .await;
+}
+
+async fn people_with_bad_or_taken_names_are_refused(h: &Harness) {
+    for name in ["", "two words", "admin", "x/y"] {
+        h.refused(
+            h.admin(Method::POST, "/users")
+                .json(&serde_json::json!({"name": name, "role": "viewer"})),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_user",
+        )
+        .await;
+    }
+    // An unknown role is a body of the wrong shape.
+    h.refused(
+        h.admin(Method::POST, "/users")
+            .json(&serde_json::json!({"name": "pat", "role": "owner"})),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_body",
+    )
+    .await;
+    let r = h
+        .admin(Method::POST, "/users")
+        .json(&serde_json::json!({"name": "pat", "role": "viewer"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    let pat: serde_json::Value = r.json().await.unwrap();
+    h.refused(
+        h.admin(Method::POST, "/users")
+            .json(&serde_json::json!({"name": "pat", "role": "admin"})),
+        StatusCode::CONFLICT,
+        "name_taken",
+    )
+    .await;
+    let path = format!("/users/{}/revoke", pat["id"].as_str().unwrap());
+    let r = h.admin(Method::POST, &path).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    h.refused(
+        h.admin(Method::POST, &path),
         StatusCode::CONFLICT,
         "already_revoked",
     )

@@ -140,6 +140,9 @@ pub enum ServeError {
         /// What the OS said.
         source: std::io::Error,
     },
+    /// The object store for blobs could not be set up or reached.
+    #[error("{0}")]
+    BlobStore(String),
     /// An experiment tracker could not be set up.
     #[error("{0}")]
     Tracking(String),
@@ -307,11 +310,21 @@ fn prepare_blocking(settings: ServeSettings, store: Store) -> Result<Prepared, S
     };
     let (admin, generated_admin_token) =
         AdminToken::load_or_generate(&settings.data_dir, settings.admin_token.as_ref())?;
-    let blobs_root = settings.data_dir.join("blobs");
-    let blobs = BlobStore::open(&blobs_root).map_err(|source| ServeError::DataDir {
-        path: blobs_root,
-        source,
-    })?;
+    let blobs = match &settings.blob_store {
+        // On the blocking pool: the store's calls block on this runtime.
+        Some(url) => BlobStore::Object(
+            crate::blobs::object::ObjectBlobs::open(url, tokio::runtime::Handle::current())
+                .map_err(|e| ServeError::BlobStore(e.to_string()))?,
+        ),
+        None => {
+            let blobs_root = settings.data_dir.join("blobs");
+            BlobStore::open(&blobs_root).map_err(|source| ServeError::DataDir {
+                path: blobs_root,
+                source,
+            })?
+        }
+    };
+    tracing::info!(blobs = %blobs.describe(), "uploads and models are kept here");
     let listener =
         std::net::TcpListener::bind(settings.listen).map_err(|source| ServeError::Bind {
             addr: settings.listen,

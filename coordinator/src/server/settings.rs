@@ -127,6 +127,9 @@ pub struct ServeSettings {
     /// A directory every experiment writes TensorBoard event files into
     /// (`DIR/<experiment name>-<id>/`).
     pub tensorboard: Option<PathBuf>,
+    /// Where uploads and models are kept: an object store URL (`s3://bucket/prefix`,
+    /// `gs://...`, `az://...`); `None` keeps them in `data_dir/blobs`.
+    pub blob_store: Option<String>,
 }
 
 /// Why the settings cannot be used. Messages name the setting and, except for secrets,
@@ -317,6 +320,12 @@ pub struct ServeFlags {
     /// event files into DIR/<experiment name>-<id>/ [env: COHORT_TENSORBOARD]
     #[arg(long, value_name = "DIR")]
     pub tensorboard: Option<PathBuf>,
+    /// Keep uploads and models in an object store instead of DATA_DIR/blobs:
+    /// s3://BUCKET[/PREFIX] (credentials, region and endpoint from the AWS_* variables),
+    /// gs://BUCKET[/PREFIX] or az://CONTAINER[/PREFIX]; replicas then share only the
+    /// database and the bucket [env: COHORT_BLOB_STORE]
+    #[arg(long, value_name = "URL")]
+    pub blob_store: Option<String>,
 }
 
 /// `cohort serve`'s command line: an optional config file plus the flags.
@@ -358,6 +367,7 @@ struct Layer {
     log_format: Option<super::logging::LogFormat>,
     mlflow_uri: Option<String>,
     tensorboard: Option<PathBuf>,
+    blob_store: Option<String>,
 }
 
 impl Layer {
@@ -388,6 +398,7 @@ impl Layer {
             log_format: over.log_format.or(self.log_format),
             mlflow_uri: over.mlflow_uri.or(self.mlflow_uri),
             tensorboard: over.tensorboard.or(self.tensorboard),
+            blob_store: over.blob_store.or(self.blob_store),
         }
     }
 
@@ -504,6 +515,7 @@ impl Layer {
                 .transpose()?,
             mlflow_uri: get("COHORT_MLFLOW_URI").map(str::to_string),
             tensorboard: get("COHORT_TENSORBOARD").map(PathBuf::from),
+            blob_store: get("COHORT_BLOB_STORE").map(str::to_string),
         })
     }
 
@@ -534,6 +546,7 @@ impl Layer {
             log_format: flags.log_format,
             mlflow_uri: flags.mlflow_uri,
             tensorboard: flags.tensorboard,
+            blob_store: flags.blob_store,
         }
     }
 }
@@ -653,6 +666,7 @@ impl ServeSettings {
             log_format: layer.log_format.unwrap_or_default(),
             mlflow_uri: layer.mlflow_uri,
             tensorboard: layer.tensorboard,
+            blob_store: layer.blob_store,
             rate_limits: {
                 use super::rate_limit::{PerMinute, RateSettings};
                 let d = RateSettings::default();

@@ -1,4 +1,4 @@
-//! Durable blobs on disk: uploaded updates and published models.
+//! Blobs in a directory (the default, and replicas sharing a file system).
 //!
 //! A blob is written to a temporary file, flushed to disk, renamed into place and its
 //! directory flushed too, so once `put` returns the bytes survive a crash or a SIGKILL;
@@ -6,32 +6,19 @@
 
 use std::fs::{self, File};
 use std::io::{self, Write};
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 
 use ring::digest;
 
-/// Where a stored blob is and what it holds.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BlobInfo {
-    /// Path relative to the store's root, as recorded in the database.
-    pub path: String,
-    /// Size in bytes.
-    pub bytes: u64,
-    /// SHA-256 of the contents.
-    pub sha256: [u8; 32],
-}
+use super::{BlobInfo, check_relative, invalid};
 
 /// A directory of blobs addressed by relative paths.
 #[derive(Debug, Clone)]
-pub struct BlobStore {
+pub struct DirBlobs {
     root: PathBuf,
 }
 
-fn invalid(msg: String) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidInput, msg)
-}
-
-impl BlobStore {
+impl DirBlobs {
     /// A store rooted at `root`, created if missing.
     pub fn open(root: &Path) -> io::Result<Self> {
         fs::create_dir_all(root)?;
@@ -40,16 +27,15 @@ impl BlobStore {
         })
     }
 
+    /// The directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
     /// Resolves `relative`, refusing anything that could leave the root.
     fn resolve(&self, relative: &str) -> io::Result<PathBuf> {
-        let rel = Path::new(relative);
-        let plain = rel.components().all(|c| matches!(c, Component::Normal(_)));
-        if relative.is_empty() || !plain {
-            return Err(invalid(format!(
-                "blob path `{relative}` must be relative and plain"
-            )));
-        }
-        Ok(self.root.join(rel))
+        check_relative(relative)?;
+        Ok(self.root.join(relative))
     }
 
     /// Writes `bytes` durably at `relative`, replacing an earlier blob of that name.
@@ -81,9 +67,9 @@ impl BlobStore {
     }
 
     /// Starts writing a blob at `relative` piece by piece, for bodies too large to hold
-    /// in memory. Nothing is visible at `relative` until [`BlobWriter::commit`]; a writer
+    /// in memory. Nothing is visible at `relative` until [`DirWriter::commit`]; a writer
     /// dropped before that removes its temporary file.
-    pub fn writer(&self, relative: &str) -> io::Result<BlobWriter> {
+    pub fn writer(&self, relative: &str) -> io::Result<DirWriter> {
         let target = self.resolve(relative)?;
         let dir = target
             .parent()
@@ -92,7 +78,7 @@ impl BlobStore {
         fs::create_dir_all(&dir)?;
         let tmp = target.with_extension(format!("tmp-{}", uuid::Uuid::new_v4().simple()));
         let file = File::create(&tmp)?;
-        Ok(BlobWriter {
+        Ok(DirWriter {
             relative: relative.to_string(),
             target,
             dir,
@@ -112,23 +98,10 @@ impl BlobStore {
     pub fn remove(&self, relative: &str) -> io::Result<()> {
         fs::remove_file(self.resolve(relative)?)
     }
-
-    /// Reads the blob at `relative` and checks it against its recorded SHA-256, so a
-    /// damaged file is an error rather than a wrong model.
-    pub fn get_verified(&self, relative: &str, sha256: &[u8]) -> io::Result<Vec<u8>> {
-        let bytes = self.get(relative)?;
-        if digest::digest(&digest::SHA256, &bytes).as_ref() != sha256 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("blob `{relative}` does not match its recorded checksum"),
-            ));
-        }
-        Ok(bytes)
-    }
 }
 
-/// A blob being written; see [`BlobStore::writer`].
-pub struct BlobWriter {
+/// A blob being written; see [`DirBlobs::writer`].
+pub struct DirWriter {
     relative: String,
     target: PathBuf,
     dir: PathBuf,
@@ -138,16 +111,16 @@ pub struct BlobWriter {
     bytes: u64,
 }
 
-impl std::fmt::Debug for BlobWriter {
+impl std::fmt::Debug for DirWriter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("BlobWriter")
+        f.debug_struct("DirWriter")
             .field("path", &self.relative)
             .field("bytes", &self.bytes)
             .finish_non_exhaustive()
     }
 }
 
-impl BlobWriter {
+impl DirWriter {
     /// Appends `chunk`.
     pub fn write(&mut self, chunk: &[u8]) -> io::Result<()> {
         let file = self
@@ -166,7 +139,7 @@ impl BlobWriter {
     }
 
     /// Flushes the blob to disk and moves it into place, as durably as
-    /// [`BlobStore::put`].
+    /// [`DirBlobs::put`].
     pub fn commit(mut self) -> io::Result<BlobInfo> {
         let file = self
             .file
@@ -186,7 +159,7 @@ impl BlobWriter {
     }
 }
 
-impl Drop for BlobWriter {
+impl Drop for DirWriter {
     fn drop(&mut self) {
         // Still holding the file means it was never committed: leave no orphan behind.
         if self.file.take().is_some() {
@@ -197,7 +170,9 @@ impl Drop for BlobWriter {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use std::fs;
+
+    use crate::blobs::BlobStore;
 
     #[test]
     fn put_then_get_round_trips_and_leaves_no_temporary_files() {
