@@ -124,45 +124,11 @@ pub fn parse_csv_only(
         return Err(DataError::EmptyFile { file: file() });
     }
     let header: Vec<String> = record.iter().map(str::to_owned).collect();
-    let label_positions: Vec<usize> = header
-        .iter()
-        .enumerate()
-        .filter(|(_, name)| name.as_str() == LABEL_COLUMN)
-        .map(|(i, _)| i)
-        .collect();
-    let label_col = match label_positions.as_slice() {
-        [] => {
-            return Err(DataError::MissingLabelColumn {
-                file: file(),
-                header,
-            });
-        }
-        [one] => *one,
-        many => {
-            return Err(DataError::DuplicateLabelColumn {
-                file: file(),
-                count: many.len(),
-            });
-        }
-    };
-    if shared.is_some_and(|keep| !keep.contains(LABEL_COLUMN)) {
-        return Err(DataError::LabelNotShared { file: file() });
-    }
-    // Whether each column is a feature that is read.
-    let read_column: Vec<bool> = header
-        .iter()
-        .enumerate()
-        .map(|(i, name)| i != label_col && shared.is_none_or(|keep| keep.contains(name)))
-        .collect();
-    let feature_names: Vec<String> = header
-        .iter()
-        .zip(&read_column)
-        .filter(|(_, read)| **read)
-        .map(|(name, _)| name.clone())
-        .collect();
-    if feature_names.is_empty() {
-        return Err(DataError::NoFeatureColumns { file: file() });
-    }
+    let Columns {
+        label: label_col,
+        read: read_column,
+        features: feature_names,
+    } = columns(header.clone(), shared, source_name)?;
 
     let mut values: Vec<f32> = Vec::new();
     let mut raw_labels: Vec<String> = Vec::new();
@@ -226,6 +192,67 @@ pub fn parse_csv_only(
         classes,
         feature_names,
         groups: None,
+    })
+}
+
+/// What a header says: where the label is, which columns are features that are read,
+/// and their names.
+struct Columns {
+    label: usize,
+    read: Vec<bool>,
+    features: Vec<String>,
+}
+
+/// Finds the label and the feature columns in `header`, keeping only the `shared` ones
+/// when given.
+fn columns(
+    header: Vec<String>,
+    shared: Option<&BTreeSet<String>>,
+    source_name: &str,
+) -> Result<Columns, DataError> {
+    let file = || source_name.to_owned();
+    let label_positions: Vec<usize> = header
+        .iter()
+        .enumerate()
+        .filter(|(_, name)| name.as_str() == LABEL_COLUMN)
+        .map(|(i, _)| i)
+        .collect();
+    let label = match label_positions.as_slice() {
+        [] => {
+            return Err(DataError::MissingLabelColumn {
+                file: file(),
+                header,
+            });
+        }
+        [one] => *one,
+        many => {
+            return Err(DataError::DuplicateLabelColumn {
+                file: file(),
+                count: many.len(),
+            });
+        }
+    };
+    if shared.is_some_and(|keep| !keep.contains(LABEL_COLUMN)) {
+        return Err(DataError::LabelNotShared { file: file() });
+    }
+    let read: Vec<bool> = header
+        .iter()
+        .enumerate()
+        .map(|(i, name)| i != label && shared.is_none_or(|keep| keep.contains(name)))
+        .collect();
+    let features: Vec<String> = header
+        .iter()
+        .zip(&read)
+        .filter(|(_, read)| **read)
+        .map(|(name, _)| name.clone())
+        .collect();
+    if features.is_empty() {
+        return Err(DataError::NoFeatureColumns { file: file() });
+    }
+    Ok(Columns {
+        label,
+        read,
+        features,
     })
 }
 

@@ -409,6 +409,59 @@ pub async fn sign_in_page(
     )
 }
 
+/// The sign-in form again, with 429 and `Retry-After`: `peer` or the account failed
+/// too often.
+fn too_many_sign_ins(
+    state: &AppState,
+    next: &str,
+    peer: Option<std::net::IpAddr>,
+    limited: &crate::server::ApiError,
+) -> Result<Response, PageError> {
+    let seconds = match limited {
+        crate::server::ApiError::TooManyRequests {
+            retry_after_seconds,
+            ..
+        } => *retry_after_seconds,
+        _ => 60,
+    };
+    tracing::warn!(
+        peer = %crate::server::http::address_text(peer),
+        "dashboard sign-in refused: too many failed sign-ins"
+    );
+    let mut response = sign_in_form(
+        state,
+        next,
+        Some(format!(
+            "Too many failed sign-ins; try again in {seconds} seconds."
+        )),
+        axum::http::StatusCode::TOO_MANY_REQUESTS,
+    )?;
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+    Ok(response)
+}
+
+/// Who `token` signs in: the admin token for the admin account, else the person
+/// `name` if it is their live token.
+async fn signed_in(
+    state: &AppState,
+    account: &str,
+    name: &str,
+    token: &str,
+) -> Result<Option<Principal>, PageError> {
+    if token.is_empty() {
+        return Ok(None);
+    }
+    if account == ADMIN_ACCOUNT {
+        return Ok(state.admin.verify(token).then(Principal::admin_token));
+    }
+    Ok(crate::server::http::person(state, token)
+        .await
+        .map_err(PageError::internal)?
+        .filter(|p| p.name == name))
+}
+
 /// `POST /sign-in`: checks the admin token, or a person's name and token, and starts a
 /// session.
 pub async fn sign_in(
@@ -433,29 +486,7 @@ pub async fn sign_in(
     // Refused before the token is looked at, so that a guesser past its share learns
     // nothing more, whatever it sends.
     if let Err(limited) = state.limits.sign_in_allowed(peer, account) {
-        let seconds = match limited {
-            crate::server::ApiError::TooManyRequests {
-                retry_after_seconds,
-                ..
-            } => retry_after_seconds,
-            _ => 60,
-        };
-        tracing::warn!(
-            peer = %crate::server::http::address_text(peer),
-            "dashboard sign-in refused: too many failed sign-ins"
-        );
-        let mut response = sign_in_form(
-            &state,
-            &next,
-            Some(format!(
-                "Too many failed sign-ins; try again in {seconds} seconds."
-            )),
-            axum::http::StatusCode::TOO_MANY_REQUESTS,
-        )?;
-        response
-            .headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
-        return Ok(response);
+        return too_many_sign_ins(&state, &next, peer, &limited);
     }
     let expected = cookie(&headers, SIGN_IN_COOKIE).unwrap_or("");
     let presented = field(&fields, CSRF_FIELD).unwrap_or("");
@@ -468,16 +499,7 @@ pub async fn sign_in(
         );
     }
     let token = field(&fields, "token").unwrap_or("").trim();
-    let who = if token.is_empty() {
-        None
-    } else if account == ADMIN_ACCOUNT {
-        state.admin.verify(token).then(Principal::admin_token)
-    } else {
-        crate::server::http::person(&state, token)
-            .await
-            .map_err(PageError::internal)?
-            .filter(|p| p.name == name)
-    };
+    let who = signed_in(&state, account, &name, token).await?;
     let Some(who) = who else {
         // An empty field is no guess; a wrong token counts against the address and the
         // account.
