@@ -61,19 +61,8 @@ async fn run_site_with(
 ) -> AgentReport {
     let token = common::issue_token(&server.http, &server.base, "site").await;
     let config = AgentConfig {
-        coordinator: server.base.clone(),
-        insecure_http: false,
-        ca_pem: Some(server.ca_pem.clone()),
-        identity_pem: None,
-        enrol_token: Some(token),
-        trainer,
-        state_dir: dir.to_path_buf(),
-        idle_exit: Some(Duration::from_secs(4)),
-        seed: 1,
-        local_dp: None,
-        slowdown: Duration::ZERO,
-        floors: cohort_aggregation::secagg::ClientFloors::default(),
         rules,
+        ..common::agent_config(server, dir, token, trainer, 1, Duration::from_secs(4))
     };
     let agent = tokio::spawn(run_agent(config));
     common::wait_checked_in(&server.http, &server.base, 1, Duration::from_secs(30)).await;

@@ -118,21 +118,18 @@ fn shard(i: usize) -> cohort_edge::data::Dataset {
 }
 
 fn agent(server: &common::Served, dir: &Path, token: String, i: usize) -> AgentConfig {
+    let trainer = Arc::new(BuiltInTrainer::new(shard(i)));
     AgentConfig {
-        coordinator: server.base.clone(),
-        insecure_http: false,
-        ca_pem: Some(server.ca_pem.clone()),
-        identity_pem: None,
-        enrol_token: Some(token),
-        trainer: Arc::new(BuiltInTrainer::new(shard(i))),
-        state_dir: dir.to_path_buf(),
-        idle_exit: Some(Duration::from_secs(5)),
-        seed: i as u64,
-        local_dp: None,
         // Rounds of a second or more, so that an outage spans several.
         slowdown: Duration::from_millis(400),
-        floors: cohort_aggregation::secagg::ClientFloors::default(),
-        rules: Default::default(),
+        ..common::agent_config(
+            server,
+            dir,
+            token,
+            trainer,
+            i as u64,
+            Duration::from_secs(5),
+        )
     }
 }
 

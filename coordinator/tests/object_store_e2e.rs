@@ -192,21 +192,15 @@ async fn a_bucket_keeps_the_directory_stores_promises() {
 }
 
 fn agent(server: &common::Served, dir: &Path, token: String, i: usize) -> AgentConfig {
-    AgentConfig {
-        coordinator: server.base.clone(),
-        insecure_http: false,
-        ca_pem: Some(server.ca_pem.clone()),
-        identity_pem: None,
-        enrol_token: Some(token),
-        trainer: Arc::new(BuiltInTrainer::new(common::blob_data(30, i as f32))),
-        state_dir: dir.to_path_buf(),
-        idle_exit: Some(Duration::from_secs(4)),
-        seed: i as u64,
-        local_dp: None,
-        slowdown: Duration::ZERO,
-        floors: cohort_aggregation::secagg::ClientFloors::default(),
-        rules: Default::default(),
-    }
+    let trainer = Arc::new(BuiltInTrainer::new(common::blob_data(30, i as f32)));
+    common::agent_config(
+        server,
+        dir,
+        token,
+        trainer,
+        i as u64,
+        Duration::from_secs(4),
+    )
 }
 
 /// A served experiment with its blobs in the bucket and none on disk.

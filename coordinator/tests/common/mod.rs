@@ -367,3 +367,30 @@ pub async fn serve_in_with(dir: &Path, env: &[(&str, &str)]) -> Served {
         data_dir,
     }
 }
+
+/// An in-process edge agent's settings for `server`: state in `dir`, enrolling with
+/// `token`, training with `trainer`, seeded with `seed`, idle out after `idle` seconds.
+pub fn agent_config(
+    server: &Served,
+    dir: &Path,
+    token: String,
+    trainer: cohort_edge::trainer::SharedTrainer,
+    seed: u64,
+    idle: Duration,
+) -> cohort_edge::agent::AgentConfig {
+    cohort_edge::agent::AgentConfig {
+        coordinator: server.base.clone(),
+        insecure_http: false,
+        ca_pem: Some(server.ca_pem.clone()),
+        identity_pem: None,
+        enrol_token: Some(token),
+        trainer,
+        state_dir: dir.to_path_buf(),
+        idle_exit: Some(idle),
+        seed,
+        local_dp: None,
+        slowdown: Duration::ZERO,
+        floors: cohort_aggregation::secagg::ClientFloors::default(),
+        rules: Default::default(),
+    }
+}
