@@ -29,6 +29,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use cohort_aggregation::{WeightedMean, wire};
+use cohort_coordinator::blobs::BlobStore;
+use cohort_coordinator::blobs::object::ObjectBlobs;
 use cohort_coordinator::demo::write_digits_partitions;
 use cohort_coordinator::fault::FaultPoint;
 use cohort_coordinator::store::{ParticipationState, RoundStage, Store};
@@ -47,8 +49,14 @@ fn spawn_serve(
     url: &str,
     pause: Option<FaultPoint>,
     log: &Path,
+    blobs: &Blobs,
 ) -> Child {
     let mut command = Command::new(env!("CARGO_BIN_EXE_cohort"));
+    if let Blobs::Bucket { env, url } = blobs {
+        command
+            .envs(env.iter().map(|(k, v)| (*k, v)))
+            .env("COHORT_BLOB_STORE", url);
+    }
     command
         .args(["serve", "--dev-tls", "--listen"])
         .arg(format!("127.0.0.1:{port}"))
@@ -67,6 +75,41 @@ fn spawn_serve(
         command.env("COHORT_FAULT_PAUSE", point.as_str());
     }
     command.spawn().expect("cohort serve starts")
+}
+
+/// Where a run keeps its blobs.
+#[derive(Debug, Clone)]
+enum Blobs {
+    /// `DATA_DIR/blobs`.
+    Dir,
+    /// An object store at `url`, reached with `env`.
+    Bucket {
+        env: Vec<(&'static str, String)>,
+        url: String,
+    },
+}
+
+impl Blobs {
+    /// The store as the coordinator sees it, for reading what it wrote.
+    async fn open(&self, data_dir: &Path) -> BlobStore {
+        match self {
+            Blobs::Dir => BlobStore::open(&data_dir.join("blobs")).unwrap(),
+            Blobs::Bucket { env, url } => {
+                let vars: Vec<(String, String)> = env
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.clone()))
+                    .collect();
+                let url = url.clone();
+                let runtime = tokio::runtime::Handle::current();
+                tokio::task::spawn_blocking(move || {
+                    ObjectBlobs::open_with(&url, vars, runtime).map(BlobStore::Object)
+                })
+                .await
+                .unwrap()
+                .unwrap()
+            }
+        }
+    }
 }
 
 /// Kills every child left when the test ends, passing or not.
@@ -125,6 +168,7 @@ async fn run(
     secure: bool,
     strategy: &str,
     points: &[FaultPoint],
+    blobs: &Blobs,
 ) -> Option<RunOutcome> {
     let (pg, schema, url) = common::postgres_schema("cohort_crash").await?;
     std::fs::create_dir_all(work).unwrap();
@@ -136,7 +180,7 @@ async fn run(
     let log = |n: usize| work.join(format!("serve-{n}.log"));
     children
         .0
-        .push(spawn_serve(&data_dir, port, &url, None, &log(0)));
+        .push(spawn_serve(&data_dir, port, &url, None, &log(0), blobs));
     let http = wait_healthy(&base, &ca).await;
 
     let mut spec = serde_json::json!({
@@ -179,7 +223,7 @@ async fn run(
         server.kill().unwrap(); // SIGKILL on Unix
         server.wait().unwrap();
         let log = log(n + 1);
-        children.0[0] = spawn_serve(&data_dir, port, &url, Some(*point), &log);
+        children.0[0] = spawn_serve(&data_dir, port, &url, Some(*point), &log, blobs);
         let started = Instant::now();
         let line = format!("cohort: fault point {} reached", point.as_str());
         loop {
@@ -202,7 +246,7 @@ async fn run(
     let server = &mut children.0[0];
     server.kill().unwrap();
     server.wait().unwrap();
-    children.0[0] = spawn_serve(&data_dir, port, &url, None, &log(points.len() + 1));
+    children.0[0] = spawn_serve(&data_dir, port, &url, None, &log(points.len() + 1), blobs);
     let http = wait_healthy(&base, &ca).await;
     common::wait_finished(&http, &base, &id, Duration::from_secs(240)).await;
 
@@ -274,7 +318,8 @@ async fn run(
     let replayed = if secure {
         None
     } else {
-        Some(replay(&store, &data_dir, exp_id, strategy).await)
+        let store_of_blobs = blobs.open(&data_dir).await;
+        Some(replay(&store, &store_of_blobs, exp_id, strategy).await)
     };
     let clients = store.clients().await.unwrap();
     let mut checked = 0;
@@ -315,16 +360,14 @@ async fn run(
 /// the store: each round's weighted mean (folded in the driver's order) stepped by one
 /// server optimizer kept in memory from the first round to the last, as `simulate`
 /// keeps it.
-async fn replay(store: &Store, data_dir: &Path, exp: uuid::Uuid, strategy: &str) -> Vec<f32> {
+async fn replay(store: &Store, blobs: &BlobStore, exp: uuid::Uuid, strategy: &str) -> Vec<f32> {
     let strategy: cohort_aggregation::Strategy = strategy.parse().unwrap();
     let spec = ModelSpec::new(&ModelKind::LogReg, 64, 10).unwrap();
     let layout = spec.layout().clone();
+    // The store's interface blocks: off the async worker for the read.
     let read = |path: &str| {
-        wire::decode(
-            &layout,
-            &std::fs::read(data_dir.join("blobs").join(path)).unwrap(),
-        )
-        .unwrap()
+        let bytes = tokio::task::block_in_place(|| blobs.get(path)).unwrap();
+        wire::decode(&layout, &bytes).unwrap()
     };
     let mut global = read(&format!("models/{exp}/round-0.bin"));
     let mut optimizer = strategy.server_optimizer(None).unwrap();
@@ -357,10 +400,15 @@ async fn replay(store: &Store, data_dir: &Path, exp: uuid::Uuid, strategy: &str)
 }
 
 async fn crash_at_every_stage(secure: bool, points: &[FaultPoint]) {
-    crash_at_every_stage_with("fedavg", secure, points).await;
+    crash_at_every_stage_with("fedavg", secure, points, &Blobs::Dir).await;
 }
 
-async fn crash_at_every_stage_with(strategy: &str, secure: bool, points: &[FaultPoint]) {
+async fn crash_at_every_stage_with(
+    strategy: &str,
+    secure: bool,
+    points: &[FaultPoint],
+    blobs: &Blobs,
+) {
     cohort_coordinator::server::install_crypto_provider();
     let dir = tempfile::tempdir().unwrap();
     let (csvs, _) = write_digits_partitions(
@@ -370,13 +418,34 @@ async fn crash_at_every_stage_with(strategy: &str, secure: bool, points: &[Fault
         0,
     )
     .unwrap();
-    let Some(reference) = run(&dir.path().join("reference"), &csvs, secure, strategy, &[]).await
+    let Some(reference) = run(
+        &dir.path().join("reference"),
+        &csvs,
+        secure,
+        strategy,
+        &[],
+        &Blobs::Dir,
+    )
+    .await
     else {
         return;
     };
-    let crashed = run(&dir.path().join("crashed"), &csvs, secure, strategy, points)
-        .await
-        .expect("PostgreSQL is still configured");
+    let crashed = run(
+        &dir.path().join("crashed"),
+        &csvs,
+        secure,
+        strategy,
+        points,
+        blobs,
+    )
+    .await
+    .expect("PostgreSQL is still configured");
+    if let Blobs::Bucket { .. } = blobs {
+        assert!(
+            !dir.path().join("crashed/coordinator/blobs").exists(),
+            "no blob directory beside the bucket"
+        );
+    }
     assert_eq!(crashed.reached, points, "every crash point was reached");
     assert!(
         crashed.checked >= (ROUNDS as usize) * CLIENTS,
@@ -459,7 +528,38 @@ async fn adaptive_optimizers_continue_their_moments_across_crashes() {
                 FaultPoint::JobClaimed,
                 FaultPoint::Publishing,
             ],
+            &Blobs::Dir,
         )
         .await;
     }
+}
+
+/// The same crashes with every upload and model in an S3 bucket (moto's server) and no
+/// blob directory: acknowledged uploads survive, and the final model is the
+/// uninterrupted run's (kept on disk) byte for byte, and one optimizer's replay of the
+/// uploads read back from the bucket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn plain_rounds_survive_a_crash_at_every_stage_with_blobs_in_a_bucket() {
+    let Some(server) = common::moto_server() else {
+        return;
+    };
+    let s3 = common::S3::start(&server).await;
+    s3.bucket("crash").await;
+    let blobs = Blobs::Bucket {
+        env: s3.env(),
+        url: "s3://crash/stages".into(),
+    };
+    crash_at_every_stage_with(
+        "fedavg",
+        false,
+        &[
+            FaultPoint::Selection,
+            FaultPoint::UploadStored,
+            FaultPoint::Collected,
+            FaultPoint::JobClaimed,
+            FaultPoint::Publishing,
+        ],
+        &blobs,
+    )
+    .await;
 }

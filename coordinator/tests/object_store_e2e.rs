@@ -14,10 +14,10 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cohort_coordinator::blobs::BlobStore;
 use cohort_coordinator::blobs::object::{ObjectBlobs, PART_BYTES};
@@ -26,109 +26,13 @@ use cohort_edge::trainer::BuiltInTrainer;
 use common::admin;
 use reqwest::Method;
 
-fn moto_server() -> Option<PathBuf> {
-    let candidate = std::env::var_os("COHORT_MOTO_VENV")
-        .map(|v| PathBuf::from(v).join("bin/moto_server"))
-        .unwrap_or_else(|| PathBuf::from("moto_server"));
-    let found = Command::new(&candidate)
-        .arg("--help")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !found {
-        assert!(
-            std::env::var_os("COHORT_REQUIRE_MOTO").is_none(),
-            "COHORT_REQUIRE_MOTO is set but {} does not run",
-            candidate.display()
-        );
-        eprintln!("skipped: moto's server is not installed (pip install 'moto[server]')");
-    }
-    found.then_some(candidate)
-}
-
-/// An S3-compatible server on a free loopback port, stopped when dropped.
-struct S3 {
-    child: Child,
-    endpoint: String,
-}
-
-impl Drop for S3 {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl S3 {
-    async fn start(server: &Path) -> Self {
-        cohort_coordinator::server::install_crypto_provider();
-        let port = common::free_port();
-        let child = Command::new(server)
-            .args(["-H", "127.0.0.1", "-p"])
-            .arg(port.to_string())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("moto_server starts");
-        let endpoint = format!("http://127.0.0.1:{port}");
-        let http = reqwest::Client::new();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while http.get(&endpoint).send().await.is_err() {
-            assert!(Instant::now() < deadline, "moto_server did not come up");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        Self { child, endpoint }
-    }
-
-    /// Creates `bucket` (moto takes an unsigned request).
-    async fn bucket(&self, bucket: &str) {
-        let r = reqwest::Client::new()
-            .put(format!("{}/{bucket}", self.endpoint))
-            .send()
-            .await
-            .unwrap();
-        assert!(r.status().is_success(), "{}", r.status());
-    }
-
-    /// The keys under `prefix` in `bucket`.
-    async fn keys(&self, bucket: &str, prefix: &str) -> Vec<String> {
-        let text = reqwest::Client::new()
-            .get(format!(
-                "{}/{bucket}?list-type=2&prefix={prefix}&max-keys=1000",
-                self.endpoint
-            ))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        text.split("<Key>")
-            .skip(1)
-            .map(|rest| rest.split("</Key>").next().unwrap().to_string())
-            .collect()
-    }
-
-    /// The variables `object_store` (and so `cohort serve`) reads for this server.
-    fn env(&self) -> Vec<(&'static str, String)> {
-        vec![
-            ("AWS_ACCESS_KEY_ID", "cohort".into()),
-            ("AWS_SECRET_ACCESS_KEY", "cohort-secret".into()),
-            ("AWS_REGION", "us-east-1".into()),
-            ("AWS_ENDPOINT_URL", self.endpoint.clone()),
-            ("AWS_ALLOW_HTTP", "true".into()),
-        ]
-    }
-}
-
 /// The store's promises, in a real bucket.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bucket_keeps_the_directory_stores_promises() {
-    let Some(server) = moto_server() else {
+    let Some(server) = common::moto_server() else {
         return;
     };
-    let s3 = S3::start(&server).await;
+    let s3 = common::S3::start(&server).await;
     s3.bucket("promises").await;
     let runtime = tokio::runtime::Handle::current();
     let vars: Vec<(String, String)> = s3.env().into_iter().map(|(k, v)| (k.into(), v)).collect();
@@ -206,10 +110,10 @@ fn agent(server: &common::Served, dir: &Path, token: String, i: usize) -> AgentC
 /// A served experiment with its blobs in the bucket and none on disk.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_served_experiment_keeps_every_blob_in_the_bucket() {
-    let Some(server) = moto_server() else {
+    let Some(server) = common::moto_server() else {
         return;
     };
-    let s3 = S3::start(&server).await;
+    let s3 = common::S3::start(&server).await;
     let dir = tempfile::tempdir().unwrap();
 
     // A bucket that does not exist stops start-up, naming it.

@@ -394,3 +394,104 @@ pub fn agent_config(
         rules: Default::default(),
     }
 }
+
+/// moto's S3-compatible server: `moto_server` of the virtual environment
+/// `COHORT_MOTO_VENV` names, else on the PATH; `None` (the test skips) without it,
+/// unless `COHORT_REQUIRE_MOTO` is set.
+pub fn moto_server() -> Option<std::path::PathBuf> {
+    let candidate = std::env::var_os("COHORT_MOTO_VENV")
+        .map(|v| std::path::PathBuf::from(v).join("bin/moto_server"))
+        .unwrap_or_else(|| std::path::PathBuf::from("moto_server"));
+    let found = Command::new(&candidate)
+        .arg("--help")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !found {
+        assert!(
+            std::env::var_os("COHORT_REQUIRE_MOTO").is_none(),
+            "COHORT_REQUIRE_MOTO is set but {} does not run",
+            candidate.display()
+        );
+        eprintln!("skipped: moto's server is not installed (pip install 'moto[server]')");
+    }
+    found.then_some(candidate)
+}
+
+/// An S3-compatible server on a free loopback port, stopped when dropped.
+pub struct S3 {
+    child: Child,
+    /// `http://127.0.0.1:PORT`.
+    pub endpoint: String,
+}
+
+impl Drop for S3 {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl S3 {
+    /// Starts `server` on a free port and waits until it answers.
+    pub async fn start(server: &Path) -> Self {
+        cohort_coordinator::server::install_crypto_provider();
+        let port = free_port();
+        let child = Command::new(server)
+            .args(["-H", "127.0.0.1", "-p"])
+            .arg(port.to_string())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("moto_server starts");
+        let endpoint = format!("http://127.0.0.1:{port}");
+        let http = reqwest::Client::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while http.get(&endpoint).send().await.is_err() {
+            assert!(Instant::now() < deadline, "moto_server did not come up");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Self { child, endpoint }
+    }
+
+    /// Creates `bucket` (moto takes an unsigned request).
+    pub async fn bucket(&self, bucket: &str) {
+        let r = reqwest::Client::new()
+            .put(format!("{}/{bucket}", self.endpoint))
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "{}", r.status());
+    }
+
+    /// The keys under `prefix` in `bucket`.
+    pub async fn keys(&self, bucket: &str, prefix: &str) -> Vec<String> {
+        let text = reqwest::Client::new()
+            .get(format!(
+                "{}/{bucket}?list-type=2&prefix={prefix}&max-keys=1000",
+                self.endpoint
+            ))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.split("<Key>")
+            .skip(1)
+            .map(|rest| rest.split("</Key>").next().unwrap().to_string())
+            .collect()
+    }
+
+    /// The variables `object_store` (and so `cohort serve`) reads for this server.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("AWS_ACCESS_KEY_ID", "cohort".into()),
+            ("AWS_SECRET_ACCESS_KEY", "cohort-secret".into()),
+            ("AWS_REGION", "us-east-1".into()),
+            ("AWS_ENDPOINT_URL", self.endpoint.clone()),
+            ("AWS_ALLOW_HTTP", "true".into()),
+        ]
+    }
+}
