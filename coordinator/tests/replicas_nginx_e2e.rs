@@ -118,8 +118,23 @@ fn spawn_replica(
     log: &Path,
 ) -> Child {
     let out = File::create(log).unwrap();
+    // A replica with a data directory of its own (blobs in a bucket) presents the
+    // certificate the first replica made, copied into its directory.
+    let tls: Vec<String> =
+        if data_dir.join("tls/server.pem").exists() && !data_dir.join("tls/ca-key.pem").exists() {
+            vec![
+                "--tls-cert".into(),
+                data_dir.join("tls/server.pem").display().to_string(),
+                "--tls-key".into(),
+                data_dir.join("tls/server-key.pem").display().to_string(),
+            ]
+        } else {
+            vec!["--dev-tls".into()]
+        };
     Command::new(env!("CARGO_BIN_EXE_cohort"))
-        .args(["serve", "--dev-tls", "--listen"])
+        .arg("serve")
+        .args(&tls)
+        .arg("--listen")
         .arg(format!("127.0.0.1:{port}"))
         .arg("--data-dir")
         .arg(data_dir)
@@ -449,6 +464,25 @@ async fn check_experiment(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn replicas_killed_holding_a_job_behind_nginx_lose_nothing_and_run_it_once() {
+    behind_nginx(None).await;
+}
+
+/// The same with every upload and model in an S3 bucket (moto's server): the replicas
+/// share nothing but PostgreSQL and the bucket, each its own data directory and none a
+/// blob directory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replicas_sharing_only_the_database_and_a_bucket_lose_nothing_behind_nginx() {
+    let Some(server) = common::moto_server() else {
+        return;
+    };
+    let s3 = common::S3::start(&server).await;
+    s3.bucket("replicas").await;
+    behind_nginx(Some(&s3)).await;
+}
+
+/// Three replicas behind nginx, two killed holding jobs; blobs in `bucket` when given,
+/// else in one data directory they share.
+async fn behind_nginx(bucket: Option<&common::S3>) {
     let Some(nginx_bin) = find_nginx() else {
         assert!(
             std::env::var("COHORT_REQUIRE_NGINX").as_deref() != Ok("1"),
@@ -471,21 +505,38 @@ async fn replicas_killed_holding_a_job_behind_nginx_lose_nothing_and_run_it_once
     // and it exists. Removing it arms the next job claim, on whichever replica makes it.
     let once_file = dir.path().join("fault-once");
     std::fs::write(&once_file, b"").unwrap();
-    let env = [
+    let mut env = vec![
         ("COHORT_JOB_LEASE_SECONDS", LEASE_SECONDS.to_string()),
         ("COHORT_FAULT_PAUSE", "job-claimed".to_string()),
         ("COHORT_FAULT_ONCE_FILE", once_file.display().to_string()),
         ("COHORT_TRUSTED_PROXIES", "127.0.0.1".to_string()),
     ];
+    if let Some(s3) = bucket {
+        env.extend(s3.env());
+        env.push(("COHORT_BLOB_STORE", "s3://replicas/cluster".to_string()));
+    }
     let ports: Vec<u16> = (0..REPLICAS).map(|_| free_port()).collect();
     let logs: Vec<PathBuf> = (0..REPLICAS)
         .map(|i| dir.path().join(format!("replica-{i}.log")))
         .collect();
+    // With a bucket, each replica has a directory of its own; else they share one.
+    let dirs: Vec<PathBuf> = (0..REPLICAS)
+        .map(|i| match (bucket, i) {
+            (Some(_), 1..) => dir.path().join(format!("replica-{i}")),
+            _ => data_dir.clone(),
+        })
+        .collect();
     // The first makes the dev CA and certificate and applies the migrations; the others
-    // start once it answers and share both.
-    let replica = |i: usize| Some(spawn_replica(&data_dir, ports[i], &url, &env, &logs[i]));
+    // start once it answers, with its certificate.
+    let replica = |i: usize| Some(spawn_replica(&dirs[i], ports[i], &url, &env, &logs[i]));
     procs.replicas.push(replica(0));
     wait_healthy(&format!("https://127.0.0.1:{}", ports[0]), &ca).await;
+    for own in dirs.iter().filter(|d| **d != data_dir) {
+        std::fs::create_dir_all(own.join("tls")).unwrap();
+        for file in ["server.pem", "server-key.pem"] {
+            std::fs::copy(data_dir.join("tls").join(file), own.join("tls").join(file)).unwrap();
+        }
+    }
     procs.replicas.extend((1..REPLICAS).map(replica));
     for port in &ports[1..] {
         wait_healthy(&format!("https://127.0.0.1:{port}"), &ca).await;
@@ -678,6 +729,21 @@ async fn replicas_killed_holding_a_job_behind_nginx_lose_nothing_and_run_it_once
          {bad_gateway} answered 502; {:.1} s",
         wall.as_secs_f64(),
     );
+    if let Some(s3) = bucket {
+        for d in &dirs {
+            assert!(
+                !d.join("blobs").exists(),
+                "{}: no blob directory",
+                d.display()
+            );
+        }
+        let keys = s3.keys("replicas", "cluster/uploads/").await;
+        assert!(
+            keys.len() >= checked,
+            "{} uploads in the bucket",
+            keys.len()
+        );
+    }
     cluster.store.close().await;
     common::drop_schema(&pg, &schema).await;
 }
