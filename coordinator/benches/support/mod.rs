@@ -1,5 +1,7 @@
 //! What the coordinator's load benches share: order statistics, a process's memory as
 //! Linux reports it, and the durable-write baseline that uploads are compared with.
+// Each bench includes this module and uses only part of it.
+#![allow(dead_code)]
 
 use std::path::Path;
 use std::time::Instant;
