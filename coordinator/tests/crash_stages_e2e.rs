@@ -563,3 +563,19 @@ async fn plain_rounds_survive_a_crash_at_every_stage_with_blobs_in_a_bucket() {
     )
     .await;
 }
+
+/// Secure rounds crashed at every stage with every blob (masked inputs, models) in the
+/// bucket: the final model is the uninterrupted run's byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn secure_rounds_survive_a_crash_at_every_stage_with_blobs_in_a_bucket() {
+    let Some(server) = common::moto_server() else {
+        return;
+    };
+    let s3 = common::S3::start(&server).await;
+    s3.bucket("crash").await;
+    let blobs = Blobs::Bucket {
+        env: s3.env(),
+        url: "s3://crash/secure".into(),
+    };
+    crash_at_every_stage_with("fedavg", true, &FaultPoint::ALL, &blobs).await;
+}
