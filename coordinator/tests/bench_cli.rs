@@ -121,6 +121,20 @@ fn reduce_bench_prints_the_named_fields() {
         }
         let ratio = l["gbps"].as_f64().unwrap() / l["probe_read_gbps"].as_f64().unwrap();
         assert!((ratio - l["ratio"].as_f64().unwrap()).abs() < 1e-9);
+        // The probe is the best of its patterns, and names it.
+        let patterns = l["probe_patterns"].as_object().unwrap();
+        assert!(patterns.len() >= 3, "{l}");
+        let best = patterns
+            .values()
+            .map(|v| v.as_f64().unwrap())
+            .fold(0.0f64, f64::max);
+        assert_eq!(l["probe_read_gbps"].as_f64().unwrap(), best);
+        assert_eq!(
+            patterns[l["probe_pattern"].as_str().unwrap()]
+                .as_f64()
+                .unwrap(),
+            best
+        );
     }
     let cpu_only = !cfg!(feature = "cuda") || lines[0]["reducer"] == "cpu";
     if cpu_only {

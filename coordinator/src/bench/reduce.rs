@@ -1,5 +1,5 @@
 //! `cohort bench reduce`: the reducer's three hot loops at a chosen size, each next to a
-//! memory read probe over every core measured in the same run.
+//! memory read probe measured in the same run: the best of several read patterns.
 //!
 //! - `fedavg`: the weighted sum of `n` updates of `d` `f32`, folded in batches as the
 //!   server's job folds them; bytes are the updates read.
@@ -8,7 +8,8 @@
 //!   the mask output.
 //!
 //! One JSON line per measurement: `bench`, `n`, `d`, `reducer`, `median_s`, `gbps`,
-//! `probe_read_gbps` and `ratio` (= `gbps / probe_read_gbps`). The sums' accumulator is
+//! `probe_read_gbps` (the best read pattern's, named in `probe_pattern`; every
+//! pattern's figure in `probe_patterns`) and `ratio` (= `gbps / probe_read_gbps`). The sums' accumulator is
 //! taken from the reducer (reused memory in steady state) and reading the sums back, once
 //! per round, is not part of the figure.
 
@@ -43,22 +44,10 @@ pub struct ReduceBenchArgs {
     pub repeats: usize,
 }
 
-/// Reads `bytes` of memory on every core of the pool and returns GB/s (median of
-/// `repeats`).
+/// Reads `bytes` of memory and returns the best pattern's GB/s (median of `repeats`
+/// each; see [`super::read_probe`]).
 pub fn read_probe(bytes: usize, repeats: usize) -> f64 {
-    let words: Vec<u64> = (0..bytes / 8).into_par_iter().map(|i| i as u64).collect();
-    let mut times = Vec::with_capacity(repeats);
-    let mut sink = 0u64;
-    for _ in 0..repeats {
-        let start = Instant::now();
-        sink ^= words
-            .par_chunks(1 << 16)
-            .map(|c| c.iter().fold(0u64, |a, &w| a.wrapping_add(w)))
-            .reduce(|| 0, u64::wrapping_add);
-        times.push(start.elapsed().as_secs_f64());
-    }
-    std::hint::black_box(sink);
-    bytes as f64 / median(times) / 1e9
+    super::read_probe::measure(bytes, repeats).best().gbps
 }
 
 fn time<F: FnMut()>(repeats: usize, mut f: F) -> f64 {
@@ -83,7 +72,14 @@ pub fn run(args: &ReduceBenchArgs, reducer: &dyn Reducer) -> Result<(), String> 
             n * d
         ));
     }
-    let probe = read_probe(1 << 30, 5);
+    let measured = super::read_probe::measure(1 << 30, 5);
+    let best = measured.best();
+    let probe = best.gbps;
+    let patterns: serde_json::Map<String, serde_json::Value> = measured
+        .patterns
+        .iter()
+        .map(|p| (p.pattern.to_string(), json!(p.gbps)))
+        .collect();
     let emit = |bench: &str, seconds: f64, bytes: f64| {
         let gbps = bytes / seconds / 1e9;
         println!(
@@ -91,6 +87,7 @@ pub fn run(args: &ReduceBenchArgs, reducer: &dyn Reducer) -> Result<(), String> 
             json!({"suite": "cohort", "bench": bench, "n": n, "d": d, "reducer": reducer.name(),
                    "batch": args.batch, "threads": rayon::current_num_threads(),
                    "median_s": seconds, "gbps": gbps, "probe_read_gbps": probe,
+                   "probe_pattern": best.pattern, "probe_patterns": patterns,
                    "ratio": gbps / probe})
         );
     };

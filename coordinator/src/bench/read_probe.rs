@@ -1,0 +1,218 @@
+//! How fast this machine reads memory: the best of several read patterns over one
+//! buffer, so that a kernel's `ratio` is taken against what the machine gives, not
+//! against one pattern that happens to leave bandwidth unused.
+//!
+//! - `all_threads`: every core of the pool sums its own contiguous part;
+//! - `one_thread`: one core sums the whole buffer (on a machine whose cores share one
+//!   memory channel this can be the best);
+//! - `all_threads_4_streams`: every core sums four distant parts at once, one cache
+//!   line of each in turn, so that more prefetch streams run;
+//! - `all_threads_nt`: as `all_threads`, with non-temporal (streaming) 256-bit loads,
+//!   where the CPU has AVX2.
+//!
+//! Each pattern reads the whole buffer per repeat; its figure is the median of the
+//! repeats, and the probe is the best pattern's.
+// Non-temporal loads are only reachable through `std::arch` intrinsics, which take raw
+// pointers: the one `unsafe` here reads a slice's own, aligned elements.
+#![allow(unsafe_code)]
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+use super::secagg::median;
+
+/// One pattern's figure.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PatternRate {
+    /// The pattern's name.
+    pub pattern: &'static str,
+    /// Median GB/s.
+    pub gbps: f64,
+}
+
+/// Every pattern's figure and the best one.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReadProbe {
+    /// Each pattern measured, in the order above.
+    pub patterns: Vec<PatternRate>,
+}
+
+impl ReadProbe {
+    /// The fastest pattern.
+    pub fn best(&self) -> PatternRate {
+        self.patterns
+            .iter()
+            .copied()
+            .max_by(|a, b| a.gbps.total_cmp(&b.gbps))
+            .unwrap_or(PatternRate {
+                pattern: "none",
+                gbps: f64::NAN,
+            })
+    }
+}
+
+fn fold(words: &[u64]) -> u64 {
+    words.iter().fold(0u64, |a, &w| a.wrapping_add(w))
+}
+
+/// Words in one parallel piece: large enough that scheduling is noise.
+const PIECE: usize = 1 << 16;
+
+fn all_threads(words: &[u64]) -> u64 {
+    words
+        .par_chunks(PIECE)
+        .map(fold)
+        .reduce(|| 0, u64::wrapping_add)
+}
+
+fn four_streams(words: &[u64]) -> u64 {
+    // Each task takes four pieces a quarter of the buffer apart and walks them together,
+    // 8 words (one cache line) of each in turn.
+    let quarter = words.len() / 4;
+    let (a, rest) = words.split_at(quarter);
+    let (b, rest) = rest.split_at(quarter);
+    let (c, d) = rest.split_at(quarter);
+    let tail = fold(&d[quarter..]);
+    let pieces = quarter.div_ceil(PIECE);
+    (0..pieces)
+        .into_par_iter()
+        .map(|p| {
+            let range = p * PIECE..((p + 1) * PIECE).min(quarter);
+            let parts = [
+                &a[range.clone()],
+                &b[range.clone()],
+                &c[range.clone()],
+                &d[range],
+            ];
+            let mut acc = [0u64; 4];
+            for line in (0..parts[0].len()).step_by(8) {
+                for (k, part) in parts.iter().enumerate() {
+                    let end = (line + 8).min(part.len());
+                    acc[k] = acc[k].wrapping_add(fold(&part[line..end]));
+                }
+            }
+            acc.iter().fold(0u64, |x, &y| x.wrapping_add(y))
+        })
+        .reduce(|| 0, u64::wrapping_add)
+        .wrapping_add(tail)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn streaming_loads_available() -> bool {
+    std::arch::is_x86_feature_detected!("avx2")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn streaming_loads_available() -> bool {
+    false
+}
+
+/// The sum of `words` read with non-temporal 256-bit loads.
+#[cfg(target_arch = "x86_64")]
+fn fold_streaming(words: &[u64]) -> u64 {
+    #[target_feature(enable = "avx2")]
+    fn inner(words: &[u64]) -> u64 {
+        use std::arch::x86_64::{
+            __m256i, _mm256_add_epi64, _mm256_setzero_si256, _mm256_storeu_si256,
+            _mm256_stream_load_si256,
+        };
+        // SAFETY: `__m256i` is plain data of 4 `u64`s; `align_to` hands back only
+        // elements aligned for it, inside the slice.
+        let (head, body, tail) = unsafe { words.align_to::<__m256i>() };
+        let mut acc = [_mm256_setzero_si256(); 4];
+        let lines = body.chunks_exact(4);
+        let rest = lines.remainder();
+        for line in lines {
+            for (k, v) in line.iter().enumerate() {
+                // SAFETY: `v` is a 32-byte-aligned element of the slice, valid to read.
+                let loaded = unsafe { _mm256_stream_load_si256(v as *const __m256i) };
+                acc[k] = _mm256_add_epi64(acc[k], loaded);
+            }
+        }
+        let mut total = fold(head).wrapping_add(fold(tail));
+        for v in rest.iter().chain(acc.iter()) {
+            let mut lanes = [0u64; 4];
+            // SAFETY: `lanes` is 32 bytes, written unaligned.
+            unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast::<__m256i>(), *v) };
+            total = total.wrapping_add(fold(&lanes));
+        }
+        total
+    }
+    // SAFETY: called only where `streaming_loads_available` found AVX2.
+    unsafe { inner(words) }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn fold_streaming(words: &[u64]) -> u64 {
+    fold(words)
+}
+
+fn all_threads_streaming(words: &[u64]) -> u64 {
+    words
+        .par_chunks(PIECE)
+        .map(fold_streaming)
+        .reduce(|| 0, u64::wrapping_add)
+}
+
+/// A way of reading the whole buffer, returning the sum of its words.
+type Pattern = fn(&[u64]) -> u64;
+
+/// Reads `bytes` of memory with each pattern, `repeats` times each.
+pub fn measure(bytes: usize, repeats: usize) -> ReadProbe {
+    let words: Vec<u64> = (0..bytes / 8).into_par_iter().map(|i| i as u64).collect();
+    let expected = fold(&words);
+    let mut patterns: Vec<(&'static str, Pattern)> = vec![
+        ("all_threads", all_threads),
+        ("one_thread", fold),
+        ("all_threads_4_streams", four_streams),
+    ];
+    if streaming_loads_available() {
+        patterns.push(("all_threads_nt", all_threads_streaming));
+    }
+    let patterns = patterns
+        .into_iter()
+        .map(|(pattern, read)| {
+            let mut times = Vec::with_capacity(repeats);
+            for _ in 0..repeats.max(1) {
+                let start = Instant::now();
+                let sum = std::hint::black_box(read(std::hint::black_box(&words)));
+                times.push(start.elapsed().as_secs_f64());
+                // Every pattern reads every word: a pattern that skipped some would
+                // report a rate it did not reach.
+                assert_eq!(sum, expected, "the {pattern} probe read the whole buffer");
+            }
+            PatternRate {
+                pattern,
+                gbps: bytes as f64 / median(times) / 1e9,
+            }
+        })
+        .collect();
+    ReadProbe { patterns }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each pattern reads exactly the buffer (the probe asserts it), whatever its length,
+    /// and the best is the largest figure.
+    #[test]
+    fn every_pattern_reads_the_whole_buffer() {
+        for words in [0usize, 1, 7, 8, 33, 4 * PIECE + 13, 9 * PIECE + 3] {
+            let data: Vec<u64> = (0..words as u64).map(|i| i * 2_654_435_761).collect();
+            let expected = fold(&data);
+            assert_eq!(all_threads(&data), expected, "{words}");
+            assert_eq!(four_streams(&data), expected, "{words}");
+            assert_eq!(all_threads_streaming(&data), expected, "{words}");
+            // Unaligned starts too.
+            if words > 3 {
+                assert_eq!(fold_streaming(&data[1..]), fold(&data[1..]));
+            }
+        }
+        let probe = measure(1 << 20, 1);
+        assert!(probe.patterns.len() >= 3);
+        let best = probe.best();
+        assert!(probe.patterns.iter().all(|p| p.gbps <= best.gbps));
+    }
+}
