@@ -22,6 +22,7 @@ pub mod compress_cli;
 pub mod demo;
 pub mod engine;
 pub mod fault;
+pub mod flat_settings;
 pub mod privacy_cli;
 pub mod seeds;
 pub mod server;

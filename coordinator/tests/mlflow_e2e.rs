@@ -78,6 +78,18 @@ impl MlflowServer {
         Self(child)
     }
 
+    /// A server with its store in `dir/mlflow`, on a free port, up: the server, that
+    /// directory, the port and the address.
+    async fn launch(python: &Path, dir: &Path) -> (Self, PathBuf, u16, String) {
+        let mlflow_dir = dir.join("mlflow");
+        std::fs::create_dir_all(&mlflow_dir).unwrap();
+        let port = common::free_port();
+        let uri = format!("http://127.0.0.1:{port}");
+        let server = Self::start(python, &mlflow_dir, port);
+        wait_mlflow(&uri, &mlflow_dir).await;
+        (server, mlflow_dir, port, uri)
+    }
+
     fn stop(&mut self) {
         let group = format!("-{}", self.0.id());
         let _ = Command::new("kill").args(["-9", "--", &group]).status();
@@ -220,12 +232,7 @@ async fn mlflow_gets_every_round_and_the_model_even_across_an_outage() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let mlflow_dir = dir.path().join("mlflow");
-    std::fs::create_dir_all(&mlflow_dir).unwrap();
-    let port = common::free_port();
-    let uri = format!("http://127.0.0.1:{port}");
-    let mut mlflow = MlflowServer::start(&python, &mlflow_dir, port);
-    wait_mlflow(&uri, &mlflow_dir).await;
+    let (mut mlflow, mlflow_dir, port, uri) = MlflowServer::launch(&python, dir.path()).await;
 
     let board = dir.path().join("board");
     let eval = common::repo().join("data/digits.csv.gz");
@@ -416,12 +423,7 @@ async fn a_simulated_run_reports_to_mlflow() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let mlflow_dir = dir.path().join("mlflow");
-    std::fs::create_dir_all(&mlflow_dir).unwrap();
-    let port = common::free_port();
-    let uri = format!("http://127.0.0.1:{port}");
-    let mut mlflow = MlflowServer::start(&python, &mlflow_dir, port);
-    wait_mlflow(&uri, &mlflow_dir).await;
+    let (mut mlflow, _, _, uri) = MlflowServer::launch(&python, dir.path()).await;
     let out = dir.path().join("sim");
     let status = Command::new(env!("CARGO_BIN_EXE_cohort"))
         .args([

@@ -78,21 +78,15 @@ async fn model(server: &Served, id: &str) -> Vec<f32> {
 }
 
 fn agent(server: &Served, dir: &Path, token: String, i: usize) -> AgentConfig {
-    AgentConfig {
-        coordinator: server.base.clone(),
-        insecure_http: false,
-        ca_pem: Some(server.ca_pem.clone()),
-        identity_pem: None,
-        enrol_token: Some(token),
-        trainer: Arc::new(BuiltInTrainer::new(two_classes(i))),
-        state_dir: dir.to_path_buf(),
-        idle_exit: Some(Duration::from_secs(5)),
-        seed: i as u64,
-        local_dp: None,
-        slowdown: Duration::ZERO,
-        floors: cohort_aggregation::secagg::ClientFloors::default(),
-        rules: Default::default(),
-    }
+    let trainer = Arc::new(BuiltInTrainer::new(two_classes(i)));
+    common::agent_config(
+        server,
+        dir,
+        token,
+        trainer,
+        i as u64,
+        Duration::from_secs(5),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

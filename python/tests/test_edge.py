@@ -154,14 +154,10 @@ def test_a_personalised_experiment_keeps_each_sites_tensor_at_the_site(own_serve
     assert len(rows) == 3 and all("personal_accuracy" in r["metrics"] for r in rows), rows
 
 
-def test_a_site_runs_only_the_code_it_approved(own_serve, tmp_path):
-    """``approve_trainer``: a site whose functions hash to the approved value trains; a
-    site that approved other code refuses every task, tells the coordinator why, and
-    writes the refusal to its own log."""
-    cohort_serve, admin = own_serve
-    exp = experiment(admin, "python sites, governed", rounds=1, clients=2)
-    sites = [start_site(cohort_serve, admin, tmp_path, 0, mode="approved"),
-             start_site(cohort_serve, admin, tmp_path, 1, mode="unapproved")]
+def run_sites(serve, admin, tmp_path, exp, modes):
+    """Starts one site per mode, runs ``exp`` to its end and waits for the sites to idle
+    out: the rounds seen, and each site's report."""
+    sites = [start_site(serve, admin, tmp_path, i, mode=mode) for i, mode in enumerate(modes)]
     admin.start(exp["id"])
     try:
         seen = [r["round"] for r in admin.watch(exp["id"], poll=0.3, timeout=240)]
@@ -171,8 +167,18 @@ def test_a_site_runs_only_the_code_it_approved(own_serve, tmp_path):
         raise
     for process, _ in sites:
         process.wait(timeout=60)
+    return seen, [report_of(log) for _, log in sites]
+
+
+def test_a_site_runs_only_the_code_it_approved(own_serve, tmp_path):
+    """``approve_trainer``: a site whose functions hash to the approved value trains; a
+    site that approved other code refuses every task, tells the coordinator why, and
+    writes the refusal to its own log."""
+    cohort_serve, admin = own_serve
+    exp = experiment(admin, "python sites, governed", rounds=1, clients=2)
+    seen, (approved, refused) = run_sites(cohort_serve, admin, tmp_path, exp,
+                                          ["approved", "unapproved"])
     assert seen == [1]
-    approved, refused = (report_of(log) for _, log in sites)
     assert approved["uploads"] == 1 and approved["refused"] == 0, approved
     assert refused["uploads"] == 0 and refused["refused"] >= 1, refused
     reasons = [f["reason"] for r in admin.rounds(exp["id"]) for f in r.get("failures", [])]
@@ -192,19 +198,9 @@ def test_a_site_refuses_an_experiment_reading_a_column_it_does_not_share(own_ser
     cohort_serve, admin = own_serve
     exp = experiment(admin, "python sites, columns", rounds=1, clients=2, min_participants=1,
                      collect_deadline_seconds=15, columns=["pixels"])
-    sites = [start_site(cohort_serve, admin, tmp_path, 0, mode="columns-shared"),
-             start_site(cohort_serve, admin, tmp_path, 1, mode="columns-narrow")]
-    admin.start(exp["id"])
-    try:
-        seen = [r["round"] for r in admin.watch(exp["id"], poll=0.3, timeout=240)]
-    except BaseException:
-        for _, log in sites:
-            print(log.read_text(errors="replace")[-3000:])
-        raise
-    for process, _ in sites:
-        process.wait(timeout=60)
+    seen, (shared, narrow) = run_sites(cohort_serve, admin, tmp_path, exp,
+                                       ["columns-shared", "columns-narrow"])
     assert seen == [1]
-    shared, narrow = (report_of(log) for _, log in sites)
     assert shared["uploads"] == 1 and shared["refused"] == 0, shared
     assert narrow["uploads"] == 0 and narrow["refused"] >= 1, narrow
     reasons = [f["reason"] for r in admin.rounds(exp["id"]) for f in r.get("failures", [])]

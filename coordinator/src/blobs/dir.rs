@@ -8,9 +8,7 @@ use std::fs::{self, File};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
-use ring::digest;
-
-use super::{BlobInfo, check_relative, invalid};
+use super::{check_relative, invalid};
 
 /// A directory of blobs addressed by relative paths.
 #[derive(Debug, Clone)]
@@ -39,7 +37,7 @@ impl DirBlobs {
     }
 
     /// Writes `bytes` durably at `relative`, replacing an earlier blob of that name.
-    pub fn put(&self, relative: &str, bytes: &[u8]) -> io::Result<BlobInfo> {
+    pub fn put(&self, relative: &str, bytes: &[u8]) -> io::Result<()> {
         let target = self.resolve(relative)?;
         let dir = target
             .parent()
@@ -56,14 +54,7 @@ impl DirBlobs {
         if result.is_err() {
             let _ = fs::remove_file(&tmp);
         }
-        result?;
-        let mut sha256 = [0u8; 32];
-        sha256.copy_from_slice(digest::digest(&digest::SHA256, bytes).as_ref());
-        Ok(BlobInfo {
-            path: relative.to_string(),
-            bytes: bytes.len() as u64,
-            sha256,
-        })
+        result
     }
 
     /// Starts writing a blob at `relative` piece by piece, for bodies too large to hold
@@ -79,13 +70,10 @@ impl DirBlobs {
         let tmp = target.with_extension(format!("tmp-{}", uuid::Uuid::new_v4().simple()));
         let file = File::create(&tmp)?;
         Ok(DirWriter {
-            relative: relative.to_string(),
             target,
             dir,
             tmp,
             file: Some(file),
-            digest: digest::Context::new(&digest::SHA256),
-            bytes: 0,
         })
     }
 
@@ -102,20 +90,16 @@ impl DirBlobs {
 
 /// A blob being written; see [`DirBlobs::writer`].
 pub struct DirWriter {
-    relative: String,
     target: PathBuf,
     dir: PathBuf,
     tmp: PathBuf,
     file: Option<File>,
-    digest: digest::Context,
-    bytes: u64,
 }
 
 impl std::fmt::Debug for DirWriter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DirWriter")
-            .field("path", &self.relative)
-            .field("bytes", &self.bytes)
+            .field("path", &self.target)
             .finish_non_exhaustive()
     }
 }
@@ -127,20 +111,12 @@ impl DirWriter {
             .file
             .as_mut()
             .ok_or_else(|| io::Error::other("blob writer already committed"))?;
-        file.write_all(chunk)?;
-        self.digest.update(chunk);
-        self.bytes += chunk.len() as u64;
-        Ok(())
-    }
-
-    /// Bytes written so far.
-    pub fn bytes(&self) -> u64 {
-        self.bytes
+        file.write_all(chunk)
     }
 
     /// Flushes the blob to disk and moves it into place, as durably as
     /// [`DirBlobs::put`].
-    pub fn commit(mut self) -> io::Result<BlobInfo> {
+    pub fn commit(mut self) -> io::Result<()> {
         let file = self
             .file
             .take()
@@ -148,14 +124,7 @@ impl DirWriter {
         file.sync_all()?;
         drop(file);
         fs::rename(&self.tmp, &self.target)?;
-        File::open(&self.dir)?.sync_all()?;
-        let mut sha256 = [0u8; 32];
-        sha256.copy_from_slice(self.digest.clone().finish().as_ref());
-        Ok(BlobInfo {
-            path: std::mem::take(&mut self.relative),
-            bytes: self.bytes,
-            sha256,
-        })
+        File::open(&self.dir)?.sync_all()
     }
 }
 

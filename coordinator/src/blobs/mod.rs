@@ -76,17 +76,30 @@ impl BlobStore {
         match self {
             BlobStore::Dir(d) => d.put(relative, bytes),
             BlobStore::Object(o) => o.put(relative, bytes),
-        }
+        }?;
+        let mut sha256 = [0u8; 32];
+        sha256.copy_from_slice(digest::digest(&digest::SHA256, bytes).as_ref());
+        Ok(BlobInfo {
+            path: relative.to_string(),
+            bytes: bytes.len() as u64,
+            sha256,
+        })
     }
 
     /// Starts writing a blob at `relative` piece by piece, for bodies too large to hold
     /// in memory. Nothing is visible at `relative` until [`BlobWriter::commit`]; a writer
     /// dropped before that leaves nothing behind.
     pub fn writer(&self, relative: &str) -> io::Result<BlobWriter> {
-        match self {
-            BlobStore::Dir(d) => d.writer(relative).map(BlobWriter::Dir),
-            BlobStore::Object(o) => o.writer(relative).map(BlobWriter::Object),
-        }
+        let inner = match self {
+            BlobStore::Dir(d) => d.writer(relative).map(Pieces::Dir),
+            BlobStore::Object(o) => o.writer(relative).map(Pieces::Object),
+        }?;
+        Ok(BlobWriter {
+            relative: relative.to_string(),
+            inner,
+            digest: digest::Context::new(&digest::SHA256),
+            bytes: 0,
+        })
     }
 
     /// Reads the blob at `relative`.
@@ -119,37 +132,63 @@ impl BlobStore {
     }
 }
 
-/// A blob being written; see [`BlobStore::writer`].
+/// Where a blob being written goes.
 #[derive(Debug)]
-pub enum BlobWriter {
+enum Pieces {
     /// Into a temporary file beside its place.
     Dir(dir::DirWriter),
     /// As a multipart upload.
     Object(object::ObjectWriter),
 }
 
+/// A blob being written; see [`BlobStore::writer`]. Its checksum and size are taken
+/// here, as the pieces pass, whichever store they go to.
+pub struct BlobWriter {
+    relative: String,
+    inner: Pieces,
+    digest: digest::Context,
+    bytes: u64,
+}
+
+impl std::fmt::Debug for BlobWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlobWriter")
+            .field("path", &self.relative)
+            .field("bytes", &self.bytes)
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
 impl BlobWriter {
     /// Appends `chunk`.
     pub fn write(&mut self, chunk: &[u8]) -> io::Result<()> {
-        match self {
-            BlobWriter::Dir(w) => w.write(chunk),
-            BlobWriter::Object(w) => w.write(chunk),
-        }
+        match &mut self.inner {
+            Pieces::Dir(w) => w.write(chunk),
+            Pieces::Object(w) => w.write(chunk),
+        }?;
+        self.digest.update(chunk);
+        self.bytes += chunk.len() as u64;
+        Ok(())
     }
 
     /// Bytes written so far.
     pub fn bytes(&self) -> u64 {
-        match self {
-            BlobWriter::Dir(w) => w.bytes(),
-            BlobWriter::Object(w) => w.bytes(),
-        }
+        self.bytes
     }
 
     /// Makes the blob durable and visible at its place.
     pub fn commit(self) -> io::Result<BlobInfo> {
-        match self {
-            BlobWriter::Dir(w) => w.commit(),
-            BlobWriter::Object(w) => w.commit(),
-        }
+        match self.inner {
+            Pieces::Dir(w) => w.commit(),
+            Pieces::Object(w) => w.commit(),
+        }?;
+        let mut sha256 = [0u8; 32];
+        sha256.copy_from_slice(self.digest.finish().as_ref());
+        Ok(BlobInfo {
+            path: self.relative,
+            bytes: self.bytes,
+            sha256,
+        })
     }
 }

@@ -19,11 +19,9 @@
 use std::io;
 use std::sync::Arc;
 
+use super::{check_relative, invalid};
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, ObjectStoreExt, ObjectStoreScheme, PutPayload, WriteMultipart};
-use ring::digest;
-
-use super::{BlobInfo, check_relative, invalid};
 
 /// The size of each part of a multipart upload (S3 takes parts of 5 MiB and up).
 pub const PART_BYTES: usize = 8 * 1024 * 1024;
@@ -160,18 +158,12 @@ impl ObjectBlobs {
     }
 
     /// Writes `bytes` at `relative` in one PUT: visible whole or not at all.
-    pub fn put(&self, relative: &str, bytes: &[u8]) -> io::Result<BlobInfo> {
+    pub fn put(&self, relative: &str, bytes: &[u8]) -> io::Result<()> {
         let location = self.location(relative)?;
         let payload = PutPayload::from(bytes.to_vec());
         self.block(self.store.put(&location, payload))
-            .map_err(store_error)?;
-        let mut sha256 = [0u8; 32];
-        sha256.copy_from_slice(digest::digest(&digest::SHA256, bytes).as_ref());
-        Ok(BlobInfo {
-            path: relative.to_string(),
-            bytes: bytes.len() as u64,
-            sha256,
-        })
+            .map(drop)
+            .map_err(store_error)
     }
 
     /// Starts a multipart upload at `relative`.
@@ -181,11 +173,9 @@ impl ObjectBlobs {
             .block(self.store.put_multipart(&location))
             .map_err(store_error)?;
         Ok(ObjectWriter {
-            relative: relative.to_string(),
+            location,
             upload: Some(WriteMultipart::new_with_chunk_size(upload, PART_BYTES)),
             runtime: self.runtime.clone(),
-            digest: digest::Context::new(&digest::SHA256),
-            bytes: 0,
         })
     }
 
@@ -210,18 +200,15 @@ impl ObjectBlobs {
 
 /// A multipart upload in progress; see [`ObjectBlobs::writer`].
 pub struct ObjectWriter {
-    relative: String,
+    location: ObjectPath,
     upload: Option<WriteMultipart>,
     runtime: tokio::runtime::Handle,
-    digest: digest::Context,
-    bytes: u64,
 }
 
 impl std::fmt::Debug for ObjectWriter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ObjectWriter")
-            .field("path", &self.relative)
-            .field("bytes", &self.bytes)
+            .field("path", &self.location)
             .finish_non_exhaustive()
     }
 }
@@ -243,18 +230,11 @@ impl ObjectWriter {
         // Full parts start uploading as tasks of the store's runtime.
         let _inside = runtime.enter();
         upload.write(chunk);
-        self.digest.update(chunk);
-        self.bytes += chunk.len() as u64;
         Ok(())
     }
 
-    /// Bytes written so far.
-    pub fn bytes(&self) -> u64 {
-        self.bytes
-    }
-
     /// Uploads the last part and completes the upload: the object appears whole.
-    pub fn commit(mut self) -> io::Result<BlobInfo> {
+    pub fn commit(mut self) -> io::Result<()> {
         let upload = self
             .upload
             .take()
@@ -262,14 +242,8 @@ impl ObjectWriter {
         let _inside = self.runtime.enter();
         self.runtime
             .block_on(upload.finish())
-            .map_err(store_error)?;
-        let mut sha256 = [0u8; 32];
-        sha256.copy_from_slice(self.digest.clone().finish().as_ref());
-        Ok(BlobInfo {
-            path: std::mem::take(&mut self.relative),
-            bytes: self.bytes,
-            sha256,
-        })
+            .map(drop)
+            .map_err(store_error)
     }
 }
 

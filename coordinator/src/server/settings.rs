@@ -641,7 +641,7 @@ impl ServeSettings {
             return Err(SettingsError::InvalidJobLease(job_lease_seconds));
         }
         if let Some(uri) = &layer.mlflow_uri
-            && !(uri.starts_with("http://") || uri.starts_with("https://"))
+            && crate::tracking::mlflow::check_uri(uri).is_err()
         {
             return Err(SettingsError::InvalidMlflowUri(uri.clone()));
         }

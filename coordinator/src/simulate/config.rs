@@ -441,7 +441,7 @@ impl SimulationConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |msg: String| Err(ConfigError(msg));
         if let Some(uri) = &self.mlflow_uri
-            && let Err(e) = crate::tracking::mlflow::MlflowSink::new(uri)
+            && let Err(e) = crate::tracking::mlflow::check_uri(uri)
         {
             return bad(e.to_string());
         }

@@ -44,6 +44,16 @@ pub enum MlflowUriError {
     Client(String),
 }
 
+/// Refuses an `--mlflow-uri` that is not an `http://` or `https://` address; settings
+/// check it with this before any client is made.
+pub fn check_uri(uri: &str) -> Result<(), MlflowUriError> {
+    if uri.starts_with("http://") || uri.starts_with("https://") {
+        Ok(())
+    } else {
+        Err(MlflowUriError::Scheme(uri.to_string()))
+    }
+}
+
 /// A run as the server knows it.
 #[derive(Debug, Clone)]
 struct KnownRun {
@@ -64,10 +74,8 @@ impl MlflowSink {
     /// A sink for the server at `uri` (`http://127.0.0.1:5000`); nothing is contacted
     /// until the first record.
     pub fn new(uri: &str) -> Result<Self, MlflowUriError> {
+        check_uri(uri)?;
         let base = uri.trim_end_matches('/');
-        if !(base.starts_with("http://") || base.starts_with("https://")) {
-            return Err(MlflowUriError::Scheme(uri.to_string()));
-        }
         // reqwest is built without a crypto provider of its own; ring is the one.
         let _ = rustls::crypto::ring::default_provider().install_default();
         let http = reqwest::Client::builder()

@@ -135,35 +135,21 @@ pub enum SinkError {
 /// with them), so a long value (a list of layers, a data path) is cut, marked by `…`.
 pub const MAX_PARAM_VALUE_CHARS: usize = 6000;
 
-/// A run's settings as flat parameters: nested objects become dotted keys
-/// (`privacy.noise_multiplier`), arrays their JSON text, nulls nothing.
+/// A run's settings as flat parameters ([`crate::flat_settings::flatten`]): nested
+/// objects become dotted keys (`privacy.noise_multiplier`), arrays their JSON text,
+/// nulls nothing; sorted by key, values cut to [`MAX_PARAM_VALUE_CHARS`].
 pub fn flatten_params(value: &serde_json::Value) -> Vec<(String, String)> {
-    fn walk(prefix: &str, value: &serde_json::Value, out: &mut Vec<(String, String)>) {
-        let text = match value {
-            serde_json::Value::Null => return,
-            serde_json::Value::Object(map) => {
-                for (k, v) in map {
-                    let key = if prefix.is_empty() {
-                        k.clone()
-                    } else {
-                        format!("{prefix}.{k}")
-                    };
-                    walk(&key, v, out);
-                }
-                return;
-            }
-            serde_json::Value::String(s) => s.clone(),
-            serde_json::Value::Number(n) => number(n),
-            other => other.to_string(),
-        };
-        let text = match text.char_indices().nth(MAX_PARAM_VALUE_CHARS - 1) {
-            Some((cut, _)) => format!("{}…", &text[..cut]),
-            None => text,
-        };
-        out.push((prefix.to_string(), text));
-    }
-    let mut out = Vec::new();
-    walk("", value, &mut out);
+    let mut out: Vec<(String, String)> = crate::flat_settings::flatten(value)
+        .into_iter()
+        .filter_map(|(key, value)| {
+            let text = value?;
+            let text = match text.char_indices().nth(MAX_PARAM_VALUE_CHARS - 1) {
+                Some((cut, _)) => format!("{}…", &text[..cut]),
+                None => text,
+            };
+            Some((key, text))
+        })
+        .collect();
     out.sort();
     out
 }
@@ -174,18 +160,6 @@ pub fn set_param(params: &mut Vec<(String, String)>, key: &str, value: String) {
     match params.iter_mut().find(|(k, _)| k == key) {
         Some(slot) => slot.1 = value,
         None => params.push((key.to_string(), value)),
-    }
-}
-
-/// A number as a person wrote it: settings kept as `f32` (a learning rate of 0.01 is
-/// stored as 0.009999999776482582) show as the shortest text that reads back to the
-/// same `f32`.
-fn number(n: &serde_json::Number) -> String {
-    match n.as_f64() {
-        Some(x) if n.is_f64() && x.is_finite() && f64::from(x as f32) == x => {
-            (x as f32).to_string()
-        }
-        _ => n.to_string(),
     }
 }
 

@@ -628,39 +628,12 @@ impl PageQuery {
     }
 }
 
-/// The settings of a spec as (label, value) lines.
+/// The settings of a spec as (label, value) lines; an unset one reads `default`.
 fn settings_lines(spec: &serde_json::Value) -> Vec<(String, String)> {
-    let mut lines = Vec::new();
-    fn walk(prefix: &str, value: &serde_json::Value, out: &mut Vec<(String, String)>) {
-        match value {
-            serde_json::Value::Object(map) => {
-                for (k, v) in map {
-                    let key = if prefix.is_empty() {
-                        k.clone()
-                    } else {
-                        format!("{prefix}.{k}")
-                    };
-                    walk(&key, v, out);
-                }
-            }
-            serde_json::Value::String(s) => out.push((prefix.to_string(), s.clone())),
-            serde_json::Value::Null => out.push((prefix.to_string(), "default".into())),
-            // Settings such as the learning rate are f32: show 0.1, not 0.10000000149.
-            serde_json::Value::Number(n) if n.is_f64() => {
-                let v = n.as_f64().unwrap_or(f64::NAN);
-                let short = v as f32;
-                let text = if f64::from(short) == v {
-                    short.to_string()
-                } else {
-                    v.to_string()
-                };
-                out.push((prefix.to_string(), text))
-            }
-            other => out.push((prefix.to_string(), other.to_string())),
-        }
-    }
-    walk("", spec, &mut lines);
-    lines
+    crate::flat_settings::flatten(spec)
+        .into_iter()
+        .map(|(key, value)| (key, value.unwrap_or_else(|| "default".into())))
+        .collect()
 }
 
 /// `GET /experiments/{id}`: charts, the round in progress, rounds, jobs, settings.

@@ -861,6 +861,24 @@ pub(super) fn evaluate(
     }
 }
 
+/// What a publication's outcome means: done (the trackers are told), or done already
+/// by an earlier run of the job (a conflict), or an error.
+fn published(
+    state: &AppState,
+    experiment: Uuid,
+    round: &Round,
+    outcome: Result<(), StoreError>,
+) -> Result<(), DriverError> {
+    match outcome {
+        Ok(()) => {
+            track::round_published(state, experiment, round.round, round.attempt);
+            Ok(())
+        }
+        Err(StoreError::Conflict(_)) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Publishes a round's model; a conflict means an earlier run of the job already did.
 pub(super) async fn publish(
     state: &AppState,
@@ -870,7 +888,7 @@ pub(super) async fn publish(
     metrics: RoundMetrics,
 ) -> Result<(), DriverError> {
     crate::fault::reached(crate::fault::FaultPoint::Publishing).await;
-    match state
+    let outcome = state
         .store
         .publish_model(
             experiment,
@@ -880,20 +898,8 @@ pub(super) async fn publish(
             metrics,
             now_millis(),
         )
-        .await
-    {
-        Ok(()) => {
-            crate::server::driver::track::round_published(
-                state,
-                experiment,
-                round.round,
-                round.attempt,
-            );
-            Ok(())
-        }
-        Err(StoreError::Conflict(_)) => Ok(()),
-        Err(e) => Err(e.into()),
-    }
+        .await;
+    published(state, experiment, round, outcome)
 }
 
 /// Folds a round's uploads, one at a time, into the next global model and publishes it.
@@ -1125,7 +1131,7 @@ async fn publish_private(
     )
     .map_err(|e| DriverError::Spec(experiment, format!("differential privacy: {e}")))?;
     crate::fault::reached(crate::fault::FaultPoint::Publishing).await;
-    match state
+    let outcome = state
         .store
         .publish_private_model(
             RoundKey::new(experiment, round.round, round.attempt),
@@ -1134,18 +1140,6 @@ async fn publish_private(
             Some(&record),
             now_millis(),
         )
-        .await
-    {
-        Ok(()) => {
-            crate::server::driver::track::round_published(
-                state,
-                experiment,
-                round.round,
-                round.attempt,
-            );
-            Ok(())
-        }
-        Err(StoreError::Conflict(_)) => Ok(()),
-        Err(e) => Err(e.into()),
-    }
+        .await;
+    published(state, experiment, round, outcome)
 }

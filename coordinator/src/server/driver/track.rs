@@ -74,22 +74,22 @@ async fn round_record(
     attempt: i64,
 ) -> Result<Option<Record>, DriverError> {
     let exp = state.store.experiment(experiment).await?;
-    let rounds = state.store.rounds(experiment).await?;
-    let Some(r) = rounds
-        .iter()
-        .find(|r| r.round == round && r.attempt == attempt)
-    else {
-        return Ok(None);
+    let r = match state.store.round(experiment, round, attempt).await {
+        Ok(r) => r,
+        Err(crate::store::StoreError::NotFound(_)) => return Ok(None),
+        Err(e) => return Err(e.into()),
     };
-    let (up, down) = state
+    // This attempt's bytes only: a record per round must not read the whole history.
+    let parts = state
         .store
-        .traffic(experiment)
-        .await?
-        .get(&(round, attempt))
-        .copied()
-        .unwrap_or((0, 0));
+        .participations(experiment, round, attempt)
+        .await?;
+    let up = parts.iter().filter_map(|p| p.bytes_up).sum::<i64>();
+    let down = parts.iter().filter_map(|p| p.bytes_down).sum::<i64>();
+    // Epsilon against the coordinator composes every attempt so far, so it does.
     let against_coordinator = match super::experiment_spec(&exp)?.privacy {
         Some(privacy) => {
+            let rounds = state.store.rounds(experiment).await?;
             let selections = state.store.selections(experiment).await?;
             crate::server::privacy::epsilon_against_coordinator_by_attempt(
                 &privacy,
@@ -106,7 +106,7 @@ async fn round_record(
     Ok(Some(Record::metrics(
         run_ref(&exp),
         round,
-        &round_metrics(r, (up, down), against_coordinator),
+        &round_metrics(&r, (up, down), against_coordinator),
     )))
 }
 
