@@ -28,6 +28,7 @@ import datetime
 import os
 import sys
 import tempfile
+import traceback
 
 import numpy as np
 import torch
@@ -125,6 +126,25 @@ def _train_rank(rank, world, store, state, data, config, seed, out_path):
             dist.destroy_process_group()
 
 
+def _helper_rank(*args):
+    """A helper rank's process: trains, then leaves without the interpreter's
+    finalization. Its work is done once the group's last barrier has passed (rank 0
+    holds the weights), and finalizing Python while gloo's C++ worker threads still hold
+    tensors aborts the process now and then (SIGABRT, "terminate called without an
+    active exception"; pytorch/pytorch#179291), which rank 0 would read as a failed
+    rank. ``os._exit`` skips that teardown; a failure still says what it was."""
+    code = 0
+    try:
+        _train_rank(*args)
+    except BaseException:  # noqa: BLE001 - any failure is reported, then the exit code
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def train_site(weights, data, config, seed, world):
     """Trains `weights` on `data` over `world` processes; the trained weights (rank 0's)
     and the mean training loss of the last epoch."""
@@ -139,7 +159,7 @@ def train_site(weights, data, config, seed, world):
         context = mp.get_context("spawn")
         helpers = [
             context.Process(
-                target=_train_rank, args=(rank, world, store, state, data, config, seed, out_path)
+                target=_helper_rank, args=(rank, world, store, state, data, config, seed, out_path)
             )
             for rank in range(1, world)
         ]
