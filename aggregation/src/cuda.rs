@@ -252,6 +252,9 @@ impl CudaReducer {
     }
 }
 
+/// Inputs copied to the device per piece of a batch.
+const DEVICE_BATCH: usize = 16;
+
 /// Two pinned host buffers and two device buffers of one batch each, used in turn on the
 /// two streams: while one batch is reduced, the next is copied.
 struct Staging<T: cudarc::driver::DeviceRepr> {
@@ -352,6 +355,18 @@ impl WeightedSum for CudaWeightedSum {
         if updates.is_empty() || len == 0 {
             return Ok(());
         }
+        // The host's batches can hold hundreds of updates (`reduce::batch_len`); the
+        // device takes them a few at a time, so that the pinned buffers stay small and a
+        // piece is copied while the previous one is reduced.
+        if updates.len() > DEVICE_BATCH {
+            for (u, w) in updates
+                .chunks(DEVICE_BATCH)
+                .zip(weights.chunks(DEVICE_BATCH))
+            {
+                self.add(u, w)?;
+            }
+            return Ok(());
+        }
         let inner = self.inner.clone();
         let (stream, staged) = self.staging.upload(&inner, updates, len)?;
         let weights = stream.clone_htod(weights).map_err(device)?;
@@ -389,6 +404,12 @@ impl ModularSum for CudaModularSum {
         let len = self.acc.len();
         check(len, inputs)?;
         if inputs.is_empty() || len == 0 {
+            return Ok(());
+        }
+        if inputs.len() > DEVICE_BATCH {
+            for piece in inputs.chunks(DEVICE_BATCH) {
+                self.add(piece)?;
+            }
             return Ok(());
         }
         let inner = self.inner.clone();

@@ -115,6 +115,28 @@ pub trait Reducer: Send + Sync + fmt::Debug {
 /// `u32`), which stays in the first-level cache while a batch's inputs stream past it.
 const CHUNK: usize = 4096;
 
+/// Inputs added per pass over an accumulator chunk: the chunk is loaded and stored once
+/// for eight additions, and eight input streams are read at once, enough for the
+/// prefetchers to keep memory busy (measured: four leave bandwidth unused).
+const GROUP: usize = 8;
+
+/// Bytes of inputs one batch may hold: what [`batch_len`] sizes batches by.
+pub const BATCH_BYTES: usize = 512 << 20;
+
+/// How many inputs of `values` 4-byte values each to fold per batch: as many as fit in
+/// [`BATCH_BYTES`], at least one.
+///
+/// Every pass over the inputs reads and writes the whole accumulator once (16 bytes per
+/// value for `f64` sums); a batch that holds all of a round's updates writes each sum
+/// once, so the reduction reads little more than the updates themselves (with 16
+/// updates of a million parameters a batch, the accumulator's traffic was a fifth of
+/// the updates'). The server's jobs, `cohort simulate` and `cohort bench reduce` all
+/// batch by this rule, so that memory holds at most 512 MiB of inputs at once, whatever
+/// the number of clients.
+pub fn batch_len(values: usize) -> usize {
+    (BATCH_BYTES / values.max(1).saturating_mul(4)).max(1)
+}
+
 fn check_lengths<T>(expected: usize, inputs: &[&[T]]) -> Result<(), ReduceError> {
     match inputs.iter().position(|x| x.len() != expected) {
         Some(index) => Err(ReduceError::LengthMismatch {
@@ -127,13 +149,14 @@ fn check_lengths<T>(expected: usize, inputs: &[&[T]]) -> Result<(), ReduceError>
 }
 
 /// The CPU backend: every core of the rayon pool, each owning cache-sized chunks of the
-/// accumulator and streaming the batch's inputs through them, with loops compiled for the
-/// widest vector unit the CPU has. It allocates nothing per input.
+/// accumulator and streaming the batch's inputs through them, eight at a time, with loops
+/// compiled for the widest vector unit the CPU has. It allocates nothing per input.
 ///
 /// Accumulators come from a small pool of buffers that finished accumulators return to,
 /// so a coordinator's round after round reuses memory whose pages are already mapped
 /// (a fresh 8 MB buffer costs thousands of page faults, more than the sum itself on a
-/// virtual machine).
+/// virtual machine). A new accumulator is not zeroed: its first batch writes the sums
+/// without reading them, so a round that fits one batch writes each sum exactly once.
 #[derive(Debug, Clone, Default)]
 pub struct CpuReducer {
     pool: Arc<Pool>,
@@ -149,6 +172,8 @@ struct Pool {
 /// Buffers of each kind the pool keeps.
 const POOL_BUFFERS: usize = 4;
 
+/// A buffer of `len` elements whose contents are unspecified (a reused buffer keeps its
+/// old values): its owner writes before it reads.
 fn take<T: Copy + Default + Send + Sync>(
     pool: &std::sync::Mutex<Vec<Vec<T>>>,
     len: usize,
@@ -160,7 +185,7 @@ fn take<T: Copy + Default + Send + Sync>(
     });
     match reused {
         Some(mut buf) => {
-            buf.clear();
+            buf.truncate(len);
             buf.resize(len, T::default());
             buf
         }
@@ -186,10 +211,21 @@ fn give_back<T>(pool: &std::sync::Mutex<Vec<Vec<T>>>, buf: Vec<T>) {
     }
 }
 
+/// Whether an accumulator's buffer holds its sums yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Start {
+    /// Nothing was added: the sums are zero, and the buffer holds whatever it held
+    /// before, never read. The next batch writes the sums without reading them.
+    Zero,
+    /// The buffer holds the sums.
+    Sums,
+}
+
 /// [`CpuReducer`]'s weighted sum.
 #[derive(Debug)]
 struct CpuWeightedSum {
     sum: Vec<f64>,
+    start: Start,
     pool: Arc<Pool>,
 }
 
@@ -197,6 +233,7 @@ struct CpuWeightedSum {
 #[derive(Debug)]
 struct CpuModularSum {
     acc: Vec<u32>,
+    start: Start,
     pool: Arc<Pool>,
 }
 
@@ -218,6 +255,17 @@ pub fn weighted_sum_into(
     updates: &[&[f32]],
     weights: &[f64],
 ) -> Result<(), ReduceError> {
+    weighted_sum_from(sum, Start::Sums, updates, weights)
+}
+
+/// The weighted sum of a batch into `sum`, which holds sums (`Start::Sums`) or is
+/// overwritten as if it held zeros (`Start::Zero`). Checks everything before it writes.
+fn weighted_sum_from(
+    sum: &mut [f64],
+    start: Start,
+    updates: &[&[f32]],
+    weights: &[f64],
+) -> Result<(), ReduceError> {
     if updates.len() != weights.len() {
         return Err(ReduceError::WeightCount {
             updates: updates.len(),
@@ -225,37 +273,66 @@ pub fn weighted_sum_into(
         });
     }
     check_lengths(sum.len(), updates)?;
+    if updates.is_empty() {
+        if start == Start::Zero {
+            sum.par_chunks_mut(CHUNK).for_each(|s| s.fill(0.0));
+        }
+        return Ok(());
+    }
     let kernels = kernels::detect();
     sum.par_chunks_mut(CHUNK).enumerate().for_each(|(c, s)| {
         let range = c * CHUNK..c * CHUNK + s.len();
-        // Four updates per pass over the accumulator: it is loaded and stored once for
-        // four additions, made in the same order as one at a time.
-        let mut quads = updates.chunks_exact(4).zip(weights.chunks_exact(4));
-        for (u, w) in &mut quads {
-            let x = [
-                &u[0][range.clone()],
-                &u[1][range.clone()],
-                &u[2][range.clone()],
-                &u[3][range.clone()],
-            ];
-            kernels.axpy4(s, x, [w[0], w[1], w[2], w[3]]);
-        }
-        let rest = updates.len() / 4 * 4;
-        for (u, &w) in updates[rest..].iter().zip(&weights[rest..]) {
-            kernels.axpy(s, &u[range.clone()], w);
+        let mut fresh = start == Start::Zero;
+        let mut j = 0;
+        // Every element's terms are added in batch order, whatever the grouping, so the
+        // sums are the bits of one update at a time.
+        while j < updates.len() {
+            let k = group_len(updates.len() - j);
+            let x = &updates[j..j + k];
+            let w = &weights[j..j + k];
+            kernels.weighted(s, x, w, range.clone(), fresh);
+            fresh = false;
+            j += k;
         }
     });
     Ok(())
 }
 
+/// Inputs to take in the next pass when `left` remain: a full group, else the largest
+/// power of two that fits.
+fn group_len(left: usize) -> usize {
+    match left {
+        GROUP.. => GROUP,
+        4.. => 4,
+        2.. => 2,
+        _ => 1,
+    }
+}
+
 /// `acc[i] += y_j[i] (mod 2^32)` for every input of the batch, in place.
 pub fn modular_sum_into(acc: &mut [u32], inputs: &[&[u32]]) -> Result<(), ReduceError> {
+    modular_sum_from(acc, Start::Sums, inputs)
+}
+
+/// The modular sum of a batch into `acc`, as [`weighted_sum_from`] for words.
+fn modular_sum_from(acc: &mut [u32], start: Start, inputs: &[&[u32]]) -> Result<(), ReduceError> {
     check_lengths(acc.len(), inputs)?;
+    if inputs.is_empty() {
+        if start == Start::Zero {
+            acc.par_chunks_mut(CHUNK).for_each(|a| a.fill(0));
+        }
+        return Ok(());
+    }
     let kernels = kernels::detect();
     acc.par_chunks_mut(CHUNK).enumerate().for_each(|(c, a)| {
         let range = c * CHUNK..c * CHUNK + a.len();
-        for input in inputs {
-            kernels.add_words(a, &input[range.clone()]);
+        let mut fresh = start == Start::Zero;
+        let mut j = 0;
+        while j < inputs.len() {
+            let k = group_len(inputs.len() - j);
+            kernels.add_words(a, &inputs[j..j + k], range.clone(), fresh);
+            fresh = false;
+            j += k;
         }
     });
     Ok(())
@@ -263,28 +340,50 @@ pub fn modular_sum_into(acc: &mut [u32], inputs: &[&[u32]]) -> Result<(), Reduce
 
 impl WeightedSum for CpuWeightedSum {
     fn add(&mut self, updates: &[&[f32]], weights: &[f64]) -> Result<(), ReduceError> {
-        weighted_sum_into(&mut self.sum, updates, weights)
+        if updates.is_empty() && updates.len() == weights.len() {
+            return Ok(());
+        }
+        weighted_sum_from(&mut self.sum, self.start, updates, weights)?;
+        self.start = Start::Sums;
+        Ok(())
     }
 
     fn read(&self) -> Result<Vec<f64>, ReduceError> {
-        Ok(self.sum.clone())
+        Ok(match self.start {
+            Start::Zero => vec![0.0; self.sum.len()],
+            Start::Sums => self.sum.clone(),
+        })
     }
 
     fn into_sums(mut self: Box<Self>) -> Result<Vec<f64>, ReduceError> {
+        if self.start == Start::Zero {
+            self.sum.fill(0.0);
+        }
         Ok(std::mem::take(&mut self.sum))
     }
 }
 
 impl ModularSum for CpuModularSum {
     fn add(&mut self, inputs: &[&[u32]]) -> Result<(), ReduceError> {
-        modular_sum_into(&mut self.acc, inputs)
+        if inputs.is_empty() {
+            return Ok(());
+        }
+        modular_sum_from(&mut self.acc, self.start, inputs)?;
+        self.start = Start::Sums;
+        Ok(())
     }
 
     fn read(&self) -> Result<Vec<u32>, ReduceError> {
-        Ok(self.acc.clone())
+        Ok(match self.start {
+            Start::Zero => vec![0; self.acc.len()],
+            Start::Sums => self.acc.clone(),
+        })
     }
 
     fn into_sums(mut self: Box<Self>) -> Result<Vec<u32>, ReduceError> {
+        if self.start == Start::Zero {
+            self.acc.fill(0);
+        }
         Ok(std::mem::take(&mut self.acc))
     }
 }
@@ -297,6 +396,7 @@ impl Reducer for CpuReducer {
     fn weighted_sum(&self, len: usize) -> Result<Box<dyn WeightedSum>, ReduceError> {
         Ok(Box::new(CpuWeightedSum {
             sum: take(&self.pool.f64s, len),
+            start: Start::Zero,
             pool: self.pool.clone(),
         }))
     }
@@ -304,6 +404,7 @@ impl Reducer for CpuReducer {
     fn modular_sum(&self, len: usize) -> Result<Box<dyn ModularSum>, ReduceError> {
         Ok(Box::new(CpuModularSum {
             acc: take(&self.pool.u32s, len),
+            start: Start::Zero,
             pool: self.pool.clone(),
         }))
     }
@@ -326,43 +427,39 @@ impl Reducer for CpuReducer {
 /// set differs, and no path fuses the multiply and the add, so every path gives the same
 /// bits.
 mod kernels {
-    /// `acc[i] += w * x[i]`.
-    pub(super) fn axpy_portable(acc: &mut [f64], x: &[f32], w: f64) {
-        for (a, &v) in acc.iter_mut().zip(x) {
-            *a += w * f64::from(v);
-        }
-    }
+    use std::ops::Range;
 
-    /// `acc[i] += w[0] x[0][i]`, then `+= w[1] x[1][i]`, and so on: the additions of four
-    /// [`axpy_portable`] calls in their order, with one load and store of `acc`.
-    pub(super) fn axpy4_portable(acc: &mut [f64], x: [&[f32]; 4], w: [f64; 4]) {
-        let n = acc
-            .len()
-            .min(x[0].len())
-            .min(x[1].len())
-            .min(x[2].len())
-            .min(x[3].len());
-        let (acc, x0, x1, x2, x3) = (
-            &mut acc[..n],
-            &x[0][..n],
-            &x[1][..n],
-            &x[2][..n],
-            &x[3][..n],
-        );
+    /// `acc[i] = (FRESH ? 0 : acc[i]) + w[0] x[0][i] + w[1] x[1][i] + ...`, the additions
+    /// in that order, with one load (none when `FRESH`) and one store of `acc`.
+    #[inline(always)]
+    pub(super) fn weighted<const K: usize, const FRESH: bool>(
+        acc: &mut [f64],
+        x: [&[f32]; K],
+        w: [f64; K],
+    ) {
+        let n = acc.len();
+        // One length for every slice, so the loop below has no bounds checks.
+        let x: [&[f32]; K] = std::array::from_fn(|k| &x[k][..n]);
         for i in 0..n {
-            let mut a = acc[i];
-            a += w[0] * f64::from(x0[i]);
-            a += w[1] * f64::from(x1[i]);
-            a += w[2] * f64::from(x2[i]);
-            a += w[3] * f64::from(x3[i]);
+            let mut a = if FRESH { 0.0 } else { acc[i] };
+            for k in 0..K {
+                a += w[k] * f64::from(x[k][i]);
+            }
             acc[i] = a;
         }
     }
 
-    /// `acc[i] += y[i] (mod 2^32)`.
-    pub(super) fn add_words_portable(acc: &mut [u32], y: &[u32]) {
-        for (a, &v) in acc.iter_mut().zip(y) {
-            *a = a.wrapping_add(v);
+    /// `acc[i] = (FRESH ? 0 : acc[i]) + y[0][i] + y[1][i] + ... (mod 2^32)`.
+    #[inline(always)]
+    pub(super) fn add_words<const K: usize, const FRESH: bool>(acc: &mut [u32], y: [&[u32]; K]) {
+        let n = acc.len();
+        let y: [&[u32]; K] = std::array::from_fn(|k| &y[k][..n]);
+        for i in 0..n {
+            let mut a = if FRESH { 0 } else { acc[i] };
+            for input in &y {
+                a = a.wrapping_add(input[i]);
+            }
+            acc[i] = a;
         }
     }
 
@@ -373,37 +470,87 @@ mod kernels {
         level: x86::Level,
     }
 
+    /// Calls `$go!(K, FRESH)` with the group's size (8, 4, 2 or 1, as
+    /// [`super::group_len`] makes them) and freshness as constants, so that each pair
+    /// gets its own compiled loop.
+    macro_rules! by_group {
+        ($len:expr, $fresh:expr, $go:ident) => {
+            match ($len, $fresh) {
+                (8, true) => $go!(8, true),
+                (8, false) => $go!(8, false),
+                (4, true) => $go!(4, true),
+                (4, false) => $go!(4, false),
+                (2, true) => $go!(2, true),
+                (2, false) => $go!(2, false),
+                (_, true) => $go!(1, true),
+                (_, false) => $go!(1, false),
+            }
+        };
+    }
+
     impl Kernels {
-        pub(super) fn axpy(self, acc: &mut [f64], x: &[f32], w: f64) {
+        /// Adds the weighted group `x` (each sliced to `range`) to `acc`, or writes it
+        /// when `fresh`.
+        pub(super) fn weighted(
+            self,
+            acc: &mut [f64],
+            x: &[&[f32]],
+            w: &[f64],
+            range: Range<usize>,
+            fresh: bool,
+        ) {
+            macro_rules! go {
+                ($k:literal, $fresh:literal) => {{
+                    let xs: [&[f32]; $k] = std::array::from_fn(|j| &x[j][range.clone()]);
+                    let ws: [f64; $k] = std::array::from_fn(|j| w[j]);
+                    self.weighted_at::<$k, $fresh>(acc, xs, ws)
+                }};
+            }
+            by_group!(x.len(), fresh, go)
+        }
+
+        /// Adds the group `y` (each sliced to `range`) to `acc`, or writes it when
+        /// `fresh`.
+        pub(super) fn add_words(
+            self,
+            acc: &mut [u32],
+            y: &[&[u32]],
+            range: Range<usize>,
+            fresh: bool,
+        ) {
+            macro_rules! go {
+                ($k:literal, $fresh:literal) => {{
+                    let ys: [&[u32]; $k] = std::array::from_fn(|j| &y[j][range.clone()]);
+                    self.add_words_at::<$k, $fresh>(acc, ys)
+                }};
+            }
+            by_group!(y.len(), fresh, go)
+        }
+
+        fn weighted_at<const K: usize, const FRESH: bool>(
+            self,
+            acc: &mut [f64],
+            x: [&[f32]; K],
+            w: [f64; K],
+        ) {
             #[cfg(target_arch = "x86_64")]
             {
-                x86::axpy(self.level, acc, x, w)
+                x86::weighted::<K, FRESH>(self.level, acc, x, w)
             }
             #[cfg(not(target_arch = "x86_64"))]
             {
-                axpy_portable(acc, x, w)
+                weighted::<K, FRESH>(acc, x, w)
             }
         }
 
-        pub(super) fn axpy4(self, acc: &mut [f64], x: [&[f32]; 4], w: [f64; 4]) {
+        fn add_words_at<const K: usize, const FRESH: bool>(self, acc: &mut [u32], y: [&[u32]; K]) {
             #[cfg(target_arch = "x86_64")]
             {
-                x86::axpy4(self.level, acc, x, w)
+                x86::add_words::<K, FRESH>(self.level, acc, y)
             }
             #[cfg(not(target_arch = "x86_64"))]
             {
-                axpy4_portable(acc, x, w)
-            }
-        }
-
-        pub(super) fn add_words(self, acc: &mut [u32], y: &[u32]) {
-            #[cfg(target_arch = "x86_64")]
-            {
-                x86::add_words(self.level, acc, y)
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            {
-                add_words_portable(acc, y)
+                add_words::<K, FRESH>(acc, y)
             }
         }
     }
@@ -438,65 +585,61 @@ mod kernels {
         }
 
         #[target_feature(enable = "avx512f")]
-        fn axpy_avx512(acc: &mut [f64], x: &[f32], w: f64) {
-            super::axpy_portable(acc, x, w)
+        fn weighted_avx512<const K: usize, const FRESH: bool>(
+            acc: &mut [f64],
+            x: [&[f32]; K],
+            w: [f64; K],
+        ) {
+            super::weighted::<K, FRESH>(acc, x, w)
         }
 
         #[target_feature(enable = "avx2")]
-        fn axpy_avx2(acc: &mut [f64], x: &[f32], w: f64) {
-            super::axpy_portable(acc, x, w)
+        fn weighted_avx2<const K: usize, const FRESH: bool>(
+            acc: &mut [f64],
+            x: [&[f32]; K],
+            w: [f64; K],
+        ) {
+            super::weighted::<K, FRESH>(acc, x, w)
         }
 
-        #[target_feature(enable = "avx512f")]
-        fn axpy4_avx512(acc: &mut [f64], x: [&[f32]; 4], w: [f64; 4]) {
-            super::axpy4_portable(acc, x, w)
-        }
-
-        #[target_feature(enable = "avx2")]
-        fn axpy4_avx2(acc: &mut [f64], x: [&[f32]; 4], w: [f64; 4]) {
-            super::axpy4_portable(acc, x, w)
-        }
-
-        pub(super) fn axpy4(level: Level, acc: &mut [f64], x: [&[f32]; 4], w: [f64; 4]) {
+        pub(super) fn weighted<const K: usize, const FRESH: bool>(
+            level: Level,
+            acc: &mut [f64],
+            x: [&[f32]; K],
+            w: [f64; K],
+        ) {
             match level {
                 // SAFETY: `Level::detect` saw the CPU report AVX-512F; the function
                 // body is safe Rust over slices.
-                Level::Avx512 => unsafe { axpy4_avx512(acc, x, w) },
+                Level::Avx512 => unsafe { weighted_avx512::<K, FRESH>(acc, x, w) },
                 // SAFETY: as above, for AVX2.
-                Level::Avx2 => unsafe { axpy4_avx2(acc, x, w) },
-                Level::Portable => super::axpy4_portable(acc, x, w),
+                Level::Avx2 => unsafe { weighted_avx2::<K, FRESH>(acc, x, w) },
+                Level::Portable => super::weighted::<K, FRESH>(acc, x, w),
             }
         }
 
         #[target_feature(enable = "avx512f")]
-        fn add_words_avx512(acc: &mut [u32], y: &[u32]) {
-            super::add_words_portable(acc, y)
+        fn add_words_avx512<const K: usize, const FRESH: bool>(acc: &mut [u32], y: [&[u32]; K]) {
+            super::add_words::<K, FRESH>(acc, y)
         }
 
         #[target_feature(enable = "avx2")]
-        fn add_words_avx2(acc: &mut [u32], y: &[u32]) {
-            super::add_words_portable(acc, y)
+        fn add_words_avx2<const K: usize, const FRESH: bool>(acc: &mut [u32], y: [&[u32]; K]) {
+            super::add_words::<K, FRESH>(acc, y)
         }
 
-        pub(super) fn axpy(level: Level, acc: &mut [f64], x: &[f32], w: f64) {
+        pub(super) fn add_words<const K: usize, const FRESH: bool>(
+            level: Level,
+            acc: &mut [u32],
+            y: [&[u32]; K],
+        ) {
             match level {
                 // SAFETY: `Level::detect` saw the CPU report AVX-512F; the function
                 // body is safe Rust over slices.
-                Level::Avx512 => unsafe { axpy_avx512(acc, x, w) },
+                Level::Avx512 => unsafe { add_words_avx512::<K, FRESH>(acc, y) },
                 // SAFETY: as above, for AVX2.
-                Level::Avx2 => unsafe { axpy_avx2(acc, x, w) },
-                Level::Portable => super::axpy_portable(acc, x, w),
-            }
-        }
-
-        pub(super) fn add_words(level: Level, acc: &mut [u32], y: &[u32]) {
-            match level {
-                // SAFETY: `Level::detect` saw the CPU report AVX-512F; the function
-                // body is safe Rust over slices.
-                Level::Avx512 => unsafe { add_words_avx512(acc, y) },
-                // SAFETY: as above, for AVX2.
-                Level::Avx2 => unsafe { add_words_avx2(acc, y) },
-                Level::Portable => super::add_words_portable(acc, y),
+                Level::Avx2 => unsafe { add_words_avx2::<K, FRESH>(acc, y) },
+                Level::Portable => super::add_words::<K, FRESH>(acc, y),
             }
         }
 
@@ -504,13 +647,42 @@ mod kernels {
         mod tests {
             use super::*;
 
-            /// Every instruction set this CPU has gives the portable loop's bits.
+            /// One update at a time with a plain loop: the reference every kernel must
+            /// equal bit for bit.
+            fn one_at_a_time(start: Option<&[f64]>, x: &[&[f32]], w: &[f64]) -> Vec<f64> {
+                let n = x[0].len();
+                let mut acc = start.map_or_else(|| vec![0.0; n], <[f64]>::to_vec);
+                for (u, &w) in x.iter().zip(w) {
+                    for (a, &v) in acc.iter_mut().zip(u.iter()) {
+                        *a += w * f64::from(v);
+                    }
+                }
+                acc
+            }
+
+            /// Every instruction set this CPU has, every group size, fresh or adding,
+            /// gives the plain loop's bits (no fused multiply-add, the same order).
             #[test]
-            fn every_level_gives_the_same_bits() {
-                let x: Vec<f32> = (0..1003).map(|i| (i as f32 * 0.37).sin()).collect();
-                let y: Vec<u32> = (0..1003u32)
-                    .map(|i| i.wrapping_mul(2_654_435_761))
+            fn every_level_and_group_gives_the_same_bits() {
+                let xs: Vec<Vec<f32>> = (0..8)
+                    .map(|k| {
+                        (0..1003)
+                            .map(|i| ((i * 7 + k) as f32 * 0.37).sin())
+                            .collect()
+                    })
                     .collect();
+                let x: Vec<&[f32]> = xs.iter().map(Vec::as_slice).collect();
+                let w = [1.5, -2.0, 0.1, 7.0, 3.3, -0.25, 1e-3, 11.0];
+                let ys: Vec<Vec<u32>> = (0..8u32)
+                    .map(|k| {
+                        (0..1003u32)
+                            .map(|i| (i ^ k).wrapping_mul(2_654_435_761))
+                            .collect()
+                    })
+                    .collect();
+                let y: Vec<&[u32]> = ys.iter().map(Vec::as_slice).collect();
+                let start: Vec<f64> = (0..1003).map(|i| f64::from(i) * 0.25 - 7.0).collect();
+                let words: Vec<u32> = (0..1003u32).map(|i| i.wrapping_mul(40_503)).collect();
                 let mut levels = vec![Level::Portable];
                 if std::arch::is_x86_feature_detected!("avx2") {
                     levels.push(Level::Avx2);
@@ -518,24 +690,38 @@ mod kernels {
                 if std::arch::is_x86_feature_detected!("avx512f") {
                     levels.push(Level::Avx512);
                 }
-                let mut expected = vec![0.25f64; 1003];
-                super::super::axpy_portable(&mut expected, &x, 3.3);
-                let mut words = vec![7u32; 1003];
-                super::super::add_words_portable(&mut words, &y);
-                let mut four = vec![0.25f64; 1003];
-                for w in [1.5, -2.0, 0.1, 7.0] {
-                    super::super::axpy_portable(&mut four, &x, w);
-                }
+                let kernels = |level| super::super::Kernels { level };
                 for level in levels {
-                    let mut got = vec![0.25f64; 1003];
-                    axpy(level, &mut got, &x, 3.3);
-                    assert_eq!(got, expected, "{level:?}");
-                    let mut got4 = vec![0.25f64; 1003];
-                    axpy4(level, &mut got4, [&x, &x, &x, &x], [1.5, -2.0, 0.1, 7.0]);
-                    assert_eq!(got4, four, "{level:?}: four at once, same bits");
-                    let mut w = vec![7u32; 1003];
-                    add_words(level, &mut w, &y);
-                    assert_eq!(w, words, "{level:?}");
+                    for k in [1usize, 2, 4, 8] {
+                        for fresh in [true, false] {
+                            let mut got = if fresh {
+                                vec![f64::NAN; 1003]
+                            } else {
+                                start.clone()
+                            };
+                            kernels(level).weighted(&mut got, &x[..k], &w[..k], 0..1003, fresh);
+                            let want =
+                                one_at_a_time((!fresh).then_some(&start[..]), &x[..k], &w[..k]);
+                            assert_eq!(
+                                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                                "{level:?}, {k} at once, fresh {fresh}"
+                            );
+                            let mut acc = if fresh {
+                                vec![u32::MAX; 1003]
+                            } else {
+                                words.clone()
+                            };
+                            kernels(level).add_words(&mut acc, &y[..k], 0..1003, fresh);
+                            let mut want = if fresh { vec![0; 1003] } else { words.clone() };
+                            for input in &y[..k] {
+                                for (a, &v) in want.iter_mut().zip(input.iter()) {
+                                    *a = a.wrapping_add(v);
+                                }
+                            }
+                            assert_eq!(acc, want, "{level:?}, {k} words at once, fresh {fresh}");
+                        }
+                    }
                 }
             }
         }
@@ -676,7 +862,7 @@ mod tests {
         #[test]
         fn cpu_weighted_sum_matches_a_plain_loop(
             d in 0usize..10_000,
-            n in 0usize..6,
+            n in 0usize..20,
             seed in any::<u64>(),
         ) {
             let mut s = seed | 1;
@@ -717,7 +903,7 @@ mod tests {
         #[test]
         fn cpu_wrapping_sum_matches_a_plain_loop(
             d in 0usize..10_000,
-            n in 0usize..6,
+            n in 0usize..20,
             seed in any::<u64>(),
         ) {
             let mut s = seed | 1;
@@ -739,6 +925,53 @@ mod tests {
             acc.add(&refs).unwrap();
             prop_assert_eq!(acc.read().unwrap(), expected);
         }
+    }
+
+    /// A batch holds at most 512 MiB of inputs and at least one input, whatever the
+    /// size: a round of a hundred million-parameter updates folds in one pass.
+    #[test]
+    fn batches_hold_at_most_512_mib_and_at_least_one_input() {
+        assert_eq!(batch_len(1_000_000), 134);
+        assert!(batch_len(1_000_000) * 1_000_000 * 4 <= BATCH_BYTES);
+        assert_eq!(batch_len(100_000_000), 1);
+        assert_eq!(batch_len(usize::MAX), 1);
+        assert_eq!(batch_len(0), BATCH_BYTES / 4);
+    }
+
+    /// An accumulator on a reused buffer (holding an earlier round's sums) starts from
+    /// zero: its first batch overwrites what the buffer held, and one that never gets a
+    /// batch reads as zeros.
+    #[test]
+    fn a_reused_buffer_starts_from_zero() {
+        let cpu = CpuReducer::default();
+        let x: Vec<f32> = (0..9000).map(|i| (i as f32).cos()).collect();
+        let y: Vec<u32> = (0..9000u32).map(|i| i.wrapping_mul(77_777)).collect();
+        for _ in 0..3 {
+            let mut sum = cpu.weighted_sum(9000).unwrap();
+            sum.add(&[x.as_slice(); 11], &[2.5; 11]).unwrap();
+            drop(sum);
+            let mut acc = cpu.modular_sum(9000).unwrap();
+            acc.add(&[y.as_slice(); 9]).unwrap();
+            drop(acc);
+        }
+        let mut sum = cpu.weighted_sum(9000).unwrap();
+        assert!(sum.read().unwrap().iter().all(|&v| v == 0.0));
+        sum.add(&[], &[]).unwrap();
+        assert!(sum.read().unwrap().iter().all(|&v| v == 0.0));
+        sum.add(&[&x], &[1.0]).unwrap();
+        let want: Vec<f64> = x.iter().map(|&v| 0.0 + f64::from(v)).collect();
+        assert_eq!(sum.into_sums().unwrap(), want);
+        let untouched = cpu.weighted_sum(9000).unwrap();
+        assert!(untouched.into_sums().unwrap().iter().all(|&v| v == 0.0));
+        let mut acc = cpu.modular_sum(9000).unwrap();
+        acc.add(&[&y]).unwrap();
+        assert_eq!(acc.into_sums().unwrap(), y);
+        let untouched = cpu.modular_sum(9000).unwrap();
+        assert!(untouched.into_sums().unwrap().iter().all(|&v| v == 0));
+        // A refused batch leaves a fresh accumulator fresh (zeros), not half written.
+        let mut sum = cpu.weighted_sum(9000).unwrap();
+        assert!(sum.add(&[&x, &x[..10]], &[1.0, 1.0]).is_err());
+        assert!(sum.read().unwrap().iter().all(|&v| v == 0.0));
     }
 
     #[test]

@@ -328,15 +328,15 @@ pub fn run_rounds(
     let threads = rayon::current_num_threads();
     // Updates are trained a chunk at a time and folded in selection order: memory stays
     // bounded by the chunk, not the cohort, and the fold order (hence every float) is the
-    // same whatever the thread timing. Chunks hold up to 64 MiB of updates, and at least
-    // four per thread so that uneven client sizes even out within a chunk.
-    const CHUNK_BYTES: usize = 64 << 20;
-    let update_bytes = initial_len.max(1) * std::mem::size_of::<f32>();
+    // same whatever the thread timing. Chunks are the reducers' batches (up to 512 MiB
+    // of updates, so that a round of a million-parameter model folds in one pass and
+    // writes each sum once), and at least four per thread so that uneven client sizes
+    // even out within a chunk.
     let (neighbours, threshold) = cfg.secure_graph();
     let shared = RoundsShared {
         malicious: malicious_clients(cfg, all.len()),
         all,
-        chunk: (CHUNK_BYTES / update_bytes).max(threads * 4),
+        chunk: cohort_aggregation::reduce::batch_len(initial_len).max(threads * 4),
         reducer,
         neighbours,
         threshold,

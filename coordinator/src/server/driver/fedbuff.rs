@@ -26,7 +26,7 @@ use cohort_core::ExperimentSpec;
 use cohort_core::mode::FedBuffSettings;
 
 use super::model::ExperimentModel;
-use super::{DriverError, FOLD_BATCH, JOB_ATTEMPTS};
+use super::{DriverError, JOB_ATTEMPTS, fold_batch};
 use crate::server::AppState;
 use crate::server::driver;
 use crate::store::{
@@ -166,7 +166,7 @@ async fn aggregate_buffer(
                 BufferFold::new(layout.clone(), reducer.as_ref(), exponent).map_err(|e| bad(&e))?;
             // A batch at a time, as the synchronous path does: memory holds one batch of
             // updates (and the distinct models they started from), not the buffer.
-            for batch in uploads.chunks(FOLD_BATCH) {
+            for batch in uploads.chunks(fold_batch(layout.len())) {
                 let mut trained = Vec::with_capacity(batch.len());
                 for u in batch {
                     if let std::collections::hash_map::Entry::Vacant(slot) =
