@@ -112,9 +112,18 @@ fn reduce_bench_prints_the_named_fields() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     let benches: Vec<&str> = lines.iter().map(|l| l["bench"].as_str().unwrap()).collect();
-    assert_eq!(benches, ["fedavg", "masked_sum", "mask_expand"]);
+    assert_eq!(
+        benches,
+        ["fedavg", "fedavg_in_cache", "masked_sum", "mask_expand"]
+    );
     for l in &lines {
-        assert_eq!((l["n"].as_u64(), l["d"].as_u64()), (Some(6), Some(10_000)));
+        if l["bench"] == "fedavg_in_cache" {
+            // Its own size: the run's updates (at most 100) of one chunk per thread.
+            assert_eq!(l["n"].as_u64(), Some(6));
+            assert_eq!(l["d"].as_u64().unwrap() % 4096, 0, "{l}");
+        } else {
+            assert_eq!((l["n"].as_u64(), l["d"].as_u64()), (Some(6), Some(10_000)));
+        }
         assert!(l["reducer"].is_string());
         for field in ["median_s", "gbps", "probe_read_gbps", "ratio"] {
             assert!(l[field].as_f64().unwrap() > 0.0, "{field}: {l}");
@@ -135,6 +144,11 @@ fn reduce_bench_prints_the_named_fields() {
                 .unwrap(),
             best
         );
+    }
+    // Mask expansion on one core, next to two crates' ChaCha20 on one core.
+    let expand = &lines[3];
+    for field in ["gbps_per_core", "chacha20_crate_gbps", "rand_chacha_gbps"] {
+        assert!(expand[field].as_f64().unwrap() > 0.0, "{field}: {expand}");
     }
     let cpu_only = !cfg!(feature = "cuda") || lines[0]["reducer"] == "cpu";
     if cpu_only {

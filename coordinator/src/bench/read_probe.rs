@@ -8,7 +8,13 @@
 //! - `all_threads_4_streams`: every core sums four distant parts at once, one cache
 //!   line of each in turn, so that more prefetch streams run;
 //! - `all_threads_nt`: as `all_threads`, with non-temporal (streaming) 256-bit loads,
-//!   where the CPU has AVX2.
+//!   where the CPU has AVX2;
+//! - `all_threads_8_streams_wide`: every core reads eight distant parts at once with the
+//!   widest vector loads the CPU has (AVX-512 or AVX2), adding them into a block that
+//!   stays in the first-level cache: the access pattern of the reducers' sums, which
+//!   read eight inputs at a time, without their arithmetic. On the 2-core machine this
+//!   project is built on it reads a quarter faster than the patterns above, which a
+//!   reducer's ratio would otherwise exceed 1 against.
 //!
 //! Each pattern reads the whole buffer per repeat; its figure is the median of the
 //! repeats, and the probe is the best pattern's.
@@ -155,6 +161,76 @@ fn all_threads_streaming(words: &[u64]) -> u64 {
         .reduce(|| 0, u64::wrapping_add)
 }
 
+/// Parts read at once by `all_threads_8_streams_wide`.
+const STREAMS: usize = 8;
+
+/// Words of each part added into the cache-resident block per step (16 KiB of block).
+const BLOCK: usize = 2048;
+
+/// The sum of the words of eight equal parts, read together a block at a time: the
+/// loop the compiler vectorises for the instruction set of its caller.
+#[inline(always)]
+fn fold_streams(parts: [&[u64]; STREAMS]) -> u64 {
+    let len = parts[0].len();
+    let parts: [&[u64]; STREAMS] = std::array::from_fn(|k| &parts[k][..len]);
+    let mut block = [0u64; BLOCK];
+    for start in (0..len).step_by(BLOCK) {
+        let n = BLOCK.min(len - start);
+        for (i, b) in block[..n].iter_mut().enumerate() {
+            let mut a = *b;
+            for part in &parts {
+                a = a.wrapping_add(part[start + i]);
+            }
+            *b = a;
+        }
+    }
+    fold(&block)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn fold_streams_wide(parts: [&[u64]; STREAMS]) -> u64 {
+    #[target_feature(enable = "avx512f")]
+    fn avx512(parts: [&[u64]; STREAMS]) -> u64 {
+        fold_streams(parts)
+    }
+    #[target_feature(enable = "avx2")]
+    fn avx2(parts: [&[u64]; STREAMS]) -> u64 {
+        fold_streams(parts)
+    }
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU reports AVX-512F; the body is safe Rust over slices.
+        unsafe { avx512(parts) }
+    } else if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: as above, for AVX2.
+        unsafe { avx2(parts) }
+    } else {
+        fold_streams(parts)
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn fold_streams_wide(parts: [&[u64]; STREAMS]) -> u64 {
+    fold_streams(parts)
+}
+
+fn eight_streams(words: &[u64]) -> u64 {
+    let part = words.len() / STREAMS;
+    let tail = fold(&words[part * STREAMS..]);
+    // Each task reads the same stretch of every part: one piece in all, as the other
+    // patterns' tasks read.
+    let stretch = PIECE / STREAMS;
+    (0..part.div_ceil(stretch))
+        .into_par_iter()
+        .map(|p| {
+            let range = p * stretch..((p + 1) * stretch).min(part);
+            fold_streams_wide(std::array::from_fn(|k| {
+                &words[k * part + range.start..k * part + range.end]
+            }))
+        })
+        .reduce(|| 0, u64::wrapping_add)
+        .wrapping_add(tail)
+}
+
 /// A way of reading the whole buffer, returning the sum of its words.
 type Pattern = fn(&[u64]) -> u64;
 
@@ -170,6 +246,7 @@ pub fn measure(bytes: usize, repeats: usize) -> ReadProbe {
     if streaming_loads_available() {
         patterns.push(("all_threads_nt", all_threads_streaming));
     }
+    patterns.push(("all_threads_8_streams_wide", eight_streams));
     let patterns = patterns
         .into_iter()
         .map(|(pattern, read)| {
@@ -205,13 +282,14 @@ mod tests {
             assert_eq!(all_threads(&data), expected, "{words}");
             assert_eq!(four_streams(&data), expected, "{words}");
             assert_eq!(all_threads_streaming(&data), expected, "{words}");
+            assert_eq!(eight_streams(&data), expected, "{words}");
             // Unaligned starts too.
             if words > 3 {
                 assert_eq!(fold_streaming(&data[1..]), fold(&data[1..]));
             }
         }
         let probe = measure(1 << 20, 1);
-        assert!(probe.patterns.len() >= 3);
+        assert!(probe.patterns.len() >= 4);
         let best = probe.best();
         assert!(probe.patterns.iter().all(|p| p.gbps <= best.gbps));
     }

@@ -3,9 +3,15 @@
 //!
 //! - `fedavg`: the weighted sum of `n` updates of `d` `f32`, folded in batches as the
 //!   server's job folds them; bytes are the updates read.
+//! - `fedavg_in_cache`: the same fold over updates that stay in the cores' caches: the
+//!   kernel's arithmetic alone, the ceiling of `fedavg` on a machine whose memory is
+//!   faster than it.
 //! - `masked_sum`: the modular sum of `n` masked inputs of `d` words.
 //! - `mask_expand`: `n` ChaCha20 masks expanded and added to one accumulator; bytes are
-//!   the mask output.
+//!   the mask output. The line also gives the rate of one core (`gbps_per_core`: one
+//!   mask expanded on one thread) next to the ChaCha20 keystream of two well-kept crates
+//!   on one core, measured in the same run: RustCrypto's `chacha20` (`chacha20_crate_gbps`)
+//!   and `rand_chacha` (`rand_chacha_gbps`), each filling a buffer of the mask's size.
 //!
 //! One JSON line per measurement: `bench`, `n`, `d`, `reducer`, `median_s`, `gbps`,
 //! `probe_read_gbps` (the best read pattern's, named in `probe_pattern`; every
@@ -35,10 +41,10 @@ pub struct ReduceBenchArgs {
     /// auto | cpu | cuda
     #[arg(long, default_value = "cpu")]
     pub reducer: cohort_aggregation::reduce::ReducerChoice,
-    /// Updates per batch for fedavg and masked_sum (the server's job folds this many at
-    /// a time)
-    #[arg(long, default_value_t = 16)]
-    pub batch: usize,
+    /// Updates per batch for fedavg and masked_sum [default: as the server's jobs and
+    /// `cohort simulate` batch them, as many as fit in 512 MiB]
+    #[arg(long)]
+    pub batch: Option<usize>,
     /// Measurements per figure; the median is reported
     #[arg(long, default_value_t = 5)]
     pub repeats: usize,
@@ -60,9 +66,53 @@ fn time<F: FnMut()>(repeats: usize, mut f: F) -> f64 {
     median(times)
 }
 
-/// Runs the three measurements and prints their JSON lines.
+/// The run's memory read probe, which every line carries.
+struct Probe {
+    best: super::read_probe::PatternRate,
+    patterns: serde_json::Map<String, serde_json::Value>,
+}
+
+impl Probe {
+    fn measure() -> Self {
+        let measured = super::read_probe::measure(1 << 30, 5);
+        Self {
+            best: measured.best(),
+            patterns: measured
+                .patterns
+                .iter()
+                .map(|p| (p.pattern.to_string(), json!(p.gbps)))
+                .collect(),
+        }
+    }
+
+    /// One measurement's JSON line: `bytes` read in `seconds`, against the probe.
+    fn line(
+        &self,
+        reducer: &dyn Reducer,
+        bench: &str,
+        (n, d): (usize, usize),
+        seconds: f64,
+        extra: serde_json::Value,
+    ) -> serde_json::Value {
+        let gbps = (n * d * 4) as f64 / seconds / 1e9;
+        let mut line = json!({"suite": "cohort", "bench": bench, "n": n, "d": d,
+            "reducer": reducer.name(), "threads": rayon::current_num_threads(),
+            "median_s": seconds, "gbps": gbps, "probe_read_gbps": self.best.gbps,
+            "probe_pattern": self.best.pattern, "probe_patterns": self.patterns,
+            "ratio": gbps / self.best.gbps});
+        if let (Some(line), Some(extra)) = (line.as_object_mut(), extra.as_object()) {
+            line.extend(extra.clone());
+        }
+        line
+    }
+}
+
+/// Runs the measurements and prints their JSON lines.
 pub fn run(args: &ReduceBenchArgs, reducer: &dyn Reducer) -> Result<(), String> {
-    if args.n == 0 || args.batch == 0 || args.repeats == 0 {
+    let batch = args
+        .batch
+        .unwrap_or_else(|| cohort_aggregation::reduce::batch_len(args.d));
+    if args.n == 0 || batch == 0 || args.repeats == 0 {
         return Err("--n, --batch and --repeats must be at least 1".into());
     }
     let (n, d) = (args.n, args.d);
@@ -72,25 +122,57 @@ pub fn run(args: &ReduceBenchArgs, reducer: &dyn Reducer) -> Result<(), String> 
             n * d
         ));
     }
-    let measured = super::read_probe::measure(1 << 30, 5);
-    let best = measured.best();
-    let probe = best.gbps;
-    let patterns: serde_json::Map<String, serde_json::Value> = measured
-        .patterns
-        .iter()
-        .map(|p| (p.pattern.to_string(), json!(p.gbps)))
+    let probe = Probe::measure();
+    let batched = json!({ "batch": batch });
+    let fedavg = time_fedavg(reducer, (n, d), batch, args.repeats)?;
+    println!(
+        "{}",
+        probe.line(reducer, "fedavg", (n, d), fedavg, batched.clone())
+    );
+    let (cache_n, cache_d, in_cache) = fedavg_in_cache(reducer, n, args.repeats)?;
+    println!(
+        "{}",
+        probe.line(
+            reducer,
+            "fedavg_in_cache",
+            (cache_n, cache_d),
+            in_cache,
+            json!({})
+        )
+    );
+    let masked = time_masked_sum(reducer, (n, d), batch, args.repeats)?;
+    println!(
+        "{}",
+        probe.line(reducer, "masked_sum", (n, d), masked, batched)
+    );
+    let seeds: Vec<[u8; 32]> = (0..n)
+        .map(|j| {
+            let mut s = [0u8; 32];
+            s[..8].copy_from_slice(&(j as u64).to_le_bytes());
+            s
+        })
         .collect();
-    let emit = |bench: &str, seconds: f64, bytes: f64| {
-        let gbps = bytes / seconds / 1e9;
-        println!(
-            "{}",
-            json!({"suite": "cohort", "bench": bench, "n": n, "d": d, "reducer": reducer.name(),
-                   "batch": args.batch, "threads": rayon::current_num_threads(),
-                   "median_s": seconds, "gbps": gbps, "probe_read_gbps": probe,
-                   "probe_pattern": best.pattern, "probe_patterns": patterns,
-                   "ratio": gbps / probe})
-        );
-    };
+    let expand = time_mask_expand(reducer, &seeds, d, args.repeats)?;
+    let one_core = one_core_rates(&seeds[0], d, args.repeats)?;
+    let extra = json!({"gbps_per_core": one_core.cohort,
+        "chacha20_crate_gbps": one_core.chacha20_crate,
+        "rand_chacha_gbps": one_core.rand_chacha,
+        "prg_backend": cohort_aggregation::secagg::prg::backend()});
+    println!(
+        "{}",
+        probe.line(reducer, "mask_expand", (n, d), expand, extra)
+    );
+    Ok(())
+}
+
+/// The median seconds of a weighted sum of `n` updates of `d` values, `batch` at a time,
+/// from a fresh accumulator until the sums are done: what a round's job does.
+fn time_fedavg(
+    reducer: &dyn Reducer,
+    (n, d): (usize, usize),
+    batch: usize,
+    repeats: usize,
+) -> Result<f64, String> {
     // Inputs: n vectors of d values, generated in parallel (not timed).
     let updates: Vec<Vec<f32>> = (0..n)
         .into_par_iter()
@@ -102,11 +184,10 @@ pub fn run(args: &ReduceBenchArgs, reducer: &dyn Reducer) -> Result<(), String> 
         .collect();
     let weights: Vec<f64> = (0..n).map(|j| (j % 900 + 100) as f64).collect();
     let mut failure = None;
-    let fedavg = time(args.repeats, || {
-        // From a fresh accumulator to the sums read back: what a round's job does.
+    let seconds = time(repeats, || {
         let run = || -> Result<(), String> {
             let mut sum = reducer.weighted_sum(d).map_err(|e| e.to_string())?;
-            for (batch, w) in updates.chunks(args.batch).zip(weights.chunks(args.batch)) {
+            for (batch, w) in updates.chunks(batch).zip(weights.chunks(batch)) {
                 let refs: Vec<&[f32]> = batch.iter().map(Vec::as_slice).collect();
                 sum.add(&refs, w).map_err(|e| e.to_string())?;
             }
@@ -118,11 +199,16 @@ pub fn run(args: &ReduceBenchArgs, reducer: &dyn Reducer) -> Result<(), String> 
             failure = Some(e);
         }
     });
-    if let Some(e) = failure.take() {
-        return Err(e);
-    }
-    emit("fedavg", fedavg, (n * d * 4) as f64);
-    drop(updates);
+    failure.map_or(Ok(seconds), Err)
+}
+
+/// The median seconds of a modular sum of `n` inputs of `d` words, `batch` at a time.
+fn time_masked_sum(
+    reducer: &dyn Reducer,
+    (n, d): (usize, usize),
+    batch: usize,
+    repeats: usize,
+) -> Result<f64, String> {
     let inputs: Vec<Vec<u32>> = (0..n)
         .into_par_iter()
         .map(|j| {
@@ -131,11 +217,11 @@ pub fn run(args: &ReduceBenchArgs, reducer: &dyn Reducer) -> Result<(), String> 
                 .collect()
         })
         .collect();
-    let mut acc = vec![0u32; d];
-    let masked = time(args.repeats, || {
+    let mut failure = None;
+    let seconds = time(repeats, || {
         let run = || -> Result<(), String> {
             let mut sum = reducer.modular_sum(d).map_err(|e| e.to_string())?;
-            for batch in inputs.chunks(args.batch) {
+            for batch in inputs.chunks(batch) {
                 let refs: Vec<&[u32]> = batch.iter().map(Vec::as_slice).collect();
                 sum.add(&refs).map_err(|e| e.to_string())?;
             }
@@ -145,18 +231,17 @@ pub fn run(args: &ReduceBenchArgs, reducer: &dyn Reducer) -> Result<(), String> 
             failure = Some(e);
         }
     });
-    if let Some(e) = failure.take() {
-        return Err(e);
-    }
-    emit("masked_sum", masked, (n * d * 4) as f64);
-    drop(inputs);
-    let seeds: Vec<[u8; 32]> = (0..n)
-        .map(|j| {
-            let mut s = [0u8; 32];
-            s[..8].copy_from_slice(&(j as u64).to_le_bytes());
-            s
-        })
-        .collect();
+    failure.map_or(Ok(seconds), Err)
+}
+
+/// The median seconds of expanding one mask per seed (one in ten added, the others
+/// subtracted, as a round's unmasking) into one accumulator of `d` words.
+fn time_mask_expand(
+    reducer: &dyn Reducer,
+    seeds: &[[u8; 32]],
+    d: usize,
+    repeats: usize,
+) -> Result<f64, String> {
     let masks: Vec<Mask<'_>> = seeds
         .iter()
         .enumerate()
@@ -169,15 +254,96 @@ pub fn run(args: &ReduceBenchArgs, reducer: &dyn Reducer) -> Result<(), String> 
             },
         })
         .collect();
-    let expand = time(args.repeats, || {
+    let mut acc = vec![0u32; d];
+    let mut failure = None;
+    let seconds = time(repeats, || {
         if let Err(e) = reducer.apply_masks(&masks, 0, &mut acc) {
             failure = Some(e.to_string());
         }
     });
-    if let Some(e) = failure.take() {
+    std::hint::black_box(&acc);
+    failure.map_or(Ok(seconds), Err)
+}
+
+/// The FedAvg fold's arithmetic alone: up to 100 updates of one 4,096-value chunk per
+/// thread (the reducer's unit of work; 16 KiB of each update per core, which stays in
+/// the cores' second-level caches), folded 200 times per measurement. Returns the
+/// updates, their length and the median seconds of one fold: the rate the kernel would
+/// reach if memory were free, which is what bounds the `fedavg` line when it is not far
+/// above the probe.
+fn fedavg_in_cache(
+    reducer: &dyn Reducer,
+    n: usize,
+    repeats: usize,
+) -> Result<(usize, usize, f64), String> {
+    const FOLDS: usize = 200;
+    let (n, d) = (n.min(100), 4096 * rayon::current_num_threads());
+    let updates: Vec<Vec<f32>> = (0..n)
+        .map(|j| {
+            (0..d)
+                .map(|i| ((i * 31 + j * 17) % 2001) as f32 / 1000.0 - 1.0)
+                .collect()
+        })
+        .collect();
+    let refs: Vec<&[f32]> = updates.iter().map(Vec::as_slice).collect();
+    let weights: Vec<f64> = (0..n).map(|j| (j % 900 + 100) as f64).collect();
+    let mut failure = None;
+    let seconds = time(repeats, || {
+        let run = || -> Result<(), String> {
+            for _ in 0..FOLDS {
+                let mut sum = reducer.weighted_sum(d).map_err(|e| e.to_string())?;
+                sum.add(&refs, &weights).map_err(|e| e.to_string())?;
+                sum.sync().map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        };
+        if let Err(e) = run() {
+            failure = Some(e);
+        }
+    });
+    match failure {
+        Some(e) => Err(e),
+        None => Ok((n, d, seconds / FOLDS as f64)),
+    }
+}
+
+/// GB/s of ChaCha20 keystream on one core: Cohort's mask generator, and two crates'.
+struct OneCore {
+    cohort: f64,
+    chacha20_crate: f64,
+    rand_chacha: f64,
+}
+
+/// Expands one mask of `d` words on this thread alone, and fills `4 d` bytes from each
+/// crate's ChaCha20 generator (20 rounds, as the masks), `repeats` times each.
+fn one_core_rates(seed: &[u8; 32], d: usize, repeats: usize) -> Result<OneCore, String> {
+    use rand::{Rng, SeedableRng};
+    let bytes = (d * 4) as f64;
+    let mut acc = vec![0u32; d];
+    let mask = [Mask {
+        seed,
+        sign: MaskSign::Add,
+    }];
+    let mut failure = None;
+    let cohort = time(repeats, || {
+        if let Err(e) = cohort_aggregation::secagg::prg::apply_masks(&mask, 0, &mut acc) {
+            failure = Some(e.to_string());
+        }
+    });
+    if let Some(e) = failure {
         return Err(e);
     }
     std::hint::black_box(&acc);
-    emit("mask_expand", expand, (n * d * 4) as f64);
-    Ok(())
+    let mut out = vec![0u8; d * 4];
+    let mut crypto = chacha20::ChaCha20Rng::from_seed(*seed);
+    let chacha20_crate = time(repeats, || crypto.fill_bytes(&mut out));
+    std::hint::black_box(&out);
+    let mut chacha = rand_chacha::ChaCha20Rng::from_seed(*seed);
+    let rand_chacha = time(repeats, || chacha.fill_bytes(&mut out));
+    std::hint::black_box(&out);
+    Ok(OneCore {
+        cohort: bytes / cohort / 1e9,
+        chacha20_crate: bytes / chacha20_crate / 1e9,
+        rand_chacha: bytes / rand_chacha / 1e9,
+    })
 }

@@ -3,7 +3,8 @@
 //! weights in `100..1000`, a fraction of clients dropping after sharing keys).
 //!
 //! Each repeat runs a whole round through the in-process transport with the clients one
-//! after another (each using every core, as a client machine would), and checks the
+//! after another (each using every core, as a client machine would; or all at once,
+//! sharing the cores, with `--concurrent-clients`), and checks the
 //! unmasked mean against the plain weighted mean of the survivors. JSON lines go to
 //! stdout: one `secagg` record per case with the fields the issue names, then records in
 //! the Flower harness schema (`secagg_client_mask`, `secagg_server_unmask`,
@@ -59,6 +60,12 @@ pub struct SecAggBenchArgs {
     /// default: true | false
     #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
     pub consistency_check: bool,
+    /// Run the clients of each stage at the same time, sharing the cores, rather than
+    /// one after another with every core each: for rounds of thousands of clients, where
+    /// the round's wall time is the figure and one client's is not (its per-client
+    /// figures then include waiting for the cores)
+    #[arg(long)]
+    pub concurrent_clients: bool,
 }
 
 /// A count such as `1000000` or `1e6`.
@@ -230,23 +237,10 @@ fn run_case(
     let (mut max_err, mut bound) = (0.0f64, 0.0f64);
     let mut masks_removed = 0usize;
     for repeat in 0..args.repeats {
-        let mut seed = [0u8; 32];
-        rand::rng().fill_bytes(&mut seed);
-        let input_time = Mutex::new(0.0f64);
-        let round = local::run_round_on(reducer.clone(), &config, seed, &drop_at, false, |u| {
-            let start = Instant::now();
-            let values = update(u);
-            *input_time.lock().expect("no panics while held") += start.elapsed().as_secs_f64();
-            local::ClientInput::Update {
-                values,
-                weight: weights[u as usize - 1],
-                loss: 0.0,
-            }
-        });
+        let (round, input_time) = one_round(args, &config, reducer, &drop_at, &weights, &update);
         let out = round
             .result
             .map_err(|e| format!("n={n} d={d} k={k} f={f}: the round failed: {e}"))?;
-        let input_time = input_time.into_inner().expect("no panics while held");
         times.add(&round.timings, out.mask_seconds, input_time);
         let survivors = &out.survivors;
         bytes_per_client = survivors
@@ -286,6 +280,7 @@ fn run_case(
         "client_unmask_s": median(times.client_unmask),
         "server_advertise_reveal_confirm_s": median(times.server_checks),
         "consistency_check": args.consistency_check,
+        "concurrent_clients": args.concurrent_clients,
         "mask_share": median(times.server_mask) / server_unmask_s,
         "round_s": round_s,
         "bytes_per_client": bytes_per_client,
@@ -320,6 +315,36 @@ fn run_case(
         println!("{line}");
     }
     Ok(())
+}
+
+/// One round of a case, and the seconds of it spent making the clients' inputs (not the
+/// protocol's): their sum when clients run one after another; none with
+/// `--concurrent-clients`, where making one client's input overlaps another's work and
+/// the round's wall time is reported whole.
+fn one_round(
+    args: &SecAggBenchArgs,
+    config: &RoundConfig,
+    reducer: &std::sync::Arc<dyn cohort_aggregation::reduce::Reducer>,
+    drop_at: &BTreeMap<u32, Stage>,
+    weights: &[u64],
+    update: &(dyn Fn(u32) -> Vec<f32> + Sync),
+) -> (local::LocalRound, f64) {
+    let mut seed = [0u8; 32];
+    rand::rng().fill_bytes(&mut seed);
+    let input_time = Mutex::new(0.0f64);
+    let parallel = args.concurrent_clients;
+    let round = local::run_round_on(reducer.clone(), config, seed, drop_at, parallel, |u| {
+        let start = Instant::now();
+        let values = update(u);
+        *input_time.lock().expect("no panics while held") += start.elapsed().as_secs_f64();
+        local::ClientInput::Update {
+            values,
+            weight: weights[u as usize - 1],
+            loss: 0.0,
+        }
+    });
+    let input_time = input_time.into_inner().expect("no panics while held");
+    (round, if parallel { 0.0 } else { input_time })
 }
 
 /// Who drops (a fraction `f` of the parties, at `--dropout-stage`) and each party's
