@@ -259,7 +259,8 @@ pub fn weighted_sum_into(
 }
 
 /// The weighted sum of a batch into `sum`, which holds sums (`Start::Sums`) or is
-/// overwritten as if it held zeros (`Start::Zero`). Checks everything before it writes.
+/// overwritten as if it held zeros (`Start::Zero`). Checks everything before it writes;
+/// an empty batch writes nothing (so `sum` is still at its `start`).
 fn weighted_sum_from(
     sum: &mut [f64],
     start: Start,
@@ -274,9 +275,6 @@ fn weighted_sum_from(
     }
     check_lengths(sum.len(), updates)?;
     if updates.is_empty() {
-        if start == Start::Zero {
-            sum.par_chunks_mut(CHUNK).for_each(|s| s.fill(0.0));
-        }
         return Ok(());
     }
     let kernels = kernels::detect();
@@ -318,9 +316,6 @@ pub fn modular_sum_into(acc: &mut [u32], inputs: &[&[u32]]) -> Result<(), Reduce
 fn modular_sum_from(acc: &mut [u32], start: Start, inputs: &[&[u32]]) -> Result<(), ReduceError> {
     check_lengths(acc.len(), inputs)?;
     if inputs.is_empty() {
-        if start == Start::Zero {
-            acc.par_chunks_mut(CHUNK).for_each(|a| a.fill(0));
-        }
         return Ok(());
     }
     let kernels = kernels::detect();
@@ -340,11 +335,10 @@ fn modular_sum_from(acc: &mut [u32], start: Start, inputs: &[&[u32]]) -> Result<
 
 impl WeightedSum for CpuWeightedSum {
     fn add(&mut self, updates: &[&[f32]], weights: &[f64]) -> Result<(), ReduceError> {
-        if updates.is_empty() && updates.len() == weights.len() {
-            return Ok(());
-        }
         weighted_sum_from(&mut self.sum, self.start, updates, weights)?;
-        self.start = Start::Sums;
+        if !updates.is_empty() {
+            self.start = Start::Sums;
+        }
         Ok(())
     }
 
@@ -365,11 +359,10 @@ impl WeightedSum for CpuWeightedSum {
 
 impl ModularSum for CpuModularSum {
     fn add(&mut self, inputs: &[&[u32]]) -> Result<(), ReduceError> {
-        if inputs.is_empty() {
-            return Ok(());
-        }
         modular_sum_from(&mut self.acc, self.start, inputs)?;
-        self.start = Start::Sums;
+        if !inputs.is_empty() {
+            self.start = Start::Sums;
+        }
         Ok(())
     }
 

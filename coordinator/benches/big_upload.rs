@@ -26,15 +26,8 @@ mod common;
 
 mod support;
 
-use common::{ADMIN, free_port, spawn_serve_with};
-use support::status_mib;
-
-fn arg(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
-}
+use common::{admin, free_port, issue_token, spawn_serve_with};
+use support::{arg, status_mib};
 
 fn tls_client(ca: &[u8]) -> reqwest::Client {
     reqwest::Client::builder()
@@ -52,36 +45,11 @@ struct Measured {
     seconds: f64,
 }
 
-async fn admin(
-    http: &reqwest::Client,
-    base: &str,
-    method: Method,
-    path: &str,
-    body: Option<serde_json::Value>,
-) -> serde_json::Value {
-    let mut req = http
-        .request(method, format!("{base}/api/v1/admin{path}"))
-        .bearer_auth(ADMIN);
-    if let Some(body) = body {
-        req = req.json(&body);
-    }
-    let r = req.send().await.unwrap();
-    assert!(r.status().is_success(), "{path}: {}", r.status());
-    r.json().await.unwrap_or(serde_json::Value::Null)
-}
-
 async fn enrol(http: &reqwest::Client, base: &str, label: &str) -> String {
-    let issued = admin(
-        http,
-        base,
-        Method::POST,
-        "/enrolment-tokens",
-        Some(serde_json::json!({ "label": label })),
-    )
-    .await;
+    let token = issue_token(http, base, label).await;
     let r = http
         .post(format!("{base}/api/v1/clients/enrol"))
-        .json(&serde_json::json!({"token": issued["token"]}))
+        .json(&serde_json::json!({ "token": token }))
         .send()
         .await
         .unwrap();
@@ -222,9 +190,7 @@ fn main() {
     runtime.block_on(async {
         cohort_coordinator::server::install_crypto_provider();
         let mut results = vec![run("dir", features, &[]).await];
-        if let Some(server) = common::moto_server() {
-            let s3 = common::S3::start(&server).await;
-            s3.bucket("big").await;
+        if let Some(s3) = common::S3::with_bucket("big").await {
             let mut env = s3.env();
             env.push(("COHORT_BLOB_STORE", "s3://big/upload".into()));
             results.push(run("s3 (moto)", features, &env).await);

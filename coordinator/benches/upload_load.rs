@@ -46,18 +46,11 @@ use common::{ADMIN, free_port, spawn_serve_with};
 
 mod support;
 
-use support::{durable_write_rate, median, percentile, status_mib};
+use support::{arg, durable_write_rate, median, percentile, status_mib};
 
 /// Resident set size and its high-water mark of `pid`, in MiB.
 fn memory_mib(pid: u32) -> (f64, f64) {
     (status_mib(pid, "VmRSS:"), status_mib(pid, "VmHWM:"))
-}
-
-fn arg(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
 }
 
 fn tls_client(ca: &[u8]) -> reqwest::Client {

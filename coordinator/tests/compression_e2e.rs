@@ -168,20 +168,9 @@ async fn participants(server: &Served, id: &str, round: i64) -> Vec<serde_json::
 }
 
 async fn final_model(server: &Served, id: &str) -> Vec<f32> {
-    let r = server
-        .http
-        .get(format!(
-            "{}/api/v1/admin/experiments/{id}/model",
-            server.base
-        ))
-        .bearer_auth(common::ADMIN)
-        .send()
+    let path = format!("/experiments/{id}/model");
+    common::admin_bytes(&server.http, &server.base, &path)
         .await
-        .unwrap();
-    assert!(r.status().is_success());
-    r.bytes()
-        .await
-        .unwrap()
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
         .collect()

@@ -540,11 +540,9 @@ async fn adaptive_optimizers_continue_their_moments_across_crashes() {
 /// uploads read back from the bucket.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn plain_rounds_survive_a_crash_at_every_stage_with_blobs_in_a_bucket() {
-    let Some(server) = common::moto_server() else {
+    let Some(s3) = common::S3::with_bucket("crash").await else {
         return;
     };
-    let s3 = common::S3::start(&server).await;
-    s3.bucket("crash").await;
     let blobs = Blobs::Bucket {
         env: s3.env(),
         url: "s3://crash/stages".into(),
@@ -568,11 +566,9 @@ async fn plain_rounds_survive_a_crash_at_every_stage_with_blobs_in_a_bucket() {
 /// bucket: the final model is the uninterrupted run's byte for byte.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn secure_rounds_survive_a_crash_at_every_stage_with_blobs_in_a_bucket() {
-    let Some(server) = common::moto_server() else {
+    let Some(s3) = common::S3::with_bucket("crash").await else {
         return;
     };
-    let s3 = common::S3::start(&server).await;
-    s3.bucket("crash").await;
     let blobs = Blobs::Bucket {
         env: s3.env(),
         url: "s3://crash/secure".into(),

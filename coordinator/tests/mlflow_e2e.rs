@@ -251,15 +251,7 @@ async fn mlflow_gets_every_round_and_the_model_even_across_an_outage() {
         "collect_deadline_seconds": 120, "max_round_attempts": 2,
         "train": {"local_epochs": 1, "batch_size": 32, "lr": 0.01, "momentum": 0.9},
     });
-    let exp = admin(
-        &server.http,
-        &server.base,
-        Method::POST,
-        "/experiments",
-        Some(spec),
-    )
-    .await;
-    let id = exp["id"].as_str().unwrap().to_string();
+    let id = common::create_experiment(&server.http, &server.base, spec).await;
     let mut agents = Vec::new();
     for i in 0..CLIENTS {
         let token = common::issue_token(&server.http, &server.base, &format!("site-{i}")).await;

@@ -29,11 +29,9 @@ use reqwest::Method;
 /// The store's promises, in a real bucket.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bucket_keeps_the_directory_stores_promises() {
-    let Some(server) = common::moto_server() else {
+    let Some(s3) = common::S3::with_bucket("promises").await else {
         return;
     };
-    let s3 = common::S3::start(&server).await;
-    s3.bucket("promises").await;
     let runtime = tokio::runtime::Handle::current();
     let vars: Vec<(String, String)> = s3.env().into_iter().map(|(k, v)| (k.into(), v)).collect();
     let blobs = tokio::task::spawn_blocking(move || {
@@ -147,15 +145,7 @@ async fn a_served_experiment_keeps_every_blob_in_the_bucket() {
         "rounds": 3, "clients_per_round": 3, "min_participants": 3,
         "collect_deadline_seconds": 60, "max_round_attempts": 2
     });
-    let exp = admin(
-        &server.http,
-        &server.base,
-        Method::POST,
-        "/experiments",
-        Some(spec),
-    )
-    .await;
-    let id = exp["id"].as_str().unwrap().to_string();
+    let id = common::create_experiment(&server.http, &server.base, spec).await;
     let mut agents = Vec::new();
     for i in 0..3 {
         let token = common::issue_token(&server.http, &server.base, &format!("s{i}")).await;
@@ -189,16 +179,7 @@ async fn a_served_experiment_keeps_every_blob_in_the_bucket() {
         "no blob directory on disk"
     );
     // The final model is served from the bucket.
-    let r = server
-        .http
-        .get(format!(
-            "{}/api/v1/admin/experiments/{id}/model.safetensors",
-            server.base
-        ))
-        .bearer_auth(common::ADMIN)
-        .send()
-        .await
-        .unwrap();
-    assert!(r.status().is_success(), "{}", r.status());
-    cohort_aggregation::model_file::decode(&r.bytes().await.unwrap(), 1 << 20).unwrap();
+    let path = format!("/experiments/{id}/model.safetensors");
+    let file = common::admin_bytes(&server.http, &server.base, &path).await;
+    cohort_aggregation::model_file::decode(&file, 1 << 20).unwrap();
 }

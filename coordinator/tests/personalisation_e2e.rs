@@ -63,18 +63,8 @@ fn files(dir: &Path) -> Vec<PathBuf> {
 }
 
 async fn model(server: &Served, id: &str) -> Vec<f32> {
-    let r = server
-        .http
-        .get(format!(
-            "{}/api/v1/admin/experiments/{id}/model",
-            server.base
-        ))
-        .bearer_auth(common::ADMIN)
-        .send()
-        .await
-        .unwrap();
-    assert!(r.status().is_success(), "{}", r.status());
-    floats(&r.bytes().await.unwrap())
+    let path = format!("/experiments/{id}/model");
+    floats(&common::admin_bytes(&server.http, &server.base, &path).await)
 }
 
 fn agent(server: &Served, dir: &Path, token: String, i: usize) -> AgentConfig {

@@ -472,11 +472,9 @@ async fn replicas_killed_holding_a_job_behind_nginx_lose_nothing_and_run_it_once
 /// blob directory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn replicas_sharing_only_the_database_and_a_bucket_lose_nothing_behind_nginx() {
-    let Some(server) = common::moto_server() else {
+    let Some(s3) = common::S3::with_bucket("replicas").await else {
         return;
     };
-    let s3 = common::S3::start(&server).await;
-    s3.bucket("replicas").await;
     behind_nginx(Some(&s3)).await;
 }
 

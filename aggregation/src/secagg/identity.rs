@@ -159,12 +159,6 @@ impl Statement {
     pub fn number(self, n: u64) -> Self {
         self.field(&n.to_le_bytes())
     }
-
-    /// Appends a list of client indices (as one field).
-    pub fn indices(self, list: &[u32]) -> Self {
-        let bytes: Vec<u8> = list.iter().flat_map(|i| i.to_le_bytes()).collect();
-        self.field(&bytes)
-    }
 }
 
 #[cfg(test)]

@@ -6,6 +6,14 @@
 use std::path::Path;
 use std::time::Instant;
 
+/// The value after `name` on the bench's command line (`-- --mb 400`), if given.
+pub fn arg(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
 /// The `q` quantile of sorted values (nearest rank); NaN for none.
 pub fn percentile(sorted: &[f64], q: f64) -> f64 {
     if sorted.is_empty() {

@@ -90,33 +90,27 @@ impl ObjectBlobs {
                 .filter(move |(k, _)| k.starts_with(prefix))
                 .map(|(k, v)| (k.to_ascii_lowercase(), v.clone()))
         };
+        // The provider's variables first and the URL last, so that the bucket named on
+        // the command line wins over a stray variable's (`object_store::parse_url_opts`
+        // applies them the other way round).
+        macro_rules! build {
+            ($builder:ty, $prefix:literal) => {{
+                let b = settings($prefix).fold(<$builder>::new(), |b, (key, value)| {
+                    match key.parse() {
+                        Ok(key) => b.with_config(key, value),
+                        Err(_) => b,
+                    }
+                });
+                Arc::new(b.with_url(url).build().map_err(|e| unreachable(&e))?)
+            }};
+        }
         let store: Arc<dyn ObjectStore> = match scheme {
-            ObjectStoreScheme::AmazonS3 => {
-                let mut b = object_store::aws::AmazonS3Builder::new();
-                for (key, value) in settings("AWS_") {
-                    if let Ok(key) = key.parse() {
-                        b = b.with_config(key, value);
-                    }
-                }
-                Arc::new(b.with_url(url).build().map_err(|e| unreachable(&e))?)
-            }
+            ObjectStoreScheme::AmazonS3 => build!(object_store::aws::AmazonS3Builder, "AWS_"),
             ObjectStoreScheme::GoogleCloudStorage => {
-                let mut b = object_store::gcp::GoogleCloudStorageBuilder::new();
-                for (key, value) in settings("GOOGLE_") {
-                    if let Ok(key) = key.parse() {
-                        b = b.with_config(key, value);
-                    }
-                }
-                Arc::new(b.with_url(url).build().map_err(|e| unreachable(&e))?)
+                build!(object_store::gcp::GoogleCloudStorageBuilder, "GOOGLE_")
             }
             ObjectStoreScheme::MicrosoftAzure => {
-                let mut b = object_store::azure::MicrosoftAzureBuilder::new();
-                for (key, value) in settings("AZURE_") {
-                    if let Ok(key) = key.parse() {
-                        b = b.with_config(key, value);
-                    }
-                }
-                Arc::new(b.with_url(url).build().map_err(|e| unreachable(&e))?)
+                build!(object_store::azure::MicrosoftAzureBuilder, "AZURE_")
             }
             other => return Err(bad_url(format!("{other:?} is not an object store"))),
         };

@@ -131,6 +131,35 @@ pub async fn admin(
     r.json().await.unwrap_or(serde_json::Value::Null)
 }
 
+/// The body of an admin `GET` that must succeed (a model file, the raw model).
+pub async fn admin_bytes(http: &reqwest::Client, base: &str, path: &str) -> Vec<u8> {
+    let r = http
+        .get(format!("{base}/api/v1/admin{path}"))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{path}: {}", r.status());
+    r.bytes().await.unwrap().to_vec()
+}
+
+/// Creates an experiment from `spec`; its id.
+pub async fn create_experiment(
+    http: &reqwest::Client,
+    base: &str,
+    spec: serde_json::Value,
+) -> String {
+    let exp = admin(
+        http,
+        base,
+        reqwest::Method::POST,
+        "/experiments",
+        Some(spec),
+    )
+    .await;
+    exp["id"].as_str().expect("an experiment id").to_string()
+}
+
 /// Issues a one-time enrolment token labelled `label`; the token.
 pub async fn issue_token(http: &reqwest::Client, base: &str, label: &str) -> String {
     let path = "/enrolment-tokens";
@@ -453,6 +482,14 @@ impl S3 {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         Self { child, endpoint }
+    }
+
+    /// moto's server started with `bucket` created; `None` (the caller skips) where moto
+    /// is not installed, as [`moto_server`] says.
+    pub async fn with_bucket(bucket: &str) -> Option<Self> {
+        let s3 = Self::start(&moto_server()?).await;
+        s3.bucket(bucket).await;
+        Some(s3)
     }
 
     /// Creates `bucket` (moto takes an unsigned request).

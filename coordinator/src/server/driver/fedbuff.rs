@@ -26,12 +26,13 @@ use cohort_core::ExperimentSpec;
 use cohort_core::mode::FedBuffSettings;
 
 use super::model::ExperimentModel;
-use super::{DriverError, JOB_ATTEMPTS, fold_batch};
+use super::{DriverError, JOB_ATTEMPTS};
 use crate::server::AppState;
 use crate::server::driver;
 use crate::store::{
     BufferRules, Experiment, ExperimentState, PublishedModel, RoundMetrics, RoundStage, StoreError,
 };
+use cohort_aggregation::reduce::batch_len;
 
 /// The store's rules for an experiment's buffers.
 pub fn buffer_rules(settings: &FedBuffSettings, last_step: u32) -> BufferRules {
@@ -166,7 +167,7 @@ async fn aggregate_buffer(
                 BufferFold::new(layout.clone(), reducer.as_ref(), exponent).map_err(|e| bad(&e))?;
             // A batch at a time, as the synchronous path does: memory holds one batch of
             // updates (and the distinct models they started from), not the buffer.
-            for batch in uploads.chunks(fold_batch(layout.len())) {
+            for batch in uploads.chunks(batch_len(layout.len())) {
                 let mut trained = Vec::with_capacity(batch.len());
                 for u in batch {
                     if let std::collections::hash_map::Entry::Vacant(slot) =

@@ -31,15 +31,8 @@ use crate::store::{
     RoundStage, StoreError, now_millis,
 };
 use cohort_aggregation::privacy::central::CentralSum;
+use cohort_aggregation::reduce::batch_len;
 use cohort_core::ExperimentSpec;
-
-/// Uploads of `values` parameters an aggregation job reads and folds at a time: the
-/// reducers' rule ([`cohort_aggregation::reduce::batch_len`]), at most 512 MiB of
-/// updates, so that a round's updates usually fold in one pass and each sum is written
-/// once.
-pub fn fold_batch(values: usize) -> usize {
-    cohort_aggregation::reduce::batch_len(values)
-}
 
 /// How often the driver looks at the experiments.
 pub const TICK: Duration = Duration::from_millis(250);
@@ -1000,7 +993,7 @@ async fn aggregate(state: &AppState, job: &Job) -> Result<(), DriverError> {
                     // A batch at a time: the reducer reads each update once while the sums
                     // stay in cache (or on the device), and memory holds one batch, not
                     // the round.
-                    for batch in uploads.chunks(fold_batch(layout.len())) {
+                    for batch in uploads.chunks(batch_len(layout.len())) {
                         let updates = batch
                             .iter()
                             .map(|upload| Ok((read(upload)?, upload.num_samples.min(cap) as f64)))

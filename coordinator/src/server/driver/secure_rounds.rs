@@ -489,7 +489,7 @@ pub async fn unmask_round(
         let mut sum = reducer.modular_sum(words).map_err(|e| bad(&e))?;
         let mut folded = std::collections::BTreeSet::new();
         // A batch at a time, as the plain job does: one batch in memory, not the round.
-        for batch in uploads.chunks(crate::server::driver::fold_batch(words)) {
+        for batch in uploads.chunks(cohort_aggregation::reduce::batch_len(words)) {
             let mut inputs = Vec::with_capacity(batch.len());
             for upload in batch {
                 let index = index_of
