@@ -74,6 +74,23 @@ def start_site(serve, admin, tmp_path, partition, mode="ok", idle_exit=20, token
     return process, log
 
 
+def start_when_online(admin, exp_id, sites):
+    """Starts the experiment once every site started has enrolled and been seen: a
+    round opens as soon as ``min_participants`` sites are online, so a site whose Python
+    start-up ran late (a loaded CI machine) would otherwise miss round 1, and the
+    per-site counts the tests assert with it."""
+    deadline = time.monotonic() + 90
+    while True:
+        online = [c for c in admin.clients() if c["last_seen_at"] and not c["revoked_at"]]
+        if len(online) >= len(sites):
+            return admin.start(exp_id)
+        exited = [log for process, log in sites if process.poll() is not None]
+        if exited or time.monotonic() > deadline:
+            logs = [log.read_text(errors="replace")[-2000:] for _, log in sites]
+            raise AssertionError(f"{len(online)} of {len(sites)} sites online", logs)
+        time.sleep(0.1)
+
+
 def report_of(log: Path) -> dict:
     for line in log.read_text(errors="replace").splitlines():
         if line.startswith("REPORT "):
@@ -85,7 +102,7 @@ def test_the_simulation_train_runs_unchanged_under_secure_aggregation(own_serve,
     cohort_serve, admin = own_serve
     exp = experiment(admin, "python sites, secure", rounds=3, clients=3, secure=True)
     sites = [start_site(cohort_serve, admin, tmp_path, p) for p in range(3)]
-    admin.start(exp["id"])
+    start_when_online(admin, exp["id"], sites)
     try:
         seen = [r["round"] for r in admin.watch(exp["id"], poll=0.3, timeout=240)]
     except BaseException:
@@ -112,7 +129,7 @@ def test_a_personalised_experiment_keeps_each_sites_tensor_at_the_site(own_serve
     exp = experiment(admin, "python sites, fedper", rounds=2, clients=3,
                      personalisation="fedper:b")
     sites = [start_site(cohort_serve, admin, tmp_path, p) for p in range(3)]
-    admin.start(exp["id"])
+    start_when_online(admin, exp["id"], sites)
     try:
         seen = [r["round"] for r in admin.watch(exp["id"], poll=0.3, timeout=240)]
     except BaseException:
@@ -158,7 +175,7 @@ def run_sites(serve, admin, tmp_path, exp, modes):
     """Starts one site per mode, runs ``exp`` to its end and waits for the sites to idle
     out: the rounds seen, and each site's report."""
     sites = [start_site(serve, admin, tmp_path, i, mode=mode) for i, mode in enumerate(modes)]
-    admin.start(exp["id"])
+    start_when_online(admin, exp["id"], sites)
     try:
         seen = [r["round"] for r in admin.watch(exp["id"], poll=0.3, timeout=240)]
     except BaseException:
@@ -216,9 +233,9 @@ def test_an_exception_in_train_is_reported_and_the_client_carries_on(own_serve, 
     # test quick, and the sites wait longer than it without a task.
     exp = experiment(admin, "python site raises", rounds=2, clients=2, min_participants=1,
                      collect_deadline_seconds=8)
-    good, _ = start_site(cohort_serve, admin, tmp_path, 0, idle_exit=30)
+    good, good_log = start_site(cohort_serve, admin, tmp_path, 0, idle_exit=30)
     bad, bad_log = start_site(cohort_serve, admin, tmp_path, 1, mode="raise", idle_exit=30)
-    admin.start(exp["id"])
+    start_when_online(admin, exp["id"], [(good, good_log), (bad, bad_log)])
     seen = [r["round"] for r in admin.watch(exp["id"], poll=0.3, timeout=240)]
     assert seen == [1, 2]
     bad.wait(timeout=60)
@@ -233,9 +250,9 @@ def test_a_bad_update_is_refused_before_it_leaves_the_site(own_serve, tmp_path):
     cohort_serve, admin = own_serve
     exp = experiment(admin, "python site bad shape", rounds=1, clients=2, min_participants=1,
                      collect_deadline_seconds=8)
-    good, _ = start_site(cohort_serve, admin, tmp_path, 0, idle_exit=30)
+    good, good_log = start_site(cohort_serve, admin, tmp_path, 0, idle_exit=30)
     bad, bad_log = start_site(cohort_serve, admin, tmp_path, 1, mode="bad-shape", idle_exit=30)
-    admin.start(exp["id"])
+    start_when_online(admin, exp["id"], [(good, good_log), (bad, bad_log)])
     assert [r["round"] for r in admin.watch(exp["id"], poll=0.3, timeout=240)] == [1]
     bad.wait(timeout=60)
     good.wait(timeout=60)
