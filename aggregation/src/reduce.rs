@@ -111,9 +111,18 @@ pub trait Reducer: Send + Sync + fmt::Debug {
     ) -> Result<(), ReduceError>;
 }
 
-/// Elements of the accumulator one task owns at a time: 32 KiB of `f64` (or 16 KiB of
-/// `u32`), which stays in the first-level cache while a batch's inputs stream past it.
+/// Words of the modular accumulator one task owns at a time: 16 KiB of `u32`, which stays
+/// in the first-level cache while a batch's inputs stream past it.
 const CHUNK: usize = 4096;
+
+/// Sums of the weighted accumulator one task owns at a time: 128 KiB of `f64`, in the
+/// second-level cache. Each input is then read in runs of 64 KiB rather than 16 KiB:
+/// fewer jumps between runs for the fold, whose arithmetic (a conversion, a multiply
+/// and an add per value, where the modular sum has one add) leaves it less slack to
+/// absorb them (measured with the prefetching below, three turns: 8,192 sums at 0.69 to
+/// 0.73 of the probe, 16,384 at 0.85 to 0.90, 32,768 at 0.83 to 0.89). A benchmark of
+/// the fold's arithmetic alone sizes its work by it.
+pub const WEIGHTED_CHUNK: usize = 16_384;
 
 /// Inputs added per pass over an accumulator chunk: the chunk is loaded and stored once
 /// for eight additions, and eight input streams are read at once, enough for the
@@ -278,21 +287,23 @@ fn weighted_sum_from(
         return Ok(());
     }
     let kernels = kernels::detect();
-    sum.par_chunks_mut(CHUNK).enumerate().for_each(|(c, s)| {
-        let range = c * CHUNK..c * CHUNK + s.len();
-        let mut fresh = start == Start::Zero;
-        let mut j = 0;
-        // Every element's terms are added in batch order, whatever the grouping, so the
-        // sums are the bits of one update at a time.
-        while j < updates.len() {
-            let k = group_len(updates.len() - j);
-            let x = &updates[j..j + k];
-            let w = &weights[j..j + k];
-            kernels.weighted(s, x, w, range.clone(), fresh);
-            fresh = false;
-            j += k;
-        }
-    });
+    sum.par_chunks_mut(WEIGHTED_CHUNK)
+        .enumerate()
+        .for_each(|(c, s)| {
+            let range = c * WEIGHTED_CHUNK..c * WEIGHTED_CHUNK + s.len();
+            let mut fresh = start == Start::Zero;
+            let mut j = 0;
+            // Every element's terms are added in batch order, whatever the grouping, so the
+            // sums are the bits of one update at a time.
+            while j < updates.len() {
+                let k = group_len(updates.len() - j);
+                let x = &updates[j..j + k];
+                let w = &weights[j..j + k];
+                kernels.weighted(s, x, w, range.clone(), fresh);
+                fresh = false;
+                j += k;
+            }
+        });
     Ok(())
 }
 
@@ -422,8 +433,39 @@ impl Reducer for CpuReducer {
 mod kernels {
     use std::ops::Range;
 
+    /// Values of an `f32` input in one 64-byte cache line: the fold's step.
+    const LINE: usize = 16;
+
+    /// How far ahead of the fold each input is prefetched, in values (2 KiB). The fold's
+    /// arithmetic fills the out-of-order window long before eight inputs' loads have
+    /// reached far enough ahead to hide memory's latency, and the hardware prefetchers
+    /// stop at every 4 KiB page; asking for the line 2 KiB ahead keeps every stream's
+    /// misses in flight (measured, three turns: 0.63 to 0.71 of the probe without, 0.85
+    /// to 0.90 with; 1.5 KiB and 3 KiB ahead, prefetching to the second-level cache
+    /// only, and sixteen inputs a pass were all slower).
+    const AHEAD: usize = 512;
+
+    /// Asks for the cache line `ahead` values past `at` in `x`. A prefetch never faults
+    /// nor changes what any load reads, so an address past the slice's end is harmless.
+    #[inline(always)]
+    #[allow(unsafe_code)]
+    fn prefetch(x: &[f32], at: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let p = x.as_ptr().wrapping_add(at + AHEAD);
+            // SAFETY: a prefetch is a hint: it reads nothing the program can see and
+            // cannot fault, whatever the address.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast())
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (x, at);
+    }
+
     /// `acc[i] = (FRESH ? 0 : acc[i]) + w[0] x[0][i] + w[1] x[1][i] + ...`, the additions
-    /// in that order, with one load (none when `FRESH`) and one store of `acc`.
+    /// in that order, with one load (none when `FRESH`) and one store of `acc`; a cache
+    /// line of every input at a time, each input prefetched [`AHEAD`].
     #[inline(always)]
     pub(super) fn weighted<const K: usize, const FRESH: bool>(
         acc: &mut [f64],
@@ -431,15 +473,42 @@ mod kernels {
         w: [f64; K],
     ) {
         let n = acc.len();
-        // One length for every slice, so the loop below has no bounds checks.
+        // One length for every slice, so the loops below have no bounds checks.
         let x: [&[f32]; K] = std::array::from_fn(|k| &x[k][..n]);
-        for i in 0..n {
+        let whole = n - n % LINE;
+        for line in (0..whole).step_by(LINE) {
+            for input in &x {
+                prefetch(input, line);
+            }
+            let sums: &mut [f64; LINE] = (&mut acc[line..line + LINE]).try_into().expect("a line");
+            let xs: [&[f32; LINE]; K] =
+                std::array::from_fn(|k| x[k][line..line + LINE].try_into().expect("a line"));
+            weighted_line::<K, FRESH>(sums, xs, w);
+        }
+        for i in whole..n {
             let mut a = if FRESH { 0.0 } else { acc[i] };
             for k in 0..K {
                 a += w[k] * f64::from(x[k][i]);
             }
             acc[i] = a;
         }
+    }
+
+    /// [`weighted`] for one line of every input: fixed sizes, so that the compiler turns
+    /// it into whole vectors (each sum's additions are still in input order).
+    #[inline(always)]
+    fn weighted_line<const K: usize, const FRESH: bool>(
+        acc: &mut [f64; LINE],
+        x: [&[f32; LINE]; K],
+        w: [f64; K],
+    ) {
+        let mut a = if FRESH { [0.0; LINE] } else { *acc };
+        for k in 0..K {
+            for i in 0..LINE {
+                a[i] += w[k] * f64::from(x[k][i]);
+            }
+        }
+        *acc = a;
     }
 
     /// `acc[i] = (FRESH ? 0 : acc[i]) + y[0][i] + y[1][i] + ... (mod 2^32)`.
