@@ -17,7 +17,7 @@ use crate::reduce::Reducer;
 
 use super::crypto::{self, KEY_BYTES, KeyPair, SecretKind};
 use super::graph::{NeighbourGraph, effective_degree};
-use super::identity::{self, IdentityError, PUBLIC_KEY_BYTES, SIGNATURE_BYTES};
+use super::identity::{self, IdentityError, PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Statement};
 use super::messages::{
     AdvertiseKeys, Confirmation, DirectoryEntry, ForwardedShare, ForwardedShares, GraphReveal,
     KeyDirectory, Roster, RoundConfig, SHARE_CIPHERTEXT_BYTES, ShareKeys, SurvivorSignature,
@@ -108,6 +108,10 @@ pub struct ServerSession {
     closed: u8,
     /// Survivors' signatures over the survivor list (consistency check).
     confirmations: BTreeMap<u32, [u8; SIGNATURE_BYTES]>,
+    /// What every survivor signs in the consistency check, made once when collection
+    /// closes: rebuilt for each confirmation it hashed the whole list again (0.2 s of a
+    /// round of 9,000 survivors).
+    survivors_statement: Option<Statement>,
     sum: Vec<u32>,
     /// True once a masked input was recorded without its vector: the caller folds the
     /// inputs itself and hands the sum to [`ServerSession::finish_with`].
@@ -136,6 +140,13 @@ struct Revealed {
     keys: BTreeMap<u32, Share>,
 }
 
+/// A secret rebuilt from its shares at unmasking: a survivor's self-mask seed (wiped when
+/// dropped), or a dropped client's mask key pair.
+enum Rebuilt {
+    Seed(zeroize::Zeroizing<[u8; KEY_BYTES]>),
+    Key(u32, KeyPair),
+}
+
 impl ServerSession {
     /// A round with the given public settings, collecting keys.
     pub fn new(config: RoundConfig) -> Result<Self, SecAggError> {
@@ -152,6 +163,7 @@ impl ServerSession {
             masked: BTreeSet::new(),
             closed: 0,
             confirmations: BTreeMap::new(),
+            survivors_statement: None,
             sum: Vec::new(),
             external_sum: false,
             revealed: BTreeMap::new(),
@@ -572,6 +584,8 @@ impl ServerSession {
             }));
         }
         (self.stage, self.closed) = if self.config.consistency_check {
+            let survivors: Vec<u32> = self.masked.iter().copied().collect();
+            self.survivors_statement = Some(self.config.survivors_statement(&survivors));
             (ServerStage::Confirm, 4)
         } else {
             (ServerStage::Unmask, 5)
@@ -618,11 +632,13 @@ impl ServerSession {
         if self.confirmations.contains_key(&from) {
             return Err(SecAggError::Duplicate(from));
         }
-        let survivors: Vec<u32> = self.masked.iter().copied().collect();
-        let statement = self.config.survivors_statement(&survivors);
+        let statement = self
+            .survivors_statement
+            .as_ref()
+            .expect("the statement is made when the confirm stage opens");
         identity::verify(
             &self.identities[&from],
-            &statement,
+            statement,
             &confirmation.signature,
             from,
         )?;
@@ -941,10 +957,11 @@ impl ServerSession {
         }
     }
 
-    fn unmask_sum(&self, sum: &mut [u32]) -> Result<(usize, f64), SecAggError> {
+    /// Every survivor's self-mask seed and every dropped client's mask key pair, rebuilt
+    /// from the revealed shares and checked against what their owners committed to.
+    fn rebuild_secrets(&self) -> Result<Vec<Rebuilt>, SecAggError> {
         let t = self.config.threshold;
         let session = &self.config.session;
-        let mut interpolators: HashMap<Vec<u32>, Interpolator> = HashMap::new();
         // Every secret's shares from the first t holders (by index) that revealed one, in
         // one pass over the replies: looking each secret up in every reply was quadratic
         // in the clients (10,000 clients: 10^8 lookups, most of the server's unmasking).
@@ -963,7 +980,21 @@ impl ServerSession {
                 }
             }
         }
-        let mut rebuild = |owner: u32, survived: bool| -> Result<[u8; KEY_BYTES], SecAggError> {
+        // Every secret to rebuild: each survivor's self-mask seed, each dropped client's
+        // mask key, with the shares it is rebuilt from.
+        let wanted: Vec<(u32, bool)> = self
+            .masked
+            .iter()
+            .map(|&u| (u, true))
+            .chain(
+                self.shared
+                    .keys()
+                    .filter(|u| !self.masked.contains(u))
+                    .map(|&u| (u, false)),
+            )
+            .collect();
+        let mut secrets = Vec::with_capacity(wanted.len());
+        for &(owner, survived) in &wanted {
             let shares: &[&Share] = if survived {
                 seed_shares.get(&owner)
             } else {
@@ -977,33 +1008,59 @@ impl ServerSession {
                     need: t,
                 });
             }
-            let holders: Vec<u32> = shares.iter().map(|s| s.holder).collect();
-            let interpolator = match interpolators.get(&holders) {
-                Some(i) => i,
-                None => interpolators
-                    .entry(holders.clone())
-                    .or_insert(Interpolator::new(&holders)?),
-            };
-            interpolator
-                .combine(shares)
-                .map_err(|_| SecAggError::ReconstructionFailed { client: owner })
-        };
-        // The rebuilt secrets unmask single inputs: wiped as soon as the masks are off.
-        let mut self_seeds = zeroize::Zeroizing::new(Vec::with_capacity(self.masked.len()));
-        for &u in &self.masked {
-            let seed = rebuild(u, true)?;
-            if crypto::seed_commitment(session, u, &seed) != self.shared[&u].seed_commitment {
-                return Err(SecAggError::ReconstructionFailed { client: u });
-            }
-            self_seeds.push(seed);
+            secrets.push((owner, survived, shares));
         }
+        // One interpolator per distinct set of holders (a full graph's hundreds of
+        // secrets share one), then every secret rebuilt and checked against what its
+        // owner committed to, all on every core: at 10,000 clients the rebuilds were a
+        // serial tenth of the unmasking.
+        let mut sets: Vec<Vec<u32>> = secrets
+            .iter()
+            .map(|(_, _, shares)| shares.iter().map(|s| s.holder).collect())
+            .collect();
+        sets.sort_unstable();
+        sets.dedup();
+        let interpolators: HashMap<Vec<u32>, Interpolator> = sets
+            .into_par_iter()
+            .map(|holders| Interpolator::new(&holders).map(|i| (holders, i)))
+            .collect::<Result<_, _>>()?;
+        secrets
+            .par_iter()
+            .map(|&(owner, survived, shares)| {
+                let holders: Vec<u32> = shares.iter().map(|s| s.holder).collect();
+                let secret = zeroize::Zeroizing::new(
+                    interpolators[&holders]
+                        .combine(shares)
+                        .map_err(|_| SecAggError::ReconstructionFailed { client: owner })?,
+                );
+                if survived {
+                    if crypto::seed_commitment(session, owner, &secret)
+                        != self.shared[&owner].seed_commitment
+                    {
+                        return Err(SecAggError::ReconstructionFailed { client: owner });
+                    }
+                    Ok(Rebuilt::Seed(secret))
+                } else {
+                    let key = KeyPair::from_secret_bytes(*secret);
+                    if key.public() != self.keys[&owner].mask_pk {
+                        return Err(SecAggError::ReconstructionFailed { client: owner });
+                    }
+                    Ok(Rebuilt::Key(owner, key))
+                }
+            })
+            .collect()
+    }
+
+    fn unmask_sum(&self, sum: &mut [u32]) -> Result<(usize, f64), SecAggError> {
+        let session = &self.config.session;
+        // The rebuilt secrets unmask single inputs: wiped as soon as the masks are off.
+        let mut self_seeds = Vec::with_capacity(self.masked.len());
         let mut dropped_keys = Vec::new();
-        for &u in self.shared.keys().filter(|u| !self.masked.contains(u)) {
-            let key = KeyPair::from_secret_bytes(rebuild(u, false)?);
-            if key.public() != self.keys[&u].mask_pk {
-                return Err(SecAggError::ReconstructionFailed { client: u });
+        for secret in self.rebuild_secrets()? {
+            match secret {
+                Rebuilt::Seed(seed) => self_seeds.push(seed),
+                Rebuilt::Key(u, key) => dropped_keys.push((u, key)),
             }
-            dropped_keys.push((u, key));
         }
         // The pairwise masks between each dropped client and its surviving neighbours,
         // which those neighbours added with the opposite sign to the one removed here.
