@@ -26,8 +26,10 @@ f, c, m, x = rows["fedavg"], rows["fedavg_in_cache"], rows["masked_sum"], rows["
 np_ = rows["numpy_tensordot"]
 print(json.dumps({"bench": "reduce_vs_numpy", "turn": int(sys.argv[1]),
     "probe_read_gbps": f["probe_read_gbps"], "probe_pattern": f["probe_pattern"],
-    "fedavg_gbps": f["gbps"], "fedavg_ratio": f["ratio"], "fedavg_in_cache_gbps": c["gbps"],
+    "fedavg_gbps": f["gbps"], "fedavg_ratio": f["ratio"],
+    "fedavg_ratio_paired": f["ratio_paired"], "fedavg_in_cache_gbps": c["gbps"],
     "masked_sum_gbps": m["gbps"], "masked_sum_ratio": m["ratio"],
+    "masked_sum_ratio_paired": m["ratio_paired"],
     "mask_expand_gbps_per_core": x["gbps_per_core"],
     "chacha20_crate_gbps": x["chacha20_crate_gbps"], "rand_chacha_gbps": x["rand_chacha_gbps"],
     "numpy_tensordot_gbps": np_["gbps"], "fedavg_over_numpy": f["gbps"] / np_["gbps"]}))

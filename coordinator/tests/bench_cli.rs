@@ -118,15 +118,21 @@ fn reduce_bench_prints_the_named_fields() {
     );
     for l in &lines {
         if l["bench"] == "fedavg_in_cache" {
-            // Its own size: the run's updates (at most 100) of one chunk per thread.
+            // Its own size: the run's updates (at most 24) of one chunk per thread.
             assert_eq!(l["n"].as_u64(), Some(6));
-            assert_eq!(l["d"].as_u64().unwrap() % 4096, 0, "{l}");
+            let chunk = cohort_aggregation::reduce::WEIGHTED_CHUNK as u64;
+            assert_eq!(l["d"].as_u64().unwrap() % chunk, 0, "{l}");
         } else {
             assert_eq!((l["n"].as_u64(), l["d"].as_u64()), (Some(6), Some(10_000)));
         }
         assert!(l["reducer"].is_string());
         for field in ["median_s", "gbps", "probe_read_gbps", "ratio"] {
             assert!(l[field].as_f64().unwrap() > 0.0, "{field}: {l}");
+        }
+        if l["bench"] == "fedavg" || l["bench"] == "masked_sum" {
+            for field in ["probe_paired_gbps", "ratio_paired"] {
+                assert!(l[field].as_f64().unwrap() > 0.0, "{field}: {l}");
+            }
         }
         let ratio = l["gbps"].as_f64().unwrap() / l["probe_read_gbps"].as_f64().unwrap();
         assert!((ratio - l["ratio"].as_f64().unwrap()).abs() < 1e-9);

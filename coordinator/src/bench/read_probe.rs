@@ -236,6 +236,42 @@ type Pattern = fn(&[u64]) -> u64;
 
 /// Reads `bytes` of memory with each pattern, `repeats` times each.
 pub fn measure(bytes: usize, repeats: usize) -> ReadProbe {
+    measure_and_keep(bytes, repeats).0
+}
+
+/// The probe's buffer and its best pattern, kept to read again between a kernel's
+/// repeats: on a shared machine memory's speed moves within seconds, so a kernel's
+/// repeat is best compared with a probe read just before it.
+pub struct Reread {
+    words: Vec<u64>,
+    expected: u64,
+    read: Pattern,
+    /// The pattern read again (the best of the run's).
+    pub pattern: &'static str,
+}
+
+impl Reread {
+    /// Reads the buffer once with the kept pattern; its GB/s.
+    pub fn gbps(&self) -> f64 {
+        let (seconds, sum) = read_once(self.read, &self.words);
+        assert_eq!(
+            sum, self.expected,
+            "the {} probe read the whole buffer",
+            self.pattern
+        );
+        (self.words.len() * 8) as f64 / seconds / 1e9
+    }
+}
+
+/// One read of `words` with `read`: its seconds and the sum it found.
+fn read_once(read: Pattern, words: &[u64]) -> (f64, u64) {
+    let start = Instant::now();
+    let sum = std::hint::black_box(read(std::hint::black_box(words)));
+    (start.elapsed().as_secs_f64(), sum)
+}
+
+/// [`measure`], keeping the buffer and the best pattern to read again.
+pub fn measure_and_keep(bytes: usize, repeats: usize) -> (ReadProbe, Reread) {
     let words: Vec<u64> = (0..bytes / 8).into_par_iter().map(|i| i as u64).collect();
     let expected = fold(&words);
     let mut patterns: Vec<(&'static str, Pattern)> = vec![
@@ -247,14 +283,13 @@ pub fn measure(bytes: usize, repeats: usize) -> ReadProbe {
         patterns.push(("all_threads_nt", all_threads_streaming));
     }
     patterns.push(("all_threads_8_streams_wide", eight_streams));
-    let patterns = patterns
-        .into_iter()
-        .map(|(pattern, read)| {
+    let rates: Vec<PatternRate> = patterns
+        .iter()
+        .map(|&(pattern, read)| {
             let mut times = Vec::with_capacity(repeats);
             for _ in 0..repeats.max(1) {
-                let start = Instant::now();
-                let sum = std::hint::black_box(read(std::hint::black_box(&words)));
-                times.push(start.elapsed().as_secs_f64());
+                let (seconds, sum) = read_once(read, &words);
+                times.push(seconds);
                 // Every pattern reads every word: a pattern that skipped some would
                 // report a rate it did not reach.
                 assert_eq!(sum, expected, "the {pattern} probe read the whole buffer");
@@ -265,7 +300,19 @@ pub fn measure(bytes: usize, repeats: usize) -> ReadProbe {
             }
         })
         .collect();
-    ReadProbe { patterns }
+    let probe = ReadProbe { patterns: rates };
+    let best = probe.best().pattern;
+    let read = patterns
+        .iter()
+        .find(|(name, _)| *name == best)
+        .map_or(patterns[0].1, |&(_, read)| read);
+    let reread = Reread {
+        words,
+        expected,
+        read,
+        pattern: best,
+    };
+    (probe, reread)
 }
 
 #[cfg(test)]

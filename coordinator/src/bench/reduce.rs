@@ -15,14 +15,18 @@
 //!
 //! One JSON line per measurement: `bench`, `n`, `d`, `reducer`, `median_s`, `gbps`,
 //! `probe_read_gbps` (the best read pattern's, named in `probe_pattern`; every
-//! pattern's figure in `probe_patterns`) and `ratio` (= `gbps / probe_read_gbps`). The sums' accumulator is
-//! taken from the reducer (reused memory in steady state) and reading the sums back, once
-//! per round, is not part of the figure.
+//! pattern's figure in `probe_patterns`) and `ratio` (= `gbps / probe_read_gbps`). The
+//! lines of the sums that read memory (`fedavg`, `masked_sum`) add `ratio_paired`: the
+//! best pattern is read again just before each repeat, and the figure is the median of
+//! each repeat's rate over the probe read before it (`probe_paired_gbps` the median of
+//! those probes), which holds where the machine's memory speed moves within a run. The
+//! sums' accumulator is taken from the reducer (reused memory in steady state) and
+//! reading the sums back, once per round, is not part of the figure.
 
 use std::time::Instant;
 
 use clap::Args;
-use cohort_aggregation::reduce::Reducer;
+use cohort_aggregation::reduce::{self, Reducer};
 use cohort_aggregation::secagg::prg::{Mask, MaskSign};
 use rayon::prelude::*;
 use serde_json::json;
@@ -56,6 +60,19 @@ pub fn read_probe(bytes: usize, repeats: usize) -> f64 {
     super::read_probe::measure(bytes, repeats).best().gbps
 }
 
+/// Times `f` `repeats` times, reading the probe's buffer once just before each.
+fn time_paired<F: FnMut()>(repeats: usize, probe: &Probe, mut f: F) -> Paired {
+    let repeats = (0..repeats)
+        .map(|_| {
+            let gbps = probe.reread.gbps();
+            let start = Instant::now();
+            f();
+            (start.elapsed().as_secs_f64(), gbps)
+        })
+        .collect();
+    Paired { repeats }
+}
+
 fn time<F: FnMut()>(repeats: usize, mut f: F) -> f64 {
     let mut times = Vec::with_capacity(repeats);
     for _ in 0..repeats {
@@ -66,16 +83,45 @@ fn time<F: FnMut()>(repeats: usize, mut f: F) -> f64 {
     median(times)
 }
 
-/// The run's memory read probe, which every line carries.
+/// The run's memory read probe, which every line carries, and its best pattern kept to
+/// read again just before each repeat of a kernel that reads memory.
 struct Probe {
     best: super::read_probe::PatternRate,
     patterns: serde_json::Map<String, serde_json::Value>,
+    reread: super::read_probe::Reread,
+}
+
+/// A kernel's repeats, each with the probe read just before it.
+struct Paired {
+    /// Each repeat's seconds and the probe's GB/s just before it.
+    repeats: Vec<(f64, f64)>,
+}
+
+impl Paired {
+    /// The median seconds of the kernel's repeats.
+    fn seconds(&self) -> f64 {
+        median(self.repeats.iter().map(|&(s, _)| s).collect())
+    }
+
+    /// `probe_paired_gbps` (the median of the probes read before the repeats) and
+    /// `ratio_paired` (the median of each repeat's GB/s over the probe read before it),
+    /// for `bytes` read per repeat.
+    fn fields(&self, bytes: usize) -> serde_json::Value {
+        let probes = self.repeats.iter().map(|&(_, p)| p).collect();
+        let ratios = self
+            .repeats
+            .iter()
+            .map(|&(s, p)| bytes as f64 / s / 1e9 / p)
+            .collect();
+        json!({"probe_paired_gbps": median(probes), "ratio_paired": median(ratios)})
+    }
 }
 
 impl Probe {
     fn measure() -> Self {
-        let measured = super::read_probe::measure(1 << 30, 5);
+        let (measured, reread) = super::read_probe::measure_and_keep(1 << 30, 5);
         Self {
+            reread,
             best: measured.best(),
             patterns: measured
                 .patterns
@@ -123,11 +169,12 @@ pub fn run(args: &ReduceBenchArgs, reducer: &dyn Reducer) -> Result<(), String> 
         ));
     }
     let probe = Probe::measure();
-    let batched = json!({ "batch": batch });
-    let fedavg = time_fedavg(reducer, (n, d), batch, args.repeats)?;
+    let bytes = n * d * 4;
+    let fedavg = time_fedavg(reducer, (n, d), batch, (args.repeats, &probe))?;
+    let extra = with_batch(fedavg.fields(bytes), batch);
     println!(
         "{}",
-        probe.line(reducer, "fedavg", (n, d), fedavg, batched.clone())
+        probe.line(reducer, "fedavg", (n, d), fedavg.seconds(), extra)
     );
     let (cache_n, cache_d, in_cache) = fedavg_in_cache(reducer, n, args.repeats)?;
     println!(
@@ -140,10 +187,11 @@ pub fn run(args: &ReduceBenchArgs, reducer: &dyn Reducer) -> Result<(), String> 
             json!({})
         )
     );
-    let masked = time_masked_sum(reducer, (n, d), batch, args.repeats)?;
+    let masked = time_masked_sum(reducer, (n, d), batch, (args.repeats, &probe))?;
+    let extra = with_batch(masked.fields(bytes), batch);
     println!(
         "{}",
-        probe.line(reducer, "masked_sum", (n, d), masked, batched)
+        probe.line(reducer, "masked_sum", (n, d), masked.seconds(), extra)
     );
     let seeds: Vec<[u8; 32]> = (0..n)
         .map(|j| {
@@ -165,14 +213,21 @@ pub fn run(args: &ReduceBenchArgs, reducer: &dyn Reducer) -> Result<(), String> 
     Ok(())
 }
 
-/// The median seconds of a weighted sum of `n` updates of `d` values, `batch` at a time,
-/// from a fresh accumulator until the sums are done: what a round's job does.
+/// `fields` with the batch size added.
+fn with_batch(mut fields: serde_json::Value, batch: usize) -> serde_json::Value {
+    fields["batch"] = json!(batch);
+    fields
+}
+
+/// The repeats of a weighted sum of `n` updates of `d` values, `batch` at a time, from a
+/// fresh accumulator until the sums are done (what a round's job does), each after a
+/// read of the probe.
 fn time_fedavg(
     reducer: &dyn Reducer,
     (n, d): (usize, usize),
     batch: usize,
-    repeats: usize,
-) -> Result<f64, String> {
+    (repeats, probe): (usize, &Probe),
+) -> Result<Paired, String> {
     // Inputs: n vectors of d values, generated in parallel (not timed).
     let updates: Vec<Vec<f32>> = (0..n)
         .into_par_iter()
@@ -184,7 +239,7 @@ fn time_fedavg(
         .collect();
     let weights: Vec<f64> = (0..n).map(|j| (j % 900 + 100) as f64).collect();
     let mut failure = None;
-    let seconds = time(repeats, || {
+    let paired = time_paired(repeats, probe, || {
         let run = || -> Result<(), String> {
             let mut sum = reducer.weighted_sum(d).map_err(|e| e.to_string())?;
             for (batch, w) in updates.chunks(batch).zip(weights.chunks(batch)) {
@@ -199,16 +254,17 @@ fn time_fedavg(
             failure = Some(e);
         }
     });
-    failure.map_or(Ok(seconds), Err)
+    failure.map_or(Ok(paired), Err)
 }
 
-/// The median seconds of a modular sum of `n` inputs of `d` words, `batch` at a time.
+/// The repeats of a modular sum of `n` inputs of `d` words, `batch` at a time, each after
+/// a read of the probe.
 fn time_masked_sum(
     reducer: &dyn Reducer,
     (n, d): (usize, usize),
     batch: usize,
-    repeats: usize,
-) -> Result<f64, String> {
+    (repeats, probe): (usize, &Probe),
+) -> Result<Paired, String> {
     let inputs: Vec<Vec<u32>> = (0..n)
         .into_par_iter()
         .map(|j| {
@@ -218,7 +274,7 @@ fn time_masked_sum(
         })
         .collect();
     let mut failure = None;
-    let seconds = time(repeats, || {
+    let paired = time_paired(repeats, probe, || {
         let run = || -> Result<(), String> {
             let mut sum = reducer.modular_sum(d).map_err(|e| e.to_string())?;
             for batch in inputs.chunks(batch) {
@@ -231,7 +287,7 @@ fn time_masked_sum(
             failure = Some(e);
         }
     });
-    failure.map_or(Ok(seconds), Err)
+    failure.map_or(Ok(paired), Err)
 }
 
 /// The median seconds of expanding one mask per seed (one in ten added, the others
@@ -265,19 +321,22 @@ fn time_mask_expand(
     failure.map_or(Ok(seconds), Err)
 }
 
-/// The FedAvg fold's arithmetic alone: up to 100 updates of one 4,096-value chunk per
-/// thread (the reducer's unit of work; 16 KiB of each update per core, which stays in
-/// the cores' second-level caches), folded 200 times per measurement. Returns the
-/// updates, their length and the median seconds of one fold: the rate the kernel would
-/// reach if memory were free, which is what bounds the `fedavg` line when it is not far
-/// above the probe.
+/// The FedAvg fold's arithmetic alone: up to 24 updates of one chunk per thread (the
+/// reducer's unit of work, [`reduce::WEIGHTED_CHUNK`] values: 1.5 MiB of updates per
+/// core, which stays in the cores' second-level caches), folded 200 times per
+/// measurement. Returns the updates, their length and the median seconds of one fold:
+/// the rate the kernel would reach if memory were free, which is what bounds the
+/// `fedavg` line when it is not far above the probe.
 fn fedavg_in_cache(
     reducer: &dyn Reducer,
     n: usize,
     repeats: usize,
 ) -> Result<(usize, usize, f64), String> {
     const FOLDS: usize = 200;
-    let (n, d) = (n.min(100), 4096 * rayon::current_num_threads());
+    let (n, d) = (
+        n.min(24),
+        reduce::WEIGHTED_CHUNK * rayon::current_num_threads(),
+    );
     let updates: Vec<Vec<f32>> = (0..n)
         .map(|j| {
             (0..d)
