@@ -440,12 +440,13 @@ mod kernels {
     /// arithmetic fills the out-of-order window long before eight inputs' loads have
     /// reached far enough ahead to hide memory's latency, and the hardware prefetchers
     /// stop at every 4 KiB page; asking for the line 2 KiB ahead keeps every stream's
-    /// misses in flight (measured, three turns: 0.63 to 0.71 of the probe without, 0.85
-    /// to 0.90 with; 1.5 KiB and 3 KiB ahead, prefetching to the second-level cache
-    /// only, and sixteen inputs a pass were all slower).
+    /// misses in flight (measured, three turns: the loop before this and the larger
+    /// [`super::WEIGHTED_CHUNK`] read at 0.63 to 0.71 of the probe, with both at 0.85 to
+    /// 0.90; 1.5 KiB and 3 KiB ahead, prefetching to the second-level cache only, and
+    /// sixteen inputs a pass were all slower).
     const AHEAD: usize = 512;
 
-    /// Asks for the cache line `ahead` values past `at` in `x`. A prefetch never faults
+    /// Asks for the cache line [`AHEAD`] values past `at` in `x`. A prefetch never faults
     /// nor changes what any load reads, so an address past the slice's end is harmless.
     #[inline(always)]
     #[allow(unsafe_code)]
