@@ -1008,7 +1008,8 @@ impl ServerSession {
                     need: t,
                 });
             }
-            secrets.push((owner, survived, shares));
+            let holders: Vec<u32> = shares.iter().map(|s| s.holder).collect();
+            secrets.push((owner, survived, shares, holders));
         }
         // One interpolator per distinct set of holders (a full graph's hundreds of
         // secrets share one), then every secret rebuilt and checked against what its
@@ -1016,7 +1017,7 @@ impl ServerSession {
         // serial tenth of the unmasking.
         let mut sets: Vec<Vec<u32>> = secrets
             .iter()
-            .map(|(_, _, shares)| shares.iter().map(|s| s.holder).collect())
+            .map(|(_, _, _, holders)| holders.clone())
             .collect();
         sets.sort_unstable();
         sets.dedup();
@@ -1026,10 +1027,10 @@ impl ServerSession {
             .collect::<Result<_, _>>()?;
         secrets
             .par_iter()
-            .map(|&(owner, survived, shares)| {
-                let holders: Vec<u32> = shares.iter().map(|s| s.holder).collect();
+            .map(|(owner, survived, shares, holders)| {
+                let (owner, survived) = (*owner, *survived);
                 let secret = zeroize::Zeroizing::new(
-                    interpolators[&holders]
+                    interpolators[holders]
                         .combine(shares)
                         .map_err(|_| SecAggError::ReconstructionFailed { client: owner })?,
                 );
