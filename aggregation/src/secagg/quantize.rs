@@ -340,7 +340,7 @@ impl Quantizer {
         if weight == 0 {
             return Err(QuantizeError::ZeroWeight);
         }
-        if let Some(index) = update.par_iter().position_first(|v| !v.is_finite()) {
+        if let Some(index) = first_where(update, |_, v| !v.is_finite()) {
             return Err(QuantizeError::NonFinite { index });
         }
         if !loss.is_finite() {
@@ -435,13 +435,9 @@ impl Quantizer {
             return Self::decode_noisy(noise, sum, survivors);
         }
         let max_word = survivors as u64 * u64::from(self.levels);
-        if let Some(index) = sum.par_iter().enumerate().position_first(|(i, &q)| {
-            let limit = if i == d {
-                survivors as u64 * u64::from(self.params.max_weight)
-            } else {
-                max_word
-            };
-            u64::from(q) > limit
+        let weight_limit = survivors as u64 * u64::from(self.params.max_weight);
+        if let Some(index) = first_where(sum, |i, &q| {
+            u64::from(q) > if i == d { weight_limit } else { max_word }
         }) {
             return Err(QuantizeError::OutOfRange { index, survivors });
         }
@@ -519,6 +515,34 @@ impl Quantizer {
     }
 }
 
+/// Values a search task tests before it looks for the first hit.
+const SEARCH_CHUNK: usize = 16_384;
+
+/// The first index of `values` where `bad(index, value)` holds. Each task tests a whole
+/// chunk without stopping early, which the compiler turns into vector code, and only a
+/// chunk with a hit is searched again for its place: rayon's own `position_first` pays
+/// an atomic and a call per value, and cost more than quantising the update did.
+fn first_where<T: Sync>(values: &[T], bad: impl Fn(usize, &T) -> bool + Sync) -> Option<usize> {
+    values
+        .par_chunks(SEARCH_CHUNK)
+        .enumerate()
+        .find_map_first(|(c, chunk)| {
+            let base = c * SEARCH_CHUNK;
+            let any = chunk
+                .iter()
+                .enumerate()
+                .fold(false, |hit, (j, v)| hit | bad(base + j, v));
+            if !any {
+                return None;
+            }
+            chunk
+                .iter()
+                .enumerate()
+                .position(|(j, v)| bad(base + j, v))
+                .map(|j| base + j)
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -594,6 +618,45 @@ mod tests {
         assert!(matches!(
             quant.decode(&[u32::MAX, 1, 0], 1),
             Err(QuantizeError::OutOfRange { index: 0, .. })
+        ));
+    }
+
+    #[test]
+    fn the_first_bad_value_is_named_wherever_it_lies() {
+        let quant = q(10);
+        let mut rng = ChaCha20Rng::seed_from_u64(0);
+        let d = 3 * SEARCH_CHUNK + 17;
+        for first in [
+            0,
+            SEARCH_CHUNK - 1,
+            SEARCH_CHUNK,
+            2 * SEARCH_CHUNK + 5,
+            d - 1,
+        ] {
+            let mut update = vec![0.25f32; d];
+            update[first] = f32::INFINITY;
+            // A later bad value, in a later chunk or the same one, must not be named.
+            update[(first + 1).min(d - 1)] = f32::NAN;
+            update[d - 1] = f32::NEG_INFINITY;
+            assert_eq!(
+                quant.encode(&update, 1, 0.0, &mut rng),
+                Err(QuantizeError::NonFinite { index: first })
+            );
+        }
+        let mut sum = vec![0u32; d + EXTRA_WORDS];
+        sum[d] = 1;
+        sum[SEARCH_CHUNK + 3] = u32::MAX;
+        sum[2 * SEARCH_CHUNK] = u32::MAX;
+        assert!(matches!(
+            quant.decode(&sum, 1),
+            Err(QuantizeError::OutOfRange { index, .. }) if index == SEARCH_CHUNK + 3
+        ));
+        sum[SEARCH_CHUNK + 3] = 0;
+        sum[2 * SEARCH_CHUNK] = 0;
+        sum[d] = u32::MAX;
+        assert!(matches!(
+            quant.decode(&sum, 1),
+            Err(QuantizeError::OutOfRange { index, .. }) if index == d
         ));
     }
 
