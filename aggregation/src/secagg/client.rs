@@ -244,11 +244,11 @@ impl ClientSession {
                 found: directory.reveals.len(),
             });
         }
-        let session = &self.config.session;
+        let committed = crypto::GraphCommitments::new(&self.config.session);
         if let Some((&v, _)) = members
             .iter()
             .zip(directory.reveals.iter().zip(commitments))
-            .find(|(v, (nonce, c))| crypto::graph_commitment(session, **v, nonce) != **c)
+            .find(|(v, (nonce, c))| committed.of(**v, nonce) != **c)
         {
             return Err(SecAggError::BadMessage(format!(
                 "client {v}'s graph nonce does not match its commitment"
@@ -294,6 +294,7 @@ impl ClientSession {
         let mut identities: BTreeMap<u32, [u8; PUBLIC_KEY_BYTES]> = BTreeMap::new();
         let mut seen: BTreeMap<[u8; PUBLIC_KEY_BYTES], u32> = BTreeMap::new();
         seen.insert(self.identity, self.me);
+        let mut statements = Vec::with_capacity(neighbours.len());
         for &v in neighbours {
             let entry = &directory.entries[indices.binary_search(&v).expect("checked")];
             let position = members.binary_search(&v).expect("a member");
@@ -302,13 +303,30 @@ impl ClientSession {
                     "client {v}'s keys carry another graph commitment than the roster's"
                 )));
             }
-            let statement = self.config.advertise_statement(
-                v,
-                &entry.keys.cipher_pk,
-                &entry.keys.mask_pk,
-                &entry.keys.graph_commitment,
-            );
-            identity::verify(&entry.identity, &statement, &entry.keys.signature, v)?;
+            statements.push((
+                entry,
+                self.config.advertise_statement(
+                    v,
+                    &entry.keys.cipher_pk,
+                    &entry.keys.mask_pk,
+                    &entry.keys.graph_commitment,
+                ),
+            ));
+        }
+        // Signatures before shared identities: keys presented under an identity that
+        // did not sign them are named as such, whoever else holds it.
+        let signed: Vec<identity::Signed<'_>> = statements
+            .iter()
+            .map(|(entry, statement)| identity::Signed {
+                public: &entry.identity,
+                statement,
+                signature: &entry.keys.signature,
+                index: entry.index,
+            })
+            .collect();
+        identity::verify_all(&signed)?;
+        for (entry, _) in &statements {
+            let v = entry.index;
             if let Some(&other) = seen.get(&entry.identity) {
                 return Err(IdentityError::SharedIdentity(other.min(v), other.max(v)).into());
             }
@@ -690,6 +708,7 @@ impl ClientSession {
                 }
                 let statement = self.config.survivors_statement(survivors);
                 let mut signers = BTreeSet::new();
+                let mut signed = Vec::with_capacity(request.signatures.len());
                 for s in &request.signatures {
                     let Some(public) = neighbours.get(&s.index) else {
                         return Err(SecAggError::NotNeighbour {
@@ -706,8 +725,14 @@ impl ClientSession {
                     if !signers.insert(s.index) {
                         return Err(SecAggError::Duplicate(s.index));
                     }
-                    identity::verify(public, &statement, &s.signature, s.index)?;
+                    signed.push(identity::Signed {
+                        public,
+                        statement: &statement,
+                        signature: &s.signature,
+                        index: s.index,
+                    });
                 }
+                identity::verify_all(&signed)?;
                 let t = self.config.threshold;
                 if signers.len() < t {
                     return Err(SecAggError::TooFewConfirmations {
@@ -721,13 +746,14 @@ impl ClientSession {
             _ => return Err(self.wrong_stage(Stage::Unmask)),
         };
         let _ = neighbours;
-        let survivors: BTreeSet<u32> = request.survivors.iter().copied().collect();
+        // Ascending, as checked above: no set of thousands of survivors per client.
+        let survived = |owner: &u32| request.survivors.binary_search(owner).is_ok();
         let mut reply = UnmaskShares {
             seed_shares: Vec::new(),
             key_shares: Vec::new(),
         };
         for (&owner, (seed_share, key_share)) in held {
-            if survivors.contains(&owner) {
+            if survived(&owner) {
                 reply.seed_shares.push(RevealedShare {
                     owner,
                     share: seed_share.to_bytes().to_vec(),

@@ -74,11 +74,60 @@ impl KeyPair {
 
     /// The X25519 shared secret with `peer`, refusing a low-order peer key.
     pub fn agree(&self, peer: &[u8; KEY_BYTES]) -> Result<[u8; KEY_BYTES], CryptoError> {
+        #[cfg(target_arch = "x86_64")]
+        if fast_x25519::available() {
+            let secret = zeroize::Zeroizing::new(self.secret.to_bytes());
+            return fast_x25519::agree(&secret, peer);
+        }
+        self.agree_portably(peer)
+    }
+
+    /// [`agree`](Self::agree) with x25519-dalek, on every CPU.
+    fn agree_portably(&self, peer: &[u8; KEY_BYTES]) -> Result<[u8; KEY_BYTES], CryptoError> {
         let shared = self.secret.diffie_hellman(&PublicKey::from(*peer));
         if !shared.was_contributory() {
             return Err(CryptoError::WeakPublicKey);
         }
         Ok(shared.to_bytes())
+    }
+}
+
+/// X25519 with graviola's assembly. X25519 is a function of its two inputs alone, so the
+/// two implementations agree bit for bit (tested), and parties may use either.
+#[cfg(target_arch = "x86_64")]
+mod fast_x25519 {
+    use std::sync::OnceLock;
+
+    use graviola::key_agreement::x25519::{PublicKey, StaticPrivateKey};
+
+    use super::{CryptoError, KEY_BYTES};
+
+    /// Whether this CPU has every feature graviola asserts on first use (it panics
+    /// without them, and valgrind hides ADX).
+    pub(super) fn available() -> bool {
+        static AVAILABLE: OnceLock<bool> = OnceLock::new();
+        *AVAILABLE.get_or_init(|| {
+            is_x86_feature_detected!("aes")
+                && is_x86_feature_detected!("pclmulqdq")
+                && is_x86_feature_detected!("bmi1")
+                && is_x86_feature_detected!("bmi2")
+                && is_x86_feature_detected!("adx")
+                && is_x86_feature_detected!("avx")
+                && is_x86_feature_detected!("avx2")
+        })
+    }
+
+    pub(super) fn agree(
+        secret: &[u8; KEY_BYTES],
+        peer: &[u8; KEY_BYTES],
+    ) -> Result<[u8; KEY_BYTES], CryptoError> {
+        // The key wipes its copy of the secret when dropped, the shared secret its own.
+        let key = StaticPrivateKey::from_array(secret);
+        match key.diffie_hellman(&PublicKey::from_array(peer)) {
+            Ok(shared) => Ok(shared.0),
+            // Its only failure: an all-zero result, i.e. a low-order peer key.
+            Err(_) => Err(CryptoError::WeakPublicKey),
+        }
     }
 }
 
@@ -268,15 +317,37 @@ pub fn graph_commitment(
     index: u32,
     nonce: &[u8; KEY_BYTES],
 ) -> [u8; KEY_BYTES] {
-    let mut ctx = digest::Context::new(&digest::SHA256);
-    ctx.update(b"cohort secagg graph commitment v1");
-    ctx.update(session);
-    ctx.update(&index.to_le_bytes());
-    ctx.update(nonce);
-    ctx.finish()
-        .as_ref()
-        .try_into()
-        .expect("SHA-256 gives 32 bytes")
+    GraphCommitments::new(session).of(index, nonce)
+}
+
+/// [`graph_commitment`] for many members of one session. Every client checks every
+/// member's nonce against its commitment (ten thousand hashes each in a round of ten
+/// thousand); the label and the session fill the hash's first block, so it is hashed
+/// once here and each commitment costs one more block instead of two.
+#[derive(Clone)]
+pub struct GraphCommitments {
+    prefix: digest::Context,
+}
+
+impl GraphCommitments {
+    /// The commitments of round `session`.
+    pub fn new(session: &[u8; KEY_BYTES]) -> Self {
+        let mut prefix = digest::Context::new(&digest::SHA256);
+        prefix.update(b"cohort secagg graph commitment v1");
+        prefix.update(session);
+        Self { prefix }
+    }
+
+    /// Client `index`'s commitment to `nonce`.
+    pub fn of(&self, index: u32, nonce: &[u8; KEY_BYTES]) -> [u8; KEY_BYTES] {
+        let mut ctx = self.prefix.clone();
+        ctx.update(&index.to_le_bytes());
+        ctx.update(nonce);
+        ctx.finish()
+            .as_ref()
+            .try_into()
+            .expect("SHA-256 gives 32 bytes")
+    }
 }
 
 /// The seed of the neighbour graph: a hash of the session and every member's revealed
@@ -306,6 +377,93 @@ mod tests {
     use super::*;
     use rand_chacha::ChaCha20Rng;
     use rand_core::SeedableRng;
+
+    fn unhex(text: &str) -> [u8; KEY_BYTES] {
+        let mut out = [0u8; KEY_BYTES];
+        for (o, pair) in out.iter_mut().zip(text.as_bytes().chunks(2)) {
+            *o = u8::from_str_radix(std::str::from_utf8(pair).unwrap(), 16).unwrap();
+        }
+        out
+    }
+
+    #[test]
+    fn x25519_gives_the_rfc_7748_results_on_either_implementation() {
+        // RFC 7748 section 5.2; the second point has its top bit set, which X25519 must
+        // ignore.
+        for (scalar, point, expected) in [
+            (
+                "a546e36bf0527c9d3b16154b82465edd62144c0ac1fc5a18506a2244ba449ac4",
+                "e6db6867583030db3594c1a424b15f7c726624ec26b3353b10a903a6d0ab1c4c",
+                "c3da55379de9c6908e94ea4df28d084f32eccf03491c71f754b4075577a28552",
+            ),
+            (
+                "4b66e9d4d1b4673c5ad22691957d6af5c11b6421e0ea01d42ca4169e7918ba0d",
+                "e5210f12786811d3f4b7959d0538ae2c31dbe7106fc03c3efc4cd549c715a493",
+                "95cbde9476e8907d7aade45cb4b873f88b595a68799fa152e6f8f7647aac7957",
+            ),
+        ] {
+            let pair = KeyPair::from_secret_bytes(unhex(scalar));
+            assert_eq!(pair.agree(&unhex(point)), Ok(unhex(expected)));
+            assert_eq!(pair.agree_portably(&unhex(point)), Ok(unhex(expected)));
+        }
+    }
+
+    #[test]
+    fn low_order_points_are_refused_by_either_implementation() {
+        let pair = KeyPair::from_secret_bytes([0x42; KEY_BYTES]);
+        let mut one = [0u8; KEY_BYTES];
+        one[0] = 1;
+        for point in [
+            [0u8; KEY_BYTES],
+            one,
+            // A point of order 8 (from the libsodium blocklist).
+            unhex("e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800"),
+            unhex("5f9c95bca3508c24b1d0b1559c83ef5b04445cc4581c8e86d8224eddd09f1157"),
+        ] {
+            assert_eq!(pair.agree(&point), Err(CryptoError::WeakPublicKey));
+            assert_eq!(pair.agree_portably(&point), Err(CryptoError::WeakPublicKey));
+        }
+    }
+
+    proptest::proptest! {
+        /// A client on a CPU with graviola's features and one without must derive the
+        /// same pair keys, or their masks would not cancel.
+        #[test]
+        fn both_x25519_implementations_agree(
+            secret in proptest::prelude::any::<[u8; KEY_BYTES]>(),
+            peer in proptest::prelude::any::<[u8; KEY_BYTES]>(),
+        ) {
+            let pair = KeyPair::from_secret_bytes(secret);
+            proptest::prop_assert_eq!(pair.agree(&peer), pair.agree_portably(&peer));
+            let other = KeyPair::from_secret_bytes(peer);
+            proptest::prop_assert_eq!(pair.agree(&other.public()), other.agree(&pair.public()));
+        }
+    }
+
+    #[test]
+    fn a_commitment_is_the_hash_of_label_session_index_and_nonce() {
+        // The shared first block must not change what is hashed: parties of other
+        // versions compute the commitment in one pass.
+        let session = [7u8; KEY_BYTES];
+        let nonce = [9u8; KEY_BYTES];
+        let mut whole = Vec::new();
+        whole.extend_from_slice(b"cohort secagg graph commitment v1");
+        whole.extend_from_slice(&session);
+        whole.extend_from_slice(&1234u32.to_le_bytes());
+        whole.extend_from_slice(&nonce);
+        let expected = digest::digest(&digest::SHA256, &whole);
+        let many = GraphCommitments::new(&session);
+        assert_eq!(many.of(1234, &nonce).as_slice(), expected.as_ref());
+        assert_eq!(
+            graph_commitment(&session, 1234, &nonce),
+            many.of(1234, &nonce)
+        );
+        assert_ne!(many.of(1235, &nonce), many.of(1234, &nonce));
+        assert_ne!(
+            GraphCommitments::new(&[8; KEY_BYTES]).of(1234, &nonce),
+            many.of(1234, &nonce)
+        );
+    }
 
     #[test]
     fn both_sides_derive_the_same_pairwise_seed_and_only_they() {
