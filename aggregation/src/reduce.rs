@@ -437,7 +437,7 @@ mod kernels {
     const LINE: usize = 16;
 
     /// How far ahead of the fold each input is prefetched, in values (2 KiB), on CPUs
-    /// where that helps (see [`x86::prefetch_helps`]). On an Intel Xeon the fold's
+    /// where that helps (see [`x86::prefetch_helps`]). On an Intel CPU the fold's
     /// arithmetic filled the out-of-order window long before eight inputs' loads had
     /// reached far enough ahead to hide memory's latency, and the hardware prefetchers
     /// stop at every 4 KiB page; asking for the line 2 KiB ahead kept every stream's
@@ -656,12 +656,14 @@ mod kernels {
             }
         }
 
-        /// Whether prefetching each input [`super::AHEAD`] speeds the fold: on the Intel
-        /// Xeon it was measured on, from 0.63-0.71 to 0.85-0.90 of the memory probe; on
-        /// an AMD EPYC (Zen 4), whose prefetchers follow the eight streams themselves, the
-        /// same loop read 23-30 GB/s with the prefetches and 36-40 GB/s without (one
-        /// run, 96 updates of 10^6 values, chunks of 4,096 to 65,536 sums, three turns).
-        /// Other vendors are left to their hardware prefetchers.
+        /// Whether prefetching each input [`super::AHEAD`] speeds the fold. Where it was
+        /// first measured, from 0.63-0.71 to 0.85-0.90 of the memory probe (the CPU's
+        /// model was not recorded; its full-width AVX-512, ChaCha20 at three times the
+        /// AVX2 crates' speed, says an Intel Xeon); on an AMD EPYC (Zen 4), whose
+        /// prefetchers follow the eight streams themselves, the same loop read 23-30
+        /// GB/s with the prefetches and 36-40 GB/s without (one run, 96 updates of 10^6
+        /// values, chunks of 4,096 to 65,536 sums, three turns). Other vendors are left
+        /// to their hardware prefetchers.
         pub(super) fn prefetch_helps() -> bool {
             // SAFETY: leaf 0 of CPUID (the vendor) exists on every x86-64 CPU.
             #[allow(unused_unsafe)]

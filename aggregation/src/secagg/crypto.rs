@@ -267,10 +267,7 @@ pub fn seed_commitment(
     ctx.update(session);
     ctx.update(&owner.to_le_bytes());
     ctx.update(seed);
-    ctx.finish()
-        .as_ref()
-        .try_into()
-        .expect("SHA-256 gives 32 bytes")
+    sha256_of(ctx)
 }
 
 /// Which of a client's two secrets a share belongs to.
@@ -304,6 +301,11 @@ pub fn share_commitment(
         SecretKind::MaskKey => 2,
     }]);
     ctx.update(share);
+    sha256_of(ctx)
+}
+
+/// The 32 bytes of a finished SHA-256.
+fn sha256_of(ctx: digest::Context) -> [u8; KEY_BYTES] {
     ctx.finish()
         .as_ref()
         .try_into()
@@ -343,10 +345,7 @@ impl GraphCommitments {
         let mut ctx = self.prefix.clone();
         ctx.update(&index.to_le_bytes());
         ctx.update(nonce);
-        ctx.finish()
-            .as_ref()
-            .try_into()
-            .expect("SHA-256 gives 32 bytes")
+        sha256_of(ctx)
     }
 }
 
@@ -366,10 +365,7 @@ pub fn graph_seed(
         ctx.update(&index.to_le_bytes());
         ctx.update(nonce);
     }
-    ctx.finish()
-        .as_ref()
-        .try_into()
-        .expect("SHA-256 gives 32 bytes")
+    sha256_of(ctx)
 }
 
 #[cfg(test)]
