@@ -664,15 +664,21 @@ mod kernels {
         /// GB/s with the prefetches and 36-40 GB/s without (one run, 96 updates of 10^6
         /// values, chunks of 4,096 to 65,536 sums, three turns). Other vendors are left
         /// to their hardware prefetchers.
+        ///
+        /// Read once: the kernels are chosen for every batch, and CPUID traps to the
+        /// hypervisor on a virtual machine.
         pub(super) fn prefetch_helps() -> bool {
-            // SAFETY: leaf 0 of CPUID (the vendor) exists on every x86-64 CPU.
-            #[allow(unused_unsafe)]
-            let id = unsafe { std::arch::x86_64::__cpuid(0) };
-            let mut vendor = [0u8; 12];
-            vendor[..4].copy_from_slice(&id.ebx.to_le_bytes());
-            vendor[4..8].copy_from_slice(&id.edx.to_le_bytes());
-            vendor[8..].copy_from_slice(&id.ecx.to_le_bytes());
-            &vendor == b"GenuineIntel"
+            static HELPS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            *HELPS.get_or_init(|| {
+                // SAFETY: leaf 0 of CPUID (the vendor) exists on every x86-64 CPU.
+                #[allow(unused_unsafe)]
+                let id = unsafe { std::arch::x86_64::__cpuid(0) };
+                let mut vendor = [0u8; 12];
+                vendor[..4].copy_from_slice(&id.ebx.to_le_bytes());
+                vendor[4..8].copy_from_slice(&id.edx.to_le_bytes());
+                vendor[8..].copy_from_slice(&id.ecx.to_le_bytes());
+                &vendor == b"GenuineIntel"
+            })
         }
 
         #[target_feature(enable = "avx512f")]
@@ -700,18 +706,26 @@ mod kernels {
             x: [&[f32]; K],
             w: [f64; K],
         ) {
-            match (level, prefetch) {
+            if prefetch {
+                weighted_at::<K, FRESH, true>(level, acc, x, w)
+            } else {
+                weighted_at::<K, FRESH, false>(level, acc, x, w)
+            }
+        }
+
+        fn weighted_at<const K: usize, const FRESH: bool, const PREFETCH: bool>(
+            level: Level,
+            acc: &mut [f64],
+            x: [&[f32]; K],
+            w: [f64; K],
+        ) {
+            match level {
                 // SAFETY: `Level::detect` saw the CPU report AVX-512F; the function
                 // body is safe Rust over slices.
-                (Level::Avx512, true) => unsafe { weighted_avx512::<K, FRESH, true>(acc, x, w) },
-                // SAFETY: as above.
-                (Level::Avx512, false) => unsafe { weighted_avx512::<K, FRESH, false>(acc, x, w) },
+                Level::Avx512 => unsafe { weighted_avx512::<K, FRESH, PREFETCH>(acc, x, w) },
                 // SAFETY: as above, for AVX2.
-                (Level::Avx2, true) => unsafe { weighted_avx2::<K, FRESH, true>(acc, x, w) },
-                // SAFETY: as above, for AVX2.
-                (Level::Avx2, false) => unsafe { weighted_avx2::<K, FRESH, false>(acc, x, w) },
-                (Level::Portable, true) => super::weighted::<K, FRESH, true>(acc, x, w),
-                (Level::Portable, false) => super::weighted::<K, FRESH, false>(acc, x, w),
+                Level::Avx2 => unsafe { weighted_avx2::<K, FRESH, PREFETCH>(acc, x, w) },
+                Level::Portable => super::weighted::<K, FRESH, PREFETCH>(acc, x, w),
             }
         }
 
