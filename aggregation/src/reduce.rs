@@ -111,18 +111,24 @@ pub trait Reducer: Send + Sync + fmt::Debug {
     ) -> Result<(), ReduceError>;
 }
 
-/// Words of the modular accumulator one task owns at a time: 16 KiB of `u32`, which stays
-/// in the first-level cache while a batch's inputs stream past it.
-const CHUNK: usize = 4096;
+/// Words of the modular accumulator one task owns at a time: 64 KiB of `u32`, in the
+/// second-level cache while a batch's inputs stream past it, each input read in runs of
+/// 64 KiB. With the inputs on huge pages (as the `cohort` command allocates them) the
+/// runs no longer stop at 4 KiB pages, and longer ones keep the prefetchers going:
+/// `cohort bench reduce` on the 2-core Intel Xeon, three turns, against the probe read
+/// just before: 4,096 words 0.92-0.95, 16,384 words 0.99-1.01.
+const CHUNK: usize = 16_384;
 
-/// Sums of the weighted accumulator one task owns at a time: 128 KiB of `f64`, in the
-/// second-level cache. Each input is then read in runs of 64 KiB rather than 16 KiB:
-/// fewer jumps between runs for the fold, whose arithmetic (a conversion, a multiply
-/// and an add per value, where the modular sum has one add) leaves it less slack to
-/// absorb them (measured with the prefetching below, three turns: 8,192 sums at 0.69 to
-/// 0.73 of the probe, 16,384 at 0.85 to 0.90, 32,768 at 0.83 to 0.89). A benchmark of
-/// the fold's arithmetic alone sizes its work by it.
-pub const WEIGHTED_CHUNK: usize = 16_384;
+/// Sums of the weighted accumulator one task owns at a time: 256 KiB of `f64`, in the
+/// second-level cache. Each input is then read in runs of 128 KiB: fewer jumps between
+/// runs for the fold, whose arithmetic (a conversion, a multiply and an add per value,
+/// where the modular sum has one add) leaves it less slack to absorb them. Measured with
+/// the prefetching below on 4 KiB pages, three turns: 8,192 sums at 0.69 to 0.73 of the
+/// probe, 16,384 at 0.85 to 0.90, 32,768 at 0.83 to 0.89; on huge pages (scratch
+/// harness, four turns, GB/s): 16,384 sums 30.1-32.4, 32,768 31.0-32.3 (with the prefetch
+/// at 1 KiB, 32.2-33.3), 65,536 29.9-30.5. A benchmark of the fold's arithmetic alone
+/// sizes its work by it.
+pub const WEIGHTED_CHUNK: usize = 32_768;
 
 /// Inputs added per pass over an accumulator chunk: the chunk is loaded and stored once
 /// for eight additions, and eight input streams are read at once, enough for the
@@ -436,16 +442,18 @@ mod kernels {
     /// Values of an `f32` input in one 64-byte cache line: the fold's step.
     const LINE: usize = 16;
 
-    /// How far ahead of the fold each input is prefetched, in values (2 KiB), on CPUs
+    /// How far ahead of the fold each input is prefetched, in values (1 KiB), on CPUs
     /// where that helps (see [`x86::prefetch_helps`]). On an Intel CPU the fold's
     /// arithmetic filled the out-of-order window long before eight inputs' loads had
     /// reached far enough ahead to hide memory's latency, and the hardware prefetchers
-    /// stop at every 4 KiB page; asking for the line 2 KiB ahead kept every stream's
-    /// misses in flight (measured, three turns: the loop before this and the larger
-    /// [`super::WEIGHTED_CHUNK`] read at 0.63 to 0.71 of the probe, with both at 0.85 to
-    /// 0.90; 1.5 KiB and 3 KiB ahead, prefetching to the second-level cache only, and
-    /// sixteen inputs a pass were all slower).
-    const AHEAD: usize = 512;
+    /// stop at every 4 KiB page; asking for the line ahead kept every stream's misses in
+    /// flight. On 4 KiB pages 2 KiB ahead was best (three turns: the loop before this
+    /// and the larger [`super::WEIGHTED_CHUNK`] read at 0.63 to 0.71 of the probe, with
+    /// both at 0.85 to 0.90; 1.5 KiB and 3 KiB ahead, prefetching to the second-level
+    /// cache only, and sixteen inputs a pass were all slower); on huge pages, where a
+    /// prefetch no longer waits for an address translation, 1 KiB (scratch harness, four
+    /// turns, 32,768 sums: 1 KiB 32.2-33.3 GB/s, 2 KiB 31.0-32.3, 3 KiB 30.3-30.9).
+    const AHEAD: usize = 256;
 
     /// Asks for the cache line [`AHEAD`] values past `at` in `x`. A prefetch never faults
     /// nor changes what any load reads, so an address past the slice's end is harmless.
@@ -1035,6 +1043,52 @@ mod tests {
             acc.add(&[&start]).unwrap();
             acc.add(&refs).unwrap();
             prop_assert_eq!(acc.read().unwrap(), expected);
+        }
+    }
+
+    /// Sums that span several of the tasks' chunks (the property tests above stay inside
+    /// one) equal the plain loops: every chunk's range is its own, none skipped or
+    /// added twice, and the last, shorter one included.
+    #[test]
+    fn sums_across_chunk_boundaries_match_a_plain_loop() {
+        let n = 13;
+        for d in [WEIGHTED_CHUNK * 2 + 37, CHUNK * 3 + 5, WEIGHTED_CHUNK] {
+            let updates: Vec<Vec<f32>> = (0..n)
+                .map(|j| {
+                    (0..d)
+                        .map(|i| ((i * 31 + j * 17) % 2001) as f32 / 1000.0 - 1.0)
+                        .collect()
+                })
+                .collect();
+            let weights: Vec<f64> = (0..n).map(|j| (j * 7 + 1) as f64).collect();
+            let refs: Vec<&[f32]> = updates.iter().map(Vec::as_slice).collect();
+            let mut expected = vec![0.0f64; d];
+            for (u, w) in updates.iter().zip(&weights) {
+                for (e, &v) in expected.iter_mut().zip(u) {
+                    *e += w * f64::from(v);
+                }
+            }
+            let mut acc = CpuReducer::default().weighted_sum(d).unwrap();
+            acc.add(&refs, &weights).unwrap();
+            assert!(acc.read().unwrap() == expected, "weighted, d = {d}");
+
+            let words: Vec<Vec<u32>> = (0..n)
+                .map(|j| {
+                    (0..d)
+                        .map(|i| (i as u32).wrapping_mul(2_654_435_761) ^ j as u32)
+                        .collect()
+                })
+                .collect();
+            let refs: Vec<&[u32]> = words.iter().map(Vec::as_slice).collect();
+            let mut expected = vec![0u32; d];
+            for w in &words {
+                for (e, &y) in expected.iter_mut().zip(w) {
+                    *e = e.wrapping_add(y);
+                }
+            }
+            let mut acc = CpuReducer::default().modular_sum(d).unwrap();
+            acc.add(&refs).unwrap();
+            assert!(acc.read().unwrap() == expected, "modular, d = {d}");
         }
     }
 

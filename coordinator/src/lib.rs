@@ -23,6 +23,7 @@ pub mod demo;
 pub mod engine;
 pub mod fault;
 pub mod flat_settings;
+pub mod huge_pages;
 pub mod privacy_cli;
 pub mod seeds;
 pub mod server;

@@ -12,6 +12,12 @@ use cohort_edge::model::ModelKind;
 use cohort_edge::partition::PartitionScheme;
 use indicatif::{ProgressBar, ProgressStyle};
 
+// Updates, models and sums on transparent huge pages: the reducers read them at memory
+// speed (see the module's figures).
+#[global_allocator]
+static ALLOCATOR: cohort_coordinator::huge_pages::HugePageAllocator =
+    cohort_coordinator::huge_pages::HugePageAllocator;
+
 #[derive(Parser)]
 #[command(
     name = "cohort",

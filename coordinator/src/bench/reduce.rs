@@ -15,7 +15,9 @@
 //!
 //! One JSON line per measurement: `bench`, `n`, `d`, `reducer`, `median_s`, `gbps`,
 //! `probe_read_gbps` (the best read pattern's, named in `probe_pattern`; every
-//! pattern's figure in `probe_patterns`) and `ratio` (= `gbps / probe_read_gbps`). The
+//! pattern's figure in `probe_patterns`), `ratio` (= `gbps / probe_read_gbps`) and
+//! `huge_pages` (the system's transparent huge page setting, which decides whether the
+//! inputs and the probe's buffer got them: `always`, `madvise`, `never`). The
 //! lines of the sums that read memory (`fedavg`, `masked_sum`) add `ratio_paired`: the
 //! best pattern is read again just before each repeat, and the figure is the median of
 //! each repeat's rate over the probe read before it (`probe_paired_gbps` the median of
@@ -145,7 +147,8 @@ impl Probe {
             "reducer": reducer.name(), "threads": rayon::current_num_threads(),
             "median_s": seconds, "gbps": gbps, "probe_read_gbps": self.best.gbps,
             "probe_pattern": self.best.pattern, "probe_patterns": self.patterns,
-            "ratio": gbps / self.best.gbps});
+            "ratio": gbps / self.best.gbps,
+            "huge_pages": crate::huge_pages::transparent_huge_pages()});
         if let (Some(line), Some(extra)) = (line.as_object_mut(), extra.as_object()) {
             line.extend(extra.clone());
         }
@@ -321,7 +324,7 @@ fn time_mask_expand(
     failure.map_or(Ok(seconds), Err)
 }
 
-/// The FedAvg fold's arithmetic alone: up to 24 updates of one chunk per thread (the
+/// The FedAvg fold's arithmetic alone: up to 12 updates of one chunk per thread (the
 /// reducer's unit of work, [`reduce::WEIGHTED_CHUNK`] values: 1.5 MiB of updates per
 /// core, which stays in the cores' second-level caches), folded 200 times per
 /// measurement. Returns the updates, their length and the median seconds of one fold:
@@ -334,7 +337,7 @@ fn fedavg_in_cache(
 ) -> Result<(usize, usize, f64), String> {
     const FOLDS: usize = 200;
     let (n, d) = (
-        n.min(24),
+        n.min(12),
         reduce::WEIGHTED_CHUNK * rayon::current_num_threads(),
     );
     let updates: Vec<Vec<f32>> = (0..n)
