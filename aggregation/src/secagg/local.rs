@@ -135,6 +135,36 @@ fn deliver<M: serde::Serialize>(
     Ok(server_time)
 }
 
+/// [`deliver`] for a stage whose messages the server takes all at once (`receive_all`,
+/// in the clients' order): a client that refused to answer leaves the round; a message
+/// the server refuses ends it. Returns the server's seconds.
+fn deliver_all<M: serde::Serialize>(
+    answered: Vec<(u32, Result<M, SecAggError>, f64)>,
+    receive_all: impl FnOnce(&[(u32, &M)]) -> Result<(), SecAggError>,
+    clients: &mut Clients,
+    client_times: &mut Vec<f64>,
+    bytes: &mut BTreeMap<u32, usize>,
+    aborted: &mut BTreeMap<u32, SecAggError>,
+) -> Result<f64, SecAggError> {
+    let mut messages = Vec::with_capacity(answered.len());
+    for (u, r, secs) in answered {
+        client_times.push(secs);
+        match r {
+            Ok(message) => {
+                *bytes.entry(u).or_default() += json_len(&message);
+                messages.push((u, message));
+            }
+            Err(e) => {
+                aborted.insert(u, e);
+                clients.remove(&u);
+            }
+        }
+    }
+    let refs: Vec<(u32, &M)> = messages.iter().map(|(u, m)| (*u, m)).collect();
+    let (r, secs) = timed(|| receive_all(&refs));
+    r.map(|()| secs)
+}
+
 /// Runs one round among clients `1..=config.parties`. A client in `drop_at` stops
 /// answering at that stage (it sends nothing from that stage on). Randomness for client
 /// `i`, its identity included, comes from a ChaCha20 stream of `seed` and `i`, so a
@@ -377,9 +407,9 @@ where
             .unwrap_or_else(|| request.clone());
         session.unmask(&request)
     });
-    let server_time = match deliver(
+    let server_time = match deliver_all(
         revealed,
-        |u, m| server.receive_unmask(u, m),
+        |replies| server.receive_unmasks(replies),
         &mut clients,
         &mut timings.client_unmask,
         &mut bytes,

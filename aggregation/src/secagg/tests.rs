@@ -1080,6 +1080,81 @@ fn a_forged_share_excludes_its_holder_and_the_round_still_unmasks() {
     assert!((f64::from(out.decoded.mean[1]) + 1.0).abs() <= out.decoded.error_bound);
 }
 
+/// Replies received all at once (checked on every core) end as received one by one in
+/// the same order: the replies before a forged share are kept, its holder is excluded,
+/// the same refusal comes back, a second reply from one sender is a duplicate, and the
+/// round finishes with the same sum.
+#[test]
+fn replies_received_at_once_end_as_received_one_by_one() {
+    // Two sessions of one round, driven alike (each party's randomness is seeded).
+    let drive = || {
+        let Round {
+            mut server,
+            mut clients,
+            mut rng,
+            ..
+        } = through_sharing(&config(6, 5, 3, 2), 21);
+        for (&u, c) in clients.iter_mut() {
+            let f = server.forwarded_for(u).unwrap();
+            let m = c.mask(&f, &[u as f32, -1.0], 2, 0.0, &mut rng).unwrap();
+            server.receive_masked(u, &m).unwrap();
+        }
+        server.close_collection().unwrap();
+        let replies: Vec<(u32, UnmaskShares)> = clients
+            .iter_mut()
+            .map(|(&u, c)| (u, c.unmask(&server.unmask_request_for(u).unwrap()).unwrap()))
+            .collect();
+        (server, replies)
+    };
+    let (mut one_by_one, replies) = drive();
+    let (mut at_once, same_replies) = drive();
+    assert_eq!(replies, same_replies, "the two sessions are one round");
+    let mut forged = replies[3].1.clone();
+    let owner = forged.seed_shares[0].owner;
+    forged.seed_shares[0].share[10] ^= 0x40;
+    let holder = replies[3].0;
+    // Two honest replies, a duplicate of the first, then the forged one.
+    let batch = [
+        (replies[0].0, &replies[0].1),
+        (replies[1].0, &replies[1].1),
+        (replies[0].0, &replies[0].1),
+    ];
+    let mut sequential = None;
+    for &(u, r) in &batch {
+        if let Err(e) = one_by_one.receive_unmask(u, r) {
+            sequential = Some(e);
+            break;
+        }
+    }
+    assert_eq!(sequential, Some(SecAggError::Duplicate(replies[0].0)));
+    assert_eq!(
+        at_once.receive_unmasks(&batch),
+        Err(SecAggError::Duplicate(replies[0].0))
+    );
+    let forged_batch = [(replies[2].0, &replies[2].1), (holder, &forged)];
+    let wrong = SecAggError::WrongShare { holder, owner };
+    for &(u, r) in &forged_batch {
+        if let Err(e) = one_by_one.receive_unmask(u, r) {
+            assert_eq!(e, wrong);
+        }
+    }
+    assert_eq!(at_once.receive_unmasks(&forged_batch), Err(wrong));
+    assert_eq!(
+        at_once.excluded().collect::<Vec<_>>(),
+        one_by_one.excluded().collect::<Vec<_>>()
+    );
+    assert_eq!(at_once.excluded().collect::<Vec<_>>(), vec![holder]);
+    let rest: Vec<(u32, &UnmaskShares)> = replies[4..].iter().map(|(u, r)| (*u, r)).collect();
+    for &(u, r) in &rest {
+        one_by_one.receive_unmask(u, r).unwrap();
+    }
+    at_once.receive_unmasks(&rest).unwrap();
+    let (a, b) = (one_by_one.finish().unwrap(), at_once.finish().unwrap());
+    assert_eq!(a.sum, b.sum);
+    assert_eq!(a.excluded, vec![holder]);
+    assert_eq!(b.excluded, vec![holder]);
+}
+
 /// A share that does not match the commitment sent with it is refused by its recipient
 /// in stage 3, before the recipient masks against a neighbour whose secret it could not
 /// help rebuild.

@@ -92,13 +92,15 @@ pub async fn rebuild(
         RoundStage::Collecting => restore_masked(participations, &mut session)?,
         RoundStage::Confirming => restore_confirmations(store, round, &mut session).await?,
         _ => {
-            for m in store
+            let stored = store
                 .secagg_messages(exp, r, a, SecAggMessageKind::Unmask)
-                .await?
-            {
-                session
-                    .receive_unmask(m.index, &parse::<UnmaskShares>(&m.body, "stored shares")?)?;
-            }
+                .await?;
+            let replies = stored
+                .iter()
+                .map(|m| Ok((m.index, parse::<UnmaskShares>(&m.body, "stored shares")?)))
+                .collect::<Result<Vec<_>, SecureRoundError>>()?;
+            let replies: Vec<(u32, &UnmaskShares)> = replies.iter().map(|(u, r)| (*u, r)).collect();
+            session.receive_unmasks(&replies)?;
             // Survivors excluded for a forged share (their stored answer is the evidence).
             for m in store
                 .secagg_messages(exp, r, a, SecAggMessageKind::Forged)
