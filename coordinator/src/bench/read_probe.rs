@@ -194,30 +194,32 @@ fn fold_streams(parts: [&[u64]; STREAMS]) -> u64 {
     fold(&block)
 }
 
+/// `sum(parts)` compiled for the widest vector unit the CPU has (AVX-512 or AVX2); `sum`
+/// is inlined into each variant.
 #[cfg(target_arch = "x86_64")]
-fn fold_streams_wide(parts: [&[u64]; STREAMS]) -> u64 {
+fn on_widest<S: Fn([&[u64]; STREAMS]) -> u64>(parts: [&[u64]; STREAMS], sum: S) -> u64 {
     #[target_feature(enable = "avx512f")]
-    fn avx512(parts: [&[u64]; STREAMS]) -> u64 {
-        fold_streams(parts)
+    fn avx512<S: Fn([&[u64]; STREAMS]) -> u64>(parts: [&[u64]; STREAMS], sum: S) -> u64 {
+        sum(parts)
     }
     #[target_feature(enable = "avx2")]
-    fn avx2(parts: [&[u64]; STREAMS]) -> u64 {
-        fold_streams(parts)
+    fn avx2<S: Fn([&[u64]; STREAMS]) -> u64>(parts: [&[u64]; STREAMS], sum: S) -> u64 {
+        sum(parts)
     }
     if std::arch::is_x86_feature_detected!("avx512f") {
         // SAFETY: the CPU reports AVX-512F; the body is safe Rust over slices.
-        unsafe { avx512(parts) }
+        unsafe { avx512(parts, sum) }
     } else if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: as above, for AVX2.
-        unsafe { avx2(parts) }
+        unsafe { avx2(parts, sum) }
     } else {
-        fold_streams(parts)
+        sum(parts)
     }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-fn fold_streams_wide(parts: [&[u64]; STREAMS]) -> u64 {
-    fold_streams(parts)
+fn on_widest<S: Fn([&[u64]; STREAMS]) -> u64>(parts: [&[u64]; STREAMS], sum: S) -> u64 {
+    sum(parts)
 }
 
 /// How far ahead of the sum `all_threads_8_streams_prefetch` asks for each part's cache
@@ -266,38 +268,12 @@ fn prefetch(x: &[u64], at: usize) {
     let _ = (x, at);
 }
 
-#[cfg(target_arch = "x86_64")]
-fn fold_streams_prefetched_wide(parts: [&[u64]; STREAMS]) -> u64 {
-    #[target_feature(enable = "avx512f")]
-    fn avx512(parts: [&[u64]; STREAMS]) -> u64 {
-        fold_streams_prefetched(parts)
-    }
-    #[target_feature(enable = "avx2")]
-    fn avx2(parts: [&[u64]; STREAMS]) -> u64 {
-        fold_streams_prefetched(parts)
-    }
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the CPU reports AVX-512F; the body is safe Rust over slices.
-        unsafe { avx512(parts) }
-    } else if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: as above, for AVX2.
-        unsafe { avx2(parts) }
-    } else {
-        fold_streams_prefetched(parts)
-    }
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn fold_streams_prefetched_wide(parts: [&[u64]; STREAMS]) -> u64 {
-    fold_streams_prefetched(parts)
-}
-
 fn eight_streams(words: &[u64]) -> u64 {
-    streams_by(words, fold_streams_wide)
+    streams_by(words, |parts| on_widest(parts, fold_streams))
 }
 
 fn eight_streams_prefetched(words: &[u64]) -> u64 {
-    streams_by(words, fold_streams_prefetched_wide)
+    streams_by(words, |parts| on_widest(parts, fold_streams_prefetched))
 }
 
 /// The buffer as eight equal parts, a stretch of each summed together by `sum` in each
