@@ -794,13 +794,15 @@ impl ServerSession {
         let graph = self.graph();
         let session = &self.config.session;
         let parse = |owner: u32, bytes: &[u8], survived: bool| -> Result<Share, SecAggError> {
-            let in_u2 = self.shared.contains_key(&owner);
-            if !graph.are_neighbours(from, owner) || !in_u2 {
-                return Err(SecAggError::NotNeighbour {
-                    from: owner,
-                    to: from,
-                });
-            }
+            let not_neighbour = SecAggError::NotNeighbour {
+                from: owner,
+                to: from,
+            };
+            let (Some(dealt), Some(rank)) =
+                (self.shared.get(&owner), graph.neighbour_rank(owner, from))
+            else {
+                return Err(not_neighbour);
+            };
             if self.masked.contains(&owner) != survived {
                 return Err(SecAggError::BadMessage(format!(
                     "client {from} revealed the wrong kind of share of client {owner}"
@@ -813,14 +815,12 @@ impl ServerSession {
                     share.holder
                 )));
             }
-            let dealt = &self.shared[&owner].shares;
+            // Shares are dealt to the neighbours in ascending order (`check_shares`).
             let dealt = dealt
-                .binary_search_by_key(&from, |s| s.to)
-                .map(|i| &dealt[i])
-                .map_err(|_| SecAggError::NotNeighbour {
-                    from: owner,
-                    to: from,
-                })?;
+                .shares
+                .get(rank)
+                .filter(|s| s.to == from)
+                .ok_or(not_neighbour)?;
             let (kind, commitment) = if survived {
                 (SecretKind::Seed, &dealt.seed_share_commitment)
             } else {
