@@ -703,17 +703,7 @@ impl ServerSession {
     /// in the sum (its neighbours revealed its seed shares), but none of its shares is
     /// used, so a forged share can no longer fail the round or blame the share's owner.
     pub fn receive_unmask(&mut self, from: u32, reply: &UnmaskShares) -> Result<(), SecAggError> {
-        match self.parse_unmask(from, reply) {
-            Ok(revealed) => {
-                self.revealed.insert(from, revealed);
-                Ok(())
-            }
-            Err(e @ SecAggError::WrongShare { .. }) => {
-                self.excluded.insert(from);
-                Err(e)
-            }
-            Err(e) => Err(e),
-        }
+        self.receive_unmasks(&[(from, reply)])
     }
 
     /// [`receive_unmask`](Self::receive_unmask) for many replies: the same outcome as

@@ -91,6 +91,8 @@ struct Probe {
     best: super::read_probe::PatternRate,
     patterns: serde_json::Map<String, serde_json::Value>,
     reread: super::read_probe::Reread,
+    /// The system's transparent huge page setting, read once for every line.
+    huge_pages: String,
 }
 
 /// A kernel's repeats, each with the probe read just before it.
@@ -124,6 +126,7 @@ impl Probe {
         let (measured, reread) = super::read_probe::measure_and_keep(1 << 30, 5);
         Self {
             reread,
+            huge_pages: crate::huge_pages::transparent_huge_pages(),
             best: measured.best(),
             patterns: measured
                 .patterns
@@ -148,7 +151,7 @@ impl Probe {
             "median_s": seconds, "gbps": gbps, "probe_read_gbps": self.best.gbps,
             "probe_pattern": self.best.pattern, "probe_patterns": self.patterns,
             "ratio": gbps / self.best.gbps,
-            "huge_pages": crate::huge_pages::transparent_huge_pages()});
+            "huge_pages": self.huge_pages});
         if let (Some(line), Some(extra)) = (line.as_object_mut(), extra.as_object()) {
             line.extend(extra.clone());
         }
